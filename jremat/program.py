@@ -1,0 +1,337 @@
+"""A traced, flattened view of a checkpointed function, and re-evaluation with name tags.
+
+Policies that decide from the *whole* program (every k-th op, cost per byte, "everything
+except these names") cannot be written as JAX policy callbacks: a callback sees one primitive
+at a time, may be called more than once and is cached. Instead we trace the function once to
+a jaxpr, inline nested ``jit`` calls, classify every equation, let the policy pick which
+outputs to keep, and re-evaluate the jaxpr with those outputs tagged by
+:func:`jax.ad_checkpoint.checkpoint_name`. ``jax.checkpoint`` with a names policy then saves
+exactly the tagged values. The choice is a pure function of the traced program.
+
+Op classification (used by every policy that counts or prices ops):
+
+* *shape-only* ops (:data:`SHAPE_ONLY_PRIMITIVES`: reshape, broadcast, convert, transpose,
+  squeeze, expand_dims, copy, name tags, ...) move or relabel data without arithmetic.
+* *RNG-derived* values depend on a PRNG key and on nothing but constants (dropout masks,
+  random bits). They are never saved: they are regenerated from the threaded key.
+* *constant-derived* values depend on no input at all (causal masks from ``iota``).
+* Every other equation is a *compute op*. Compute ops are numbered from 0 in program order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
+
+try:  # keeps user source lines on re-bound equations, for the saved-residuals report
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover - private module moved
+    _source_info = None
+
+#: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
+SHAPE_ONLY_PRIMITIVES = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "copy",
+        "copy_p",
+        "name",
+        "reduce_precision",
+        "optimization_barrier",
+        "sharding_constraint",
+        "mesh_cast",
+        "device_put",
+        "stop_gradient",
+    }
+)
+
+#: Call-like primitives whose body is inlined before classification.
+INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+#: Primitives priced as matrix multiplies by the cost model.
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+_SUBJAXPR_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _is_key(aval) -> bool:
+    return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
+
+
+def aval_bytes(aval) -> int:
+    """Bytes taken by one value of abstract type ``aval`` (0 for tokens and keys' metadata)."""
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    if _is_key(aval):
+        return math.prod(shape) * 8
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def _subjaxprs(eqn) -> list:
+    found = []
+    for name in _SUBJAXPR_PARAM_NAMES:
+        sub = eqn.params.get(name)
+        if sub is None:
+            continue
+        found.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+    return found
+
+
+def equation_flops(eqn) -> float:
+    """Cost-model FLOPs to recompute one equation's outputs from its inputs.
+
+    ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. ``conv``: 2 x output
+    elements x kernel elements / output features. Reductions: input elements. Nested
+    checkpoint / custom-derivative calls: the sum over their body. Shape-only ops: 0.
+    Everything else (elementwise): one FLOP per output element.
+    """
+    name = eqn.primitive.name
+    if name in SHAPE_ONLY_PRIMITIVES:
+        return 0.0
+    if name == "dot_general":
+        (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        contracted = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+    if name == "conv_general_dilated":
+        rhs_shape = eqn.invars[1].aval.shape
+        out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
+    subs = _subjaxprs(eqn)
+    if subs:
+        return float(sum(equation_flops(e) for sub in subs for e in sub.eqns))
+    if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod"):
+        return float(sum(math.prod(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")))
+    return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One equation of a flattened program with the facts policies decide from.
+
+    Attributes:
+      index: position among all equations of the flattened jaxpr.
+      primitive: the primitive's name (``dot_general``, ``tanh``, ``remat2``, ...).
+      out_shapes: shapes of the outputs.
+      out_dtypes: dtypes of the outputs.
+      out_bytes: bytes of all outputs together.
+      flops: cost-model FLOPs to recompute the outputs (:func:`equation_flops`).
+      counted: whether this is a compute op (not shape-only, not RNG- or constant-derived).
+      compute_index: position among compute ops (0-based), or ``None`` if not counted.
+      rng_derived: whether the outputs depend only on PRNG keys and constants.
+      tensor_name: the ``checkpoint_name`` this op's output is tagged with downstream, if any.
+      is_matmul: whether the cost model prices this op as a matrix multiply.
+    """
+
+    index: int
+    primitive: str
+    out_shapes: tuple
+    out_dtypes: tuple
+    out_bytes: int
+    flops: float
+    counted: bool
+    compute_index: int | None
+    rng_derived: bool
+    tensor_name: str | None
+    is_matmul: bool
+
+    @property
+    def flops_per_byte(self) -> float:
+        """Recompute FLOPs per byte that saving this op's outputs would cost."""
+        return self.flops / self.out_bytes if self.out_bytes else 0.0
+
+    @property
+    def is_elementwise(self) -> bool:
+        """True for counted ops that are neither matmuls nor calls nor reductions."""
+        return self.counted and not self.is_matmul and self.primitive not in (
+            "remat2",
+            "checkpoint",
+            "custom_jvp_call",
+            "custom_vjp_call",
+            "custom_vjp_call_jaxpr",
+        ) and not self.primitive.startswith("reduce_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A checkpointed function traced once, flattened, with one :class:`Op` per equation.
+
+    Build one with :func:`trace_program`.
+    """
+
+    closed_jaxpr: Any
+    ops: tuple[Op, ...]
+    in_tree: Any
+    out_tree: Any
+
+    @property
+    def compute_ops(self) -> tuple[Op, ...]:
+        """The counted compute ops, in program order."""
+        return tuple(op for op in self.ops if op.counted)
+
+    def ops_named(self, names: Sequence[str]) -> tuple[Op, ...]:
+        """Ops whose output carries one of ``names`` (see :attr:`Op.tensor_name`)."""
+        wanted = set(names)
+        return tuple(op for op in self.ops if op.tensor_name in wanted)
+
+
+def _read(env, v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _bind(eqn, invals):
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # JAX < 0.8 returned (subfuns, params)
+        subfuns, bind_params = bind_params
+    if _source_info is not None:
+        name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+        with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    else:  # pragma: no cover
+        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _eval_inlined(jaxpr, consts, args):
+    env = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        if eqn.primitive.name in INLINED_CALL_PRIMITIVES:
+            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            sub_consts = sub.consts if hasattr(sub, "consts") else ()
+            sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            outs = _eval_inlined(sub_jaxpr, sub_consts, invals)
+        else:
+            outs = _bind(eqn, invals)
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _classify(jaxpr) -> tuple[Op, ...]:
+    data_dep: dict = {v: not _is_key(v.aval) for v in jaxpr.invars}
+    key_dep: dict = {v: _is_key(v.aval) for v in jaxpr.invars}
+    consumer_name: dict = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name" and not isinstance(eqn.invars[0], jcore.Literal):
+            consumer_name[eqn.invars[0]] = eqn.params["name"]
+    ops = []
+    compute_index = 0
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        has_data = any(data_dep.get(v, False) for v in ins)
+        has_key = any(key_dep.get(v, False) for v in ins) or any(_is_key(v.aval) for v in ins)
+        for v in eqn.outvars:
+            data_dep[v] = has_data
+            key_dep[v] = has_key
+        name = eqn.primitive.name
+        rng_derived = has_key and not has_data
+        counted = has_data and name not in SHAPE_ONLY_PRIMITIVES and not any(
+            _is_key(v.aval) for v in eqn.outvars
+        )
+        if name == "name":
+            tensor_name = eqn.params["name"]
+        else:
+            tensor_name = consumer_name.get(eqn.outvars[0]) if eqn.outvars else None
+        ops.append(
+            Op(
+                index=i,
+                primitive=name,
+                out_shapes=tuple(getattr(v.aval, "shape", ()) for v in eqn.outvars),
+                out_dtypes=tuple(getattr(v.aval, "dtype", None) for v in eqn.outvars),
+                out_bytes=sum(aval_bytes(v.aval) for v in eqn.outvars),
+                flops=equation_flops(eqn),
+                counted=counted,
+                compute_index=compute_index if counted else None,
+                rng_derived=rng_derived,
+                tensor_name=tensor_name,
+                is_matmul=name in MATMUL_PRIMITIVES,
+            )
+        )
+        if counted:
+            compute_index += 1
+    return tuple(ops)
+
+
+def trace_program(fn: Callable, *args, **kwargs) -> Program:
+    """Trace ``fn(*args, **kwargs)`` into a flattened :class:`Program`.
+
+    Nested ``jit`` calls are inlined so that numbering sees the ops a user wrote; nested
+    ``jax.checkpoint`` and custom-derivative calls stay single ops.
+
+    Args:
+      fn: a function of pytrees of arrays (tracers are fine: this works inside ``jit``/``scan``).
+      *args: positional arguments.
+      **kwargs: keyword arguments (pytrees of arrays).
+
+    Returns:
+      The :class:`Program`; its jaxpr takes the flattened ``(args, kwargs)`` leaves.
+    """
+    flat_args, in_tree = jax.tree.flatten((args, kwargs))
+
+    def flat_fn(*leaves):
+        a, kw = jax.tree.unflatten(in_tree, leaves)
+        return fn(*a, **kw)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    out_tree = jax.tree.structure(out_shape)
+    flat = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*flat_args)
+    return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
+
+
+def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:
+    """Evaluate ``program`` with the outputs of equation ``i`` tagged as ``tags[i]``.
+
+    An equation with several outputs gets ``f"{tags[i]}.{j}"`` on output ``j``.
+
+    Args:
+      program: from :func:`trace_program`.
+      tags: equation index -> checkpoint name.
+      flat_args: the flattened argument leaves.
+
+    Returns:
+      The flat list of outputs.
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    env = {}
+    for v, c in zip(jaxpr.constvars, program.closed_jaxpr.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, flat_args):
+        env[v] = a
+    for i, eqn in enumerate(jaxpr.eqns):
+        outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
+        tag = tags.get(i)
+        if tag is not None:
+            if len(outs) == 1:
+                outs = [checkpoint_name(outs[0], tag)]
+            else:
+                outs = [checkpoint_name(o, f"{tag}.{j}") for j, o in enumerate(outs)]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def tag_names(tag: str, op: Op) -> list[str]:
+    """The checkpoint names :func:`evaluate_tagged` gives the outputs of ``op`` for ``tag``."""
+    if len(op.out_shapes) == 1:
+        return [tag]
+    return [f"{tag}.{j}" for j in range(len(op.out_shapes))]

@@ -1,0 +1,253 @@
+"""The one registry of rematerialization policies, and the spec-string parser.
+
+A spec is ``NAME`` or ``NAME:key=value,key=value``; list values are joined by ``+``
+(``names:save=q+k+v``). Every policy name and key accepted anywhere (CLI ``--help``, errors,
+docs) comes from this registry.
+
+Built-in policies live in the ``policies`` package and are found through the
+``jremat.policies`` entry-point group declared in ``pyproject.toml``, so this core package never
+imports them; third-party packages can add policies the same way, or at run time with
+:func:`register` / :func:`load_module`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import re
+from typing import Any, Callable
+
+from jremat.policy import Policy
+
+ENTRY_POINT_GROUP = "jremat.policies"
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One key a policy spec accepts.
+
+    Attributes:
+      kind: ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"names"`` (``+``-joined list) or
+        ``"spec"`` (another policy's spec, written with ``;`` for ``,`` and ``=`` kept).
+      default: the value when the key is absent; ``REQUIRED`` makes it mandatory.
+      help: one line for ``--help`` and docs.
+      min: lower bound for numbers (inclusive).
+      parse: optional custom parser ``str -> value`` raising ``ValueError``.
+    """
+
+    kind: str
+    default: Any
+    help: str
+    min: float | None = None
+    parse: Callable[[str], Any] | None = None
+
+
+REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyEntry:
+    """A registered policy: its name, documentation, accepted keys and factory."""
+
+    name: str
+    doc: str
+    params: dict[str, Param]
+    factory: Callable[..., Policy]
+
+
+_REGISTRY: dict[str, PolicyEntry] = {}
+_builtins_loaded = False
+_SPEC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def register(name: str, *, doc: str, params: dict[str, Param] | None = None):
+    """Decorator registering a policy factory under ``name``.
+
+    The factory receives the parsed keys as keyword arguments and returns a :class:`Policy`.
+
+    Args:
+      name: the policy name used in specs (letters, digits, underscores).
+      doc: what the policy saves, in one or two sentences.
+      params: the keys the spec accepts.
+
+    Raises:
+      ValueError: if the name is malformed or already registered.
+    """
+    if not _SPEC_RE.match(name):
+        raise ValueError(f"policy name {name!r} must be letters, digits and underscores")
+
+    def decorator(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} is already registered")
+        _REGISTRY[name] = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory)
+        return factory
+
+    return decorator
+
+
+def unregister(name: str) -> None:
+    """Remove a registered policy (for tests and interactive use)."""
+    _REGISTRY.pop(name, None)
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def load_module(module_name: str) -> None:
+    """Import ``module_name`` so that the policies it registers become available by name.
+
+    Raises:
+      ValueError: if the module cannot be imported.
+    """
+    try:
+        importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import policy module {module_name!r}: {err}") from err
+
+
+def entries() -> dict[str, PolicyEntry]:
+    """All registered policies by name, built-ins included."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def available() -> list[str]:
+    """Sorted names of all registered policies."""
+    return sorted(entries())
+
+
+def describe() -> str:
+    """A multi-line help text: every policy, its keys and what it saves."""
+    lines = []
+    for name, entry in sorted(entries().items()):
+        keys = ", ".join(
+            f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
+            for k, p in entry.params.items()
+        )
+        lines.append(f"  {name}{':' + keys if keys else ''}\n      {entry.doc}")
+    return "\n".join(lines)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split ``NAME`` or ``NAME:key=value,...`` into the name and raw string values.
+
+    Raises:
+      ValueError: if the string is malformed; the message shows the expected form.
+    """
+    form = "expected NAME or NAME:key=value[,key=value...]"
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"malformed policy spec {spec!r}: {form}")
+    name, sep, rest = spec.strip().partition(":")
+    if not _SPEC_RE.match(name):
+        raise ValueError(f"malformed policy spec {spec!r}: bad name {name!r}; {form}")
+    values: dict[str, str] = {}
+    if sep:
+        if not rest:
+            raise ValueError(f"malformed policy spec {spec!r}: nothing after ':'; {form}")
+        for part in rest.split(","):
+            key, eq, value = part.partition("=")
+            if not eq or not key or not value:
+                raise ValueError(f"malformed policy spec {spec!r}: {part!r} is not key=value; {form}")
+            if key in values:
+                raise ValueError(f"malformed policy spec {spec!r}: key {key!r} given twice")
+            values[key] = value
+    return name, values
+
+
+def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
+    where = f"policy {policy!r}: {key}"
+    if not isinstance(raw, str):
+        value = raw
+    elif param.parse is not None:
+        value = param.parse(raw)
+    elif param.kind == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{where} must be an integer, got {raw!r}") from None
+    elif param.kind == "float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{where} must be a number, got {raw!r}") from None
+    elif param.kind == "bool":
+        lowered = raw.lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"{where} must be true or false, got {raw!r}")
+        value = lowered in ("true", "1", "yes")
+    elif param.kind == "names":
+        value = tuple(n for n in raw.split("+") if n)
+        if not value:
+            raise ValueError(f"{where} must list at least one name joined by '+', got {raw!r}")
+    else:
+        value = raw
+    if param.kind == "names" and isinstance(value, (list, tuple)):
+        value = tuple(value)
+    if param.min is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < param.min:
+            raise ValueError(f"{where} must be >= {param.min:g}, got {raw!r}")
+    return value
+
+
+def resolve(spec: "str | Policy", **overrides: Any) -> Policy:
+    """Build the policy a spec names.
+
+    Args:
+      spec: a spec string (``"every_k:k=4"``) or a :class:`Policy` (returned as is).
+      **overrides: keys given separately (e.g. from ``--k 4``); they override the string's.
+        Values may be strings (parsed like the spec) or already-typed values.
+
+    Returns:
+      The :class:`Policy`, with :attr:`Policy.spec` set to the canonical spec.
+
+    Raises:
+      ValueError: unknown policy, unknown key, malformed string, or a bad value; the message
+        names the bad part and lists the valid choices.
+    """
+    if isinstance(spec, Policy):
+        if overrides:
+            raise ValueError(f"cannot apply keys {sorted(overrides)} to an already-built policy {spec!r}")
+        return spec
+    name, raw_values = parse_spec(spec)
+    registry = entries()
+    if name not in registry:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
+    entry = registry[name]
+    raw_values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(raw_values) - set(entry.params))
+    if unknown:
+        valid = ", ".join(entry.params) or "(none: this policy takes no keys)"
+        raise ValueError(f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}")
+    kwargs = {}
+    for key, param in entry.params.items():
+        if key in raw_values:
+            kwargs[key] = _convert(name, key, param, raw_values[key])
+        elif param.default is REQUIRED:
+            raise ValueError(f"policy {name!r} needs key {key!r} ({param.help})")
+        else:
+            kwargs[key] = param.default
+    policy = entry.factory(**kwargs)
+    policy.spec = canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values})
+    return policy
+
+
+def canonical_spec(name: str, values: dict[str, Any]) -> str:
+    """Write ``name`` and typed ``values`` back as a spec string."""
+
+    def fmt(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (tuple, list)):
+            return "+".join(map(str, v))
+        return str(v)
+
+    if not values:
+        return name
+    return name + ":" + ",".join(f"{k}={fmt(v)}" for k, v in values.items())

@@ -1,0 +1,100 @@
+"""Model configuration: a frozen dataclass and its named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jremat
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape, precision and rematerialization of the GPT model.
+
+    Attributes:
+      vocab_size: number of token ids.
+      max_seq_len: number of learned positions (longest sequence the model accepts).
+      n_layers: transformer blocks.
+      d_model: residual-stream width.
+      n_heads: attention heads.
+      head_dim: width of one head (independent of ``d_model``).
+      d_ff: MLP hidden width.
+      attn_dropout: dropout rate on attention probabilities.
+      resid_dropout: dropout rate on each sublayer's output before the residual add.
+      dtype: compute dtype name (``float32`` or ``bfloat16``).
+      param_dtype: parameter dtype name (``float32`` keeps master weights in f32).
+      remat_policy: a policy spec (see ``jremat.describe()``).
+      remat_granularity: ``none``, ``block`` or ``sublayer``.
+      scan_layers: run the blocks under ``lax.scan`` (default) rather than unrolled.
+    """
+
+    vocab_size: int = 10000
+    max_seq_len: int = 128
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    head_dim: int = 16
+    d_ff: int = 256
+    attn_dropout: float = 0.1
+    resid_dropout: float = 0.1
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat_policy: str = "full"
+    remat_granularity: str = "block"
+    scan_layers: bool = True
+
+    def __post_init__(self):
+        for field in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        for field in ("attn_dropout", "resid_dropout"):
+            value = getattr(self, field)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{field} must be in [0, 1), got {value!r}")
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
+        self.remat_config()  # validates policy and granularity
+
+    def remat_config(self) -> jremat.RematConfig:
+        """The :class:`jremat.RematConfig` these fields describe."""
+        return jremat.RematConfig(
+            policy=self.remat_policy, granularity=self.remat_granularity, scan_layers=self.scan_layers
+        )
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes`` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # For tests: tiny and fast to compile.
+    "tiny": ModelConfig(
+        vocab_size=64, max_seq_len=16, n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64
+    ),
+    # The benchmark's small multi-layer model: runs steps on a 2-core CPU in well under a second.
+    "small": ModelConfig(
+        vocab_size=10000, max_seq_len=64, n_layers=4, d_model=128, n_heads=4, head_dim=32, d_ff=512
+    ),
+    # The configuration of the Needle gradient-checkpointing study on PTB.
+    "needle": ModelConfig(
+        vocab_size=10000, max_seq_len=20, n_layers=1, d_model=20, n_heads=8, head_dim=32, d_ff=32
+    ),
+    "gpt2-small": ModelConfig(
+        vocab_size=50257, max_seq_len=1024, n_layers=12, d_model=768, n_heads=12, head_dim=64, d_ff=3072
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The preset called ``name`` with ``overrides`` applied.
+
+    Raises:
+      ValueError: if ``name`` is not a preset (the message lists them) or an override is invalid.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

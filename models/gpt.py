@@ -1,0 +1,195 @@
+"""A GPT-style decoder-only language model in Flax NNX, written to be rematerialized.
+
+Read top to bottom: :class:`Attention`, :class:`MLP`, :class:`Block` (pre-LayerNorm), then
+:class:`GPT`, which runs its blocks through :func:`jremat.run_layers` (``lax.scan`` over stacked
+block parameters by default). The model never chooses a policy: it tags intermediates with the
+names in :mod:`jremat.names` and marks its checkpointable pieces with :func:`jremat.remat_at`.
+
+Randomness is explicit: ``GPT.__call__`` takes a ``key`` (``None`` = deterministic); each layer
+gets ``fold_in(key, layer)`` and each dropout site ``fold_in(layer_key, site_id)``, so a
+recomputed block draws exactly the masks of the original forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import jremat
+from jremat import names, ops
+from models.config import ModelConfig
+
+# Dropout site ids inside one block; each site's mask comes from fold_in(layer_key, site).
+ATTN_DROPOUT_SITE = 0
+ATTN_RESID_DROPOUT_SITE = 1
+MLP_RESID_DROPOUT_SITE = 2
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with f32 statistics whose backward keeps only the input (:func:`jremat.ops.layer_norm`)."""
+
+    def __init__(self, features: int, *, param_dtype):
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
+
+    def __call__(self, x):
+        return ops.layer_norm(x, self.scale[...], self.bias[...])
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with separate q/k/v/out projections."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        inner = cfg.n_heads * cfg.head_dim
+        dense = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.q_proj = nnx.Linear(cfg.d_model, inner, **dense)
+        self.k_proj = nnx.Linear(cfg.d_model, inner, **dense)
+        self.v_proj = nnx.Linear(cfg.d_model, inner, **dense)
+        self.out_proj = nnx.Linear(inner, cfg.d_model, **dense)
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.dropout_rate = cfg.attn_dropout
+
+    def __call__(self, x, key):
+        batch, seq, _ = x.shape
+        split = lambda t: t.reshape(batch, seq, self.n_heads, self.head_dim)
+        q = checkpoint_name(split(self.q_proj(x)), names.QUERY)
+        k = checkpoint_name(split(self.k_proj(x)), names.KEY)
+        v = checkpoint_name(split(self.v_proj(x)), names.VALUE)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = checkpoint_name(jnp.where(causal, scores, jnp.finfo(x.dtype).min), names.ATTN_SCORES)
+        probs = ops.softmax(scores)
+        probs = checkpoint_name(jremat.dropout(probs, self.dropout_rate, key, ATTN_DROPOUT_SITE), names.ATTN_PROBS)
+        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, self.n_heads * self.head_dim)
+        context = checkpoint_name(context, names.ATTN_CONTEXT)
+        return checkpoint_name(self.out_proj(context), names.ATTN_OUT)
+
+
+class MLP(nnx.Module):
+    """Two-layer GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dense = dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.fc_in = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
+        self.fc_out = nnx.Linear(cfg.d_ff, cfg.d_model, **dense)
+
+    def __call__(self, x):
+        hidden = checkpoint_name(self.fc_in(x), names.MLP_IN)
+        hidden = checkpoint_name(ops.gelu(hidden), names.MLP_ACT)
+        return checkpoint_name(self.fc_out(hidden), names.MLP_OUT)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        param_dtype = jnp.dtype(cfg.param_dtype)
+        self.ln1 = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ln2 = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.resid_dropout = cfg.resid_dropout
+
+    def attention_sublayer(self, x, key):
+        """``x + dropout(attention(ln1(x)))``."""
+        h = checkpoint_name(self.ln1(x), names.LN1_OUT)
+        return x + jremat.dropout(self.attn(h, key), self.resid_dropout, key, ATTN_RESID_DROPOUT_SITE)
+
+    def mlp_sublayer(self, x, key):
+        """``x + dropout(mlp(ln2(x)))``."""
+        h = checkpoint_name(self.ln2(x), names.LN2_OUT)
+        return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE)
+
+
+def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy):
+    """The pure per-layer function ``(block_params, x, key) -> x`` with remat marked.
+
+    Args:
+      graphdef: the NNX graph definition of one :class:`Block`.
+      config: where remat goes (block or sublayer).
+      policy: the policy for this layer group.
+    """
+
+    def attention_part(params, x, key):
+        return nnx.merge(graphdef, params).attention_sublayer(x, key)
+
+    def mlp_part(params, x, key):
+        return nnx.merge(graphdef, params).mlp_sublayer(x, key)
+
+    attention_part = jremat.remat_at(attention_part, "sublayer", config, policy=policy)
+    mlp_part = jremat.remat_at(mlp_part, "sublayer", config, policy=policy)
+
+    def block(params, x, key):
+        x = checkpoint_name(x, names.BLOCK_INPUT)
+        x = attention_part(params, x, key)
+        return checkpoint_name(mlp_part(params, x, key), names.BLOCK_OUTPUT)
+
+    return jremat.remat_at(block, "block", config, policy=policy)
+
+
+class GPT(nnx.Module):
+    """Decoder-only LM: embeddings, ``n_layers`` stacked blocks, final LayerNorm, vocabulary head.
+
+    Args:
+      cfg: the :class:`ModelConfig`.
+      rngs: parameter-initialization RNGs.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        init = nnx.initializers.normal(0.02)
+        self.pos_embed = nnx.Param(init(rngs.params(), (cfg.max_seq_len, cfg.d_model), param_dtype))
+        # One block built n_layers times, stacked on a leading axis for lax.scan.
+        block_states = [nnx.state(Block(cfg, rngs=rngs)) for _ in range(cfg.n_layers)]
+        graphdef = nnx.graphdef(Block(cfg, rngs=nnx.Rngs(0)))
+        self.blocks = nnx.merge(graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *block_states))
+        self.ln_f = LayerNorm(cfg.d_model, param_dtype=param_dtype)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """Logits of shape ``[batch, seq, vocab]`` (compute dtype).
+
+        Args:
+          tokens: int array ``[batch, seq]`` with ``seq <= cfg.max_seq_len``.
+          key: a typed PRNG key for dropout, or ``None`` for deterministic evaluation.
+
+        Raises:
+          ValueError: if the sequence is longer than ``cfg.max_seq_len``.
+        """
+        cfg = self.cfg
+        seq = tokens.shape[1]
+        if seq > cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        x = self.token_embed(tokens) + self.pos_embed[None, :seq].astype(jnp.dtype(cfg.dtype))
+        remat = cfg.remat_config()
+        graphdef, stacked = nnx.split(self.blocks)
+        x = jremat.run_layers(
+            lambda policy: make_block_fn(graphdef, remat, policy),
+            stacked,
+            x,
+            jremat.layer_keys(key, cfg.n_layers),
+            remat,
+        )
+        return self.head(self.ln_f(x))
+
+
+def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy in float32.
+
+    Args:
+      model: the :class:`GPT`.
+      tokens: ``[batch, seq]`` inputs.
+      targets: ``[batch, seq]`` next tokens.
+      key: dropout key or ``None``.
+    """
+    logits = model(tokens, key).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return -jnp.mean(picked)

@@ -1,0 +1,7 @@
+"""Built-in rematerialization policies. Importing this package registers them all.
+
+Found by :mod:`jremat.registry` through the ``jremat.policies`` entry point, so users never
+need to import it themselves.
+"""
+
+from policies import basic, every_k, names, nested, selective, skip_cheap  # noqa: F401

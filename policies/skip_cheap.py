@@ -1,0 +1,49 @@
+"""``skip_cheap``: keep only values that are expensive to recompute per byte kept.
+
+Cost model (from :func:`jremat.program.equation_flops`): the FLOPs to recompute an op's output
+from its inputs divided by the bytes its output takes. Elementwise ops (about one FLOP per
+element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_general`` costs
+``2 x contracted`` FLOPs per output element, so a matmul over 64 features in bf16 is
+64 FLOP/byte. Ops below ``min_flops_per_byte`` are recomputed.
+"""
+
+from __future__ import annotations
+
+from jremat import Param, Plan, PlanPolicy, register
+from jremat.program import Op, Program
+
+DEFAULT_MIN_FLOPS_PER_BYTE = 8.0
+
+
+def is_cheap(op: Op, min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE) -> bool:
+    """Whether recomputing ``op`` is cheap: elementwise, or below ``min_flops_per_byte``."""
+    return op.is_elementwise or op.flops_per_byte < min_flops_per_byte
+
+
+class SkipCheap(PlanPolicy):
+    """Save every compute op whose recompute cost per byte is at least the threshold."""
+
+    def __init__(self, min_flops_per_byte: float):
+        self.min_flops_per_byte = min_flops_per_byte
+
+    def plan(self, program: Program) -> Plan:
+        return Plan(
+            save=frozenset(
+                op.index for op in program.compute_ops if not is_cheap(op, self.min_flops_per_byte)
+            )
+        )
+
+
+@register(
+    "skip_cheap",
+    doc="Never save outputs of cheap ops (elementwise, shape-only, or fewer than "
+    "min_flops_per_byte recompute FLOPs per byte kept); save everything costlier, e.g. matmuls.",
+    params={
+        "min_flops_per_byte": Param(
+            "float", DEFAULT_MIN_FLOPS_PER_BYTE, "recompute FLOPs per saved byte below which an op is cheap", min=0.0
+        )
+    },
+)
+def skip_cheap_policy(min_flops_per_byte: float) -> SkipCheap:
+    """Build the ``skip_cheap`` policy."""
+    return SkipCheap(min_flops_per_byte)

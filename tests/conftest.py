@@ -1,0 +1,74 @@
+"""Shared fixtures and strict numerics for the whole suite."""
+
+import os
+
+# XLA reads XLA_FLAGS once, at backend start, so this must run before anything imports jax.
+# Backend optimization level 0 only changes LLVM code generation (2-3x faster compiles on CPU);
+# buffer assignment, and so every memory figure, is unchanged.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jremat  # noqa: E402  (sets the XLA:CPU scheduler flag before the backend starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models import GPT, cross_entropy_loss, preset  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+
+
+@pytest.fixture
+def tiny_config():
+    """The ``tiny`` preset with heavy dropout, so that remat bugs in RNG threading show."""
+    return preset("tiny", attn_dropout=0.5, resid_dropout=0.5)
+
+
+@pytest.fixture(scope="session")
+def ptb_offline_dir():
+    """The offline PTB re-split in ../shared/data/ptb-offline (skips if absent)."""
+    path = os.path.abspath(os.path.join(SHARED_DATA, "ptb-offline"))
+    if not os.path.isdir(path):
+        pytest.skip(f"offline PTB data not found at {path}")
+    return path
+
+
+def loss_and_grads(cfg, *, batch_size=2, seed=0, token_seed=1):
+    """Loss and parameter gradients of ``GPT(cfg)`` on fixed random tokens with dropout key ``seed``."""
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(token_seed), (batch_size, cfg.max_seq_len), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def loss(p):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tokens, targets, jax.random.key(seed))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def max_relative_error(grads, reference):
+    """max |g - ref| over all leaves, divided by max |ref| over all leaves.
+
+    One global scale: some gradients are exactly zero in exact arithmetic (the key
+    projection's bias, since softmax is shift-invariant), so a per-leaf ratio would divide
+    float noise by float noise.
+    """
+    diffs = jax.tree.leaves(jax.tree.map(lambda g, r: jnp.max(jnp.abs(g - r)), grads, reference))
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(reference))
+    return max(float(d) for d in diffs) / scale
+
+
+def train_step_memory(cfg, batch_size=8):
+    """Compile-only XLA memory analysis of ``jit(grad(loss))`` for ``GPT(cfg)``; nothing runs."""
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_seq_len), jnp.int32)
+
+    def loss(p, tok):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tok, jax.random.key(0))
+
+    return jax.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis()
