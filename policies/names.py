@@ -1,0 +1,169 @@
+"""Name-based policies: ``names``, ``names_except`` and ``offload``.
+
+They refer to the tensor names a model tags with :func:`jax.ad_checkpoint.checkpoint_name`;
+every name must be one of :data:`jremat.names.ALL_NAMES` (a typo is an error, never a policy
+that silently saves nothing).
+
+* ``names:save=a+b`` saves exactly the values tagged ``a`` and ``b`` (JAX's
+  ``save_only_these_names``) and recomputes everything else.
+* ``names_except:exclude=a+b`` saves every value except those tagged ``a`` and ``b``. JAX's own
+  ``save_anything_except_these_names`` is a stub that saves everything in JAX 0.10.2, so this
+  is a :class:`jremat.PlanPolicy`: it tags every computed value of the traced program except
+  the excluded ones *and every value that holds the same data* (connected to an excluded name
+  through shape-only ops such as reshape, transpose or convert, in either direction), so that
+  the unnamed producer of an excluded value (``q_proj(x)`` before its reshape to heads) is not
+  saved in its place.
+* ``offload:names=a+b[,save=c]`` moves the values tagged ``a`` and ``b`` to host memory
+  (``pinned_host``) in the forward pass and brings them back for the backward pass, saves
+  ``c`` on the device, and recomputes everything else (JAX's
+  ``save_and_offload_only_these_names``). On a backend without host memory it raises
+  :class:`ValueError` (see :func:`jremat.policy.require_host_memory`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax
+
+from jax.extend import core as jcore
+
+from jremat import CallbackPolicy, Param, Plan, PlanPolicy, register
+from jremat.names import validate_names
+from jremat.policy import require_host_memory
+from jremat.program import SHAPE_ONLY_PRIMITIVES, Program
+from jremat.registry import REQUIRED
+
+
+class SaveNames(CallbackPolicy):
+    """Save exactly the values tagged with the given names; recompute everything else."""
+
+    def __init__(self, save: Iterable[str]):
+        self.save = validate_names(save, what="tensor name in save=")
+        super().__init__(jax.checkpoint_policies.save_only_these_names(*self.save))
+
+
+def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
+    """Equation indices holding the same data as ``seeds``: connected through shape-only ops.
+
+    Starting from the equations ``seeds``, follow shape-only equations (reshape, transpose,
+    convert, name tags, ...) backwards to the producer of their input and forwards to their
+    consumers, in both directions, until no new equation is reached.
+
+    Args:
+      program: the traced program.
+      seeds: equation indices to start from.
+
+    Returns:
+      The seeds together with every equation reached.
+    """
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    producer = {}
+    consumers: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.outvars:
+            producer[v] = i
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(i)
+    shape_only = lambda i: eqns[i].primitive.name in SHAPE_ONLY_PRIMITIVES
+    reached = set(seeds)
+    stack = list(reached)
+    while stack:
+        i = stack.pop()
+        neighbours = []
+        if shape_only(i):  # its input is the same data
+            neighbours += [producer[v] for v in eqns[i].invars if v in producer]
+        for v in eqns[i].outvars:  # shape-only consumers of its output are the same data
+            neighbours += [j for j in consumers.get(v, ()) if shape_only(j)]
+        for j in neighbours:
+            if j not in reached:
+                reached.add(j)
+                stack.append(j)
+    return frozenset(reached)
+
+
+class SaveAllExcept(PlanPolicy):
+    """Save every computed value except those tagged with the given names (and their aliases)."""
+
+    def __init__(self, exclude: Iterable[str]):
+        self.exclude = validate_names(exclude, what="tensor name in exclude=")
+
+    def plan(self, program: Program) -> Plan:
+        excluded = same_data_closure(program, (op.index for op in program.ops_named(self.exclude)))
+        return Plan(
+            save=frozenset(
+                op.index
+                for op in program.ops
+                if op.counted and not op.rng_derived and op.index not in excluded
+            )
+        )
+
+
+class OffloadNames(CallbackPolicy):
+    """Offload the values tagged ``offload`` to host memory, save ``save`` on device, recompute the rest."""
+
+    offload_src = "device"
+    offload_dst = "pinned_host"
+
+    def __init__(self, offload: Iterable[str], save: Iterable[str] = ()):
+        self.offload = validate_names(offload, what="tensor name in names=")
+        self.save = validate_names(save, what="tensor name in save=")
+        both = [n for n in self.offload if n in self.save]
+        if both:
+            raise ValueError(
+                f"policy 'offload': {', '.join(map(repr, both))} listed both to offload (names=) and to "
+                "save on device (save=); a value is either offloaded or saved, give it once"
+            )
+        if not self.offload:
+            raise ValueError("policy 'offload': names= must list at least one tensor name to offload")
+        require_host_memory(self.offload_dst)
+        super().__init__(
+            jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=list(self.save),
+                names_which_can_be_offloaded=list(self.offload),
+                offload_src=self.offload_src,
+                offload_dst=self.offload_dst,
+            )
+        )
+
+    def wrap(self, fn, *, prevent_cse=True):
+        require_host_memory(self.offload_dst)  # the backend may differ from construction time
+        return super().wrap(fn, prevent_cse=prevent_cse)
+
+
+@register(
+    "names",
+    doc="Save exactly the values tagged with the listed names (checkpoint_name); recompute everything else.",
+    params={"save": Param("names", REQUIRED, "tensor names to save, joined by '+' (see jremat.names)")},
+)
+def names_policy(save: tuple[str, ...]) -> SaveNames:
+    """Build the ``names`` policy."""
+    return SaveNames(save)
+
+
+@register(
+    "names_except",
+    doc="Save every computed value except those tagged with the listed names and the values holding "
+    "the same data (their reshapes, transposes and unnamed producers through shape-only ops); "
+    "never saves dropout masks.",
+    params={"exclude": Param("names", REQUIRED, "tensor names not to save, joined by '+' (see jremat.names)")},
+)
+def names_except_policy(exclude: tuple[str, ...]) -> SaveAllExcept:
+    """Build the ``names_except`` policy."""
+    return SaveAllExcept(exclude)
+
+
+@register(
+    "offload",
+    doc="Move the values tagged names= to host memory (pinned_host) and back for the backward pass, "
+    "save the values tagged save= on the device, recompute everything else. Errors on a backend "
+    "without host memory.",
+    params={
+        "names": Param("names", REQUIRED, "tensor names to offload to host, joined by '+'"),
+        "save": Param("names", (), "tensor names to keep on the device, joined by '+'"),
+    },
+)
+def offload_policy(names: tuple[str, ...], save: tuple[str, ...]) -> OffloadNames:
+    """Build the ``offload`` policy."""
+    return OffloadNames(names, save)

@@ -1,0 +1,57 @@
+"""``nested``: √n checkpointing over the layer stack (Chen et al. 2016; Haliax's ``nested`` scan).
+
+``nested:block=auto`` cuts the ``L`` layers into groups of ``m`` consecutive layers (``auto``:
+the divisor of ``L`` closest to ``√L``; or an integer that divides ``L``). The outer scan runs
+the groups; each group is one checkpoint that saves only its input activation, around an inner
+scan over the group's layers. The ``layer=`` key is the per-layer policy inside a group, applied
+at the configured granularity (block or sublayer): the default ``none`` is Chen's scheme (a
+recomputed group keeps all its activations while its backward runs); ``layer=full`` adds a
+second level (one saved input per layer of the group being differentiated). Write the inner
+spec's own commas as ``;``: ``nested:block=2,layer=every_k:k=2;skip_cheap=true``.
+
+It is a stack-level policy: use it as the model's remat policy (``run_layers``), not on a single
+function, and not inside ``layer_policies`` groups.
+"""
+
+from __future__ import annotations
+
+from jremat import Param, register, resolve
+from jremat.remat import NestedLayers
+
+
+def _parse_block(raw: str):
+    if raw == "auto":
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"policy 'nested': block must be 'auto' or a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"policy 'nested': block must be 'auto' or a positive integer, got {raw!r}")
+    return value
+
+
+def _parse_layer(raw: str) -> str:
+    spec = raw.replace(";", ",")
+    try:
+        policy = resolve(spec)
+    except ValueError as err:
+        raise ValueError(f"policy 'nested': layer={raw!r}: {err}") from None
+    if isinstance(policy, NestedLayers):
+        raise ValueError("policy 'nested': the per-layer policy (layer=) cannot itself be nested")
+    return raw
+
+
+@register(
+    "nested",
+    doc="Stack-level sqrt(n) checkpointing: groups of block= consecutive layers (auto: the divisor of L "
+    "closest to sqrt(L)) each save only their input; inside a group each layer uses layer= (default "
+    "none: all of the group's activations while it is differentiated).",
+    params={
+        "block": Param("str", "auto", "layers per group: auto or an integer dividing n_layers", parse=_parse_block),
+        "layer": Param("spec", "none", "per-layer policy inside a group (';' for ',')", parse=_parse_layer),
+    },
+)
+def nested_policy(block, layer: str) -> NestedLayers:
+    """Build the ``nested`` policy."""
+    return NestedLayers(_parse_block(str(block)), resolve(layer.replace(";", ",")))

@@ -1,0 +1,77 @@
+"""Bad policy specs raise ValueError naming the bad part and the valid choices."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jremat
+from jremat.policy import require_host_memory
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("bogus", r"unknown policy 'bogus'; valid policies: .*every_k.*selective"),
+        ("every_k:k=0", r"policy 'every_k': k must be >= 1, got '0'"),
+        ("every_k:k=-3", r"policy 'every_k': k must be >= 1, got '-3'"),
+        ("every_k:k=abc", r"policy 'every_k': k must be an integer, got 'abc'"),
+        ("every_k:j=2", r"unknown key 'j' for policy 'every_k'; valid keys: k, skip_cheap, min_flops_per_byte"),
+        ("full:k=2", r"unknown key 'k' for policy 'full'; valid keys: \(none"),
+        ("names:save=q+bogus", r"unknown tensor name in save= 'bogus'; valid names: block_input, .*mlp_act"),
+        ("names_except:exclude=qq", r"unknown tensor name in exclude= 'qq'; valid names:"),
+        ("every_k:k", r"malformed policy spec 'every_k:k': 'k' is not key=value"),
+        ("every_k:", r"malformed policy spec 'every_k:': nothing after ':'"),
+        ("every k", r"malformed policy spec 'every k': bad name"),
+        ("names", r"policy 'names' needs key 'save'"),
+        ("offload:names=q+k,save=k+v", r"policy 'offload': 'k' listed both to offload \(names=\) and to save"),
+        ("offload:names=q+zz", r"unknown tensor name in names= 'zz'"),
+        ("nested:block=0", r"policy 'nested': block must be 'auto' or a positive integer, got '0'"),
+        ("nested:layer=bogus", r"policy 'nested': layer='bogus': unknown policy 'bogus'"),
+    ],
+)
+def test_bad_spec_raises(spec, message):
+    with pytest.raises(ValueError, match=message):
+        jremat.resolve(spec)
+
+
+def test_keys_given_separately_are_validated_too():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        jremat.resolve("every_k", k=0)
+    assert jremat.resolve("every_k", k=3).spec == "every_k:k=3"
+
+
+def test_names_policy_specs_round_trip():
+    assert jremat.resolve("names:save=q+k").spec == "names:save=q+k"
+    assert jremat.resolve("offload:names=q,save=v").spec == "offload:names=q,save=v"
+    assert jremat.resolve("nested:block=2,layer=every_k:k=2;skip_cheap=true").spec == (
+        "nested:block=2,layer=every_k:k=2;skip_cheap=true"
+    )
+
+
+class _DeviceWithoutHost:
+    platform = "fake"
+
+    def addressable_memories(self):
+        class Memory:
+            kind = "device"
+
+        return [Memory()]
+
+    def __str__(self):
+        return "FakeDevice"
+
+
+def test_offload_on_backend_without_host_memory_raises(monkeypatch):
+    policy = jremat.resolve("offload:names=q")  # this backend has pinned_host
+    require_host_memory("pinned_host")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_DeviceWithoutHost()])
+    with pytest.raises(ValueError, match=r"offload needs memory kind 'pinned_host'.*only has device"):
+        jremat.resolve("offload:names=q")
+    with pytest.raises(ValueError, match=r"offload needs memory kind 'pinned_host'"):
+        policy.wrap(jnp.sin)
+
+
+def test_describe_lists_every_policy():
+    text = jremat.describe()
+    for name in jremat.available():
+        assert f"  {name}" in text
