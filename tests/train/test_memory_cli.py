@@ -1,0 +1,88 @@
+"""python -m train.memory: JSON schema, table, plot and one-line errors with exit code 2 (tiny, compile-only)."""
+
+import json
+
+import pytest
+
+import jremat
+from models import preset
+from train import memory as tm
+
+TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
+KEYS = {"policy", "peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "saved_bytes",
+        "saved_bytes_per_layer", "n_layers", "recompute_flops_fraction"}
+
+
+def test_json_rows_have_the_schema_and_consistent_figures(capsys):
+    code = tm.main(TINY + ["--policy", "none", "--policy", "full", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["policy"] for r in rows] == ["none", "full"]
+    for r in rows:
+        assert KEYS <= set(r)
+        assert r["peak_bytes"] >= r["temp_bytes"] > 0 and r["n_layers"] == 2
+    none, full = rows
+    assert full["saved_bytes_per_layer"] == 2 * 16 * 32 * 2  # one bf16 block input [2, 16, 32]
+    assert full["saved_bytes_per_layer"] < none["saved_bytes_per_layer"]
+    assert full["recompute_flops_fraction"] > 0 and none["recompute_flops_fraction"] == 0
+    assert none["peak_ratio_vs_none"] == 1.0
+
+
+def test_auto_row_fits_its_budget(capsys):
+    code = tm.main(TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"])
+    assert code == 0
+    none, auto = json.loads(capsys.readouterr().out)
+    budget = int(auto["policy"].split("auto:budget=")[1].split(" ")[0])
+    assert auto["peak_bytes"] <= budget < none["peak_bytes"]
+
+
+def test_table_and_plot(tmp_path, capsys):
+    plot = tmp_path / "mem.png"
+    assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "full" in out and "saved/layer" in out and "peak" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "nope"], "unknown preset"),
+        (["--preset", "tiny", "--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--preset", "tiny", "--layers", "-1"], "--layers must be a positive integer"),
+        (["--preset", "tiny", "--d-model", "0"], "--d-model must be a positive integer"),
+        (["--preset", "tiny", "--heads", "3"], "does not divide d_model"),
+        (["--preset", "tiny", "--policy", "no_such_policy"], "unknown policy"),
+        (["--preset", "tiny", "--policy", "every_k:k=0"], "k must be >="),
+        (["--preset", "tiny", "--dropout", "1.5"], "--dropout"),
+        (["--preset", "tiny", "--granularity", "layer"], "--granularity"),
+        (["--preset", "tiny", "--seq-len", "4096"], "exceeds"),
+        (["--preset", "tiny", "--policy-module", "no.such.module"], "cannot import policy module"),
+        (["--preset", "tiny", "--batch-size", "two"], "invalid int value"),
+        (["--preset", "tiny", "--bogus"], "unrecognized arguments"),
+        (["--preset", "tiny", "--policy", "auto", "--memory-budget", "6 parsecs"], "unknown unit 'parsecs'"),
+        (["--preset", "tiny", "--policy", "auto", "--memory-budget", "1KiB"], "smallest achievable peak is"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert tm.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_help_lists_registered_policies(capsys):
+    assert tm.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in jremat.available():
+        assert name in out
+
+
+def test_heads_without_head_dim_divides_d_model():
+    cfg = tm.MemoryConfig(preset="tiny", heads=4, d_model=64).model_config("full")
+    assert (cfg.n_heads, cfg.head_dim, cfg.d_model) == (4, 16, 64)
+
+
+def test_summary_vs_none_for_trainers():
+    line = tm.summary_vs_none(preset("tiny", remat_policy="full"), batch_size=2)
+    assert line.startswith("memory (full): peak ") and "none:" in line and "saved/layer" in line

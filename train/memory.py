@@ -1,0 +1,700 @@
+"""Compile-only memory report of the reference model's gradient step, one row per policy.
+
+``python -m train.memory --preset gpt2-small --batch-size 8 --dtype bfloat16 --policy none
+--policy full --policy every_k:k=4 --policy selective`` compiles ``jax.jit(jax.grad(loss))`` of
+the GPT model for each policy (nothing is executed: parameters and tokens are shapes only) and
+prints peak and temp bytes, saved activation bytes per layer, ratios to ``none`` and the
+policy's recompute FLOPs as a fraction of the step's FLOPs.
+
+The measured program is the gradient step (forward + backward, f32 parameter gradients out),
+without an optimizer update: optimizer state adds ``2 x`` parameter bytes of arguments (AdamW)
+independently of the policy.
+
+Figures per policy:
+
+* ``peak_bytes`` / ``temp_bytes`` / ``argument_bytes`` / ... — XLA's compiled buffer assignment
+  (:func:`jremat.memory.memory_report`).
+* ``saved_bytes_per_layer`` — activations one block keeps for the backward pass, from
+  :func:`jremat.memory.saved_residuals_report` of ``models.gpt.make_block_fn`` (names intact);
+  ``saved_bytes`` — the same for the whole step (embeddings, head and all layers).
+* ``recompute_flops_fraction`` — ``(FLOPs(grad under policy) - FLOPs(grad under none)) /
+  FLOPs(grad under none)`` with the cost model of :func:`jremat.memory.program_flops`.
+* ``analytic_peak_bytes`` — an estimate from shapes and the traced residuals only, no compile
+  (:func:`analytic_peak_bytes`).
+
+:func:`policy_memory` and :func:`summary_vs_none` are the reusable entry points (the PTB trainer
+prints the latter at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from typing import Sequence
+
+import jremat  # noqa: F401
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jremat import memory as jmem
+from jremat import registry
+from policies.auto import parse_budget
+from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
+from models import preset as model_preset
+from models.config import DTYPES
+from models.gpt import Block, make_block_fn
+
+
+class UsageError(ValueError):
+    """Bad user input: the CLI prints the message and exits with code 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """What ``python -m train.memory`` measures; one field per command-line flag.
+
+    Attributes:
+      preset: model preset name (``--preset``).
+      batch_size: sequences per batch (``--batch-size``).
+      seq_len: tokens per sequence, at most the preset's ``max_seq_len`` (default: equal).
+      dtype: compute dtype (default: the preset's).
+      policy: policy specs, one report row each (``--policy``, repeatable).
+      layers: overrides ``n_layers``.
+      d_model: overrides ``d_model``.
+      d_ff: overrides ``d_ff``.
+      heads: overrides ``n_heads``; without ``head_dim``, ``head_dim = d_model / heads``.
+      head_dim: overrides ``head_dim``.
+      dropout: attention and residual dropout rate.
+      granularity: remat granularity (``none``, ``block``, ``sublayer``).
+      unrolled: unroll the layer loop instead of ``lax.scan``.
+      policy_module: modules to import first (they may register policies), repeatable.
+      json: print a JSON list instead of a table.
+      plot: write a bar chart of peak and saved bytes per policy to this PNG file.
+      remat_head_chunks: rematerialize the head and loss over this many sequence chunks
+        (``ModelConfig.remat_head_chunks``; must divide the sequence length).
+      memory_budget: budget for ``--policy auto`` (``6GiB``, ``512MiB``, bytes, or a fraction of
+        the no-remat peak above the full-remat floor); overrides an ``auto:budget=`` key.
+    """
+
+    preset: str = "small"
+    batch_size: int = 8
+    seq_len: int | None = None
+    dtype: str | None = None
+    policy: tuple[str, ...] = ("none", "full")
+    layers: int | None = None
+    d_model: int | None = None
+    d_ff: int | None = None
+    heads: int | None = None
+    head_dim: int | None = None
+    dropout: float | None = None
+    granularity: str | None = None
+    unrolled: bool = False
+    policy_module: tuple[str, ...] = ()
+    json: bool = False
+    plot: str | None = None
+    memory_budget: str | None = None
+    remat_head_chunks: int | None = None
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise UsageError(f"unknown preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
+        if self.remat_head_chunks is not None:
+            if not isinstance(self.remat_head_chunks, int) or self.remat_head_chunks < 0:
+                raise UsageError(f"--remat-head-chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
+            if self.remat_head_chunks and self.resolved_seq_len % self.remat_head_chunks:
+                raise UsageError(
+                    f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length {self.resolved_seq_len}"
+                )
+        for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise UsageError(f"--{field.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.granularity is not None and self.granularity not in jremat.GRANULARITIES:
+            raise UsageError(
+                f"--granularity must be one of {', '.join(jremat.GRANULARITIES)}, got {self.granularity!r}"
+            )
+        if not self.policy:
+            raise UsageError("give at least one --policy")
+        if self.memory_budget is not None:
+            try:
+                parse_budget(self.memory_budget)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
+        if self.heads is not None and self.head_dim is None:
+            d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
+            if d_model % self.heads:
+                raise UsageError(
+                    f"--heads {self.heads} does not divide d_model {d_model}; give --head-dim or "
+                    "a head count that divides d_model"
+                )
+        max_seq = PRESETS[self.preset].max_seq_len
+        if self.seq_len is not None and self.seq_len > max_seq:
+            raise UsageError(f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}")
+
+    def model_config(self, policy: str) -> ModelConfig:
+        """The :class:`ModelConfig` for one policy spec, with every override applied.
+
+        Raises:
+          UsageError: if the policy spec or the resulting model shape is invalid.
+        """
+        overrides: dict = {"remat_policy": policy}
+        if self.dtype is not None:
+            overrides["dtype"] = self.dtype
+        if self.layers is not None:
+            overrides["n_layers"] = self.layers
+        if self.d_model is not None:
+            overrides["d_model"] = self.d_model
+        if self.d_ff is not None:
+            overrides["d_ff"] = self.d_ff
+        if self.heads is not None:
+            overrides["n_heads"] = self.heads
+            d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
+            overrides["head_dim"] = self.head_dim if self.head_dim is not None else d_model // self.heads
+        elif self.head_dim is not None:
+            overrides["head_dim"] = self.head_dim
+        if self.dropout is not None:
+            overrides["attn_dropout"] = overrides["resid_dropout"] = self.dropout
+        if self.granularity is not None:
+            overrides["remat_granularity"] = self.granularity
+        if self.unrolled:
+            overrides["scan_layers"] = False
+        if self.remat_head_chunks is not None:
+            overrides["remat_head_chunks"] = self.remat_head_chunks
+        try:
+            return model_preset(self.preset, **overrides)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+    @property
+    def resolved_seq_len(self) -> int:
+        """``seq_len``, or the preset's ``max_seq_len`` when unset."""
+        return self.seq_len if self.seq_len is not None else PRESETS[self.preset].max_seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMemory:
+    """The memory report of one policy's gradient step.
+
+    Byte fields come from XLA's compiled buffer assignment (``None`` when the backend reports
+    none, or when compilation was skipped); residual and FLOP fields from tracing.
+
+    Attributes:
+      policy: the canonical policy spec.
+      n_layers: transformer blocks.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence.
+      peak_bytes: compiled peak estimate.
+      peak_source: how :attr:`peak_bytes` was obtained (see :mod:`jremat.memory`).
+      temp_bytes: compiled temp bytes.
+      argument_bytes: compiled argument bytes (parameters, tokens, key).
+      output_bytes: compiled output bytes (parameter gradients).
+      alias_bytes: compiled alias bytes.
+      generated_code_bytes: compiled code bytes.
+      saved_bytes: activation residuals of the whole step.
+      saved_bytes_per_layer: activation residuals of one block.
+      program_saved_bytes_per_layer: cross-check: stacked per-layer residuals of the whole step
+        divided by ``n_layers`` under scan (``None`` when unrolled: names and layers are mixed).
+      residual_total_bytes: every residual of the whole step, all kinds.
+      step_flops: cost-model FLOPs of the gradient step under this policy.
+      recompute_flops: FLOPs added by recomputation (vs ``none``).
+      recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
+      analytic_peak_bytes: :func:`analytic_peak_bytes`.
+      notes: caveats (backend, truthfulness checks).
+    """
+
+    policy: str
+    n_layers: int
+    batch_size: int
+    seq_len: int
+    peak_bytes: int | None
+    peak_source: str
+    temp_bytes: int | None
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    generated_code_bytes: int | None
+    saved_bytes: int
+    saved_bytes_per_layer: int
+    program_saved_bytes_per_layer: float | None
+    residual_total_bytes: int
+    step_flops: float
+    recompute_flops: float
+    recompute_flops_fraction: float
+    analytic_peak_bytes: int
+    notes: tuple[str, ...] = ()
+
+    def to_json(self, baseline: "PolicyMemory | None" = None) -> dict:
+        """A JSON-ready dict of every field, plus ratios to ``baseline`` when given."""
+        out = dataclasses.asdict(self)
+        out["notes"] = list(self.notes)
+        if baseline is not None:
+            out["peak_ratio_vs_none"] = _ratio(self.peak_bytes, baseline.peak_bytes)
+            out["temp_ratio_vs_none"] = _ratio(self.temp_bytes, baseline.temp_bytes)
+            out["saved_ratio_vs_none"] = _ratio(self.saved_bytes_per_layer, baseline.saved_bytes_per_layer)
+        return out
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _key_shape():
+    return jax.eval_shape(lambda: jax.random.key(0))
+
+
+def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """The gradient step and its abstract arguments, without allocating anything.
+
+    Args:
+      model_cfg: the model (its ``remat_policy`` is the policy measured).
+      batch_size: sequences per batch; must be positive.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+
+    Returns:
+      ``(grad_fn, (params, tokens, targets, key))`` where ``grad_fn`` is
+      ``jax.grad(loss)`` with respect to ``params`` and the arguments are shape structs.
+
+    Raises:
+      ValueError: on a non-positive batch size or a too-long sequence.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch size and sequence length must be positive, got {batch_size} and {seq_len}")
+    if seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+
+    def loss(p, tok, tgt, key):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
+
+    return jax.grad(loss), (params, tokens, tokens, _key_shape())
+
+
+def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """One transformer block as the model runs it, and its abstract arguments.
+
+    Returns:
+      ``(block_fn, (block_params, x, key))`` with ``block_fn = models.gpt.make_block_fn(...)``
+      under the config's policy and granularity.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0))))
+    remat = model_cfg.remat_config()
+    fn = make_block_fn(graphdef, remat, remat.resolved_policy())
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
+    return fn, (params, x, _key_shape())
+
+
+def analytic_peak_bytes(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    residuals: jmem.ResidualsReport | None = None,
+) -> int:
+    """Peak memory of the gradient step estimated from shapes and traced residuals; no compile.
+
+    Model: the peak falls at the start of the backward pass, when every residual of the
+    forward pass is alive together with the loss-side buffers. So peak = parameters + tokens
+    (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
+    forward pass computes (:attr:`jremat.memory.ResidualsReport.computed_bytes`: every
+    non-constant residual that is not an argument) + the head's backward working set: the f32
+    gradient of the logits and one more f32 logits-sized buffer, ``2 x 4 x batch x seq x vocab``
+    bytes (divided by ``remat_head_chunks`` when the head is rematerialized in chunks).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      residuals: the step's residuals if already traced (saves a trace).
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    _, (params, *_rest) = step_program(model_cfg, batch_size, seq_len)
+    param_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    token_bytes = 2 * batch_size * seq_len * 4 + 8
+    if residuals is None:
+        residuals = _step_residuals(model_cfg, batch_size, seq_len)
+    head_work = 2 * 4 * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
+    return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
+
+
+def _loss_fn(model_cfg: ModelConfig):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
+
+    def loss(p, tok, tgt, key):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
+
+    return loss
+
+
+def _step_residuals(model_cfg, batch_size, seq_len) -> jmem.ResidualsReport:
+    _, (params, tokens, targets, key) = step_program(model_cfg, batch_size, seq_len)
+    loss_fn = _loss_fn(model_cfg)
+    return jmem.saved_residuals_report(
+        loss_fn, params, tokens, targets, key, n_layers=model_cfg.n_layers, param_argnums=(0,)
+    )
+
+
+def _step_flops(model_cfg, batch_size, seq_len) -> float:
+    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
+    return jmem.program_flops(grad_fn, *args)
+
+
+def policy_memory(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    compile: bool = True,
+    baseline_step_flops: float | None = None,
+) -> PolicyMemory:
+    """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
+
+    Nothing is executed. ``compile=False`` skips XLA (only traced figures and the analytic
+    estimate are filled; byte fields are ``None``).
+
+    Args:
+      model_cfg: the model, with the policy to measure in ``remat_policy``.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      compile: whether to compile for XLA's buffer assignment.
+      baseline_step_flops: FLOPs of the same step under ``none`` (computed when omitted).
+
+    Returns:
+      A :class:`PolicyMemory`.
+
+    Raises:
+      ValueError: on a bad batch size or sequence length.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
+    notes = []
+    if compile:
+        report = jmem.memory_report(grad_fn, *args)
+        notes.extend(report.notes)
+    else:
+        report = None
+    block_fn, block_args = block_program(model_cfg, batch_size, seq_len)
+    block = jmem.saved_residuals_report(block_fn, *block_args, param_argnums=(0,))
+    whole = _step_residuals(model_cfg, batch_size, seq_len)
+    cross = whole.layer_stacked_bytes / model_cfg.n_layers if model_cfg.scan_layers and model_cfg.n_layers > 1 else None
+    flops = jmem.program_flops(grad_fn, *args)
+    if baseline_step_flops is None:
+        baseline_step_flops = _step_flops(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    recompute = max(0.0, flops - baseline_step_flops)
+    get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
+    return PolicyMemory(
+        policy=registry.resolve(model_cfg.remat_policy).spec or str(model_cfg.remat_policy),
+        n_layers=model_cfg.n_layers,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        peak_bytes=get("peak_bytes"),
+        peak_source=report.peak_source if report is not None else "not compiled",
+        temp_bytes=get("temp_bytes"),
+        argument_bytes=get("argument_bytes"),
+        output_bytes=get("output_bytes"),
+        alias_bytes=get("alias_bytes"),
+        generated_code_bytes=get("generated_code_bytes"),
+        saved_bytes=whole.saved_bytes,
+        saved_bytes_per_layer=block.saved_bytes,
+        program_saved_bytes_per_layer=cross,
+        residual_total_bytes=whole.total_bytes,
+        step_flops=flops,
+        recompute_flops=recompute,
+        recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
+        analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
+        notes=tuple(notes),
+    )
+
+
+def config_for_spec(
+    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
+):
+    """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
+
+    Returns:
+      ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`train.auto.AutoPlan` for ``auto``
+      specs (budget from ``memory_budget``, else the spec's ``budget=`` key), else ``None``.
+
+    Raises:
+      ValueError: on a bad spec or budget, or a budget no plan fits.
+    """
+    name, values = registry.parse_spec(spec)
+    if name != "auto":
+        return base_cfg.replace(remat_policy=spec), None
+    from train.auto import plan_for_budget  # train.auto builds on this module's step programs
+
+    plan = plan_for_budget(base_cfg, batch_size, memory_budget or values.get("budget", "0.5"), seq_len)
+    return plan.config, plan
+
+
+def compare_policies(
+    base_cfg: ModelConfig,
+    batch_size: int,
+    policies: Sequence[str],
+    seq_len: int | None = None,
+    *,
+    compile: bool = True,
+    memory_budget: str | None = None,
+) -> list[PolicyMemory]:
+    """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
+
+    ``none`` is measured too (first; returned as a row only if asked for) so that every row can
+    be compared with it. A row whose temp memory did not follow its saved residuals gets a note
+    naming the likely cause (:func:`jremat.memory.diagnose_remat`).
+
+    Returns:
+      ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
+
+    Raises:
+      ValueError: on an unknown policy spec (the message lists the registered ones).
+    """
+    for spec in policies:
+        registry.resolve(spec)
+    baseline_flops = _step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    rows = {}
+    wanted = list(dict.fromkeys(policies))
+    order = wanted if "none" in wanted else ["none", *wanted]
+    for spec in order:
+        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
+        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops)
+        if plan is not None:
+            label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
+            row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
+        rows[spec] = row
+    base = rows["none"]
+    out = []
+    for spec in wanted:
+        row = rows[spec]
+        if spec != "none" and row.temp_bytes is not None and base.temp_bytes is not None:
+            note = jmem.diagnose_remat(
+                row.temp_bytes, base.temp_bytes, row.saved_bytes, base.saved_bytes, scan_layers=base_cfg.scan_layers
+            )
+            if note:
+                row = dataclasses.replace(row, notes=row.notes + (note,))
+        out.append(row)
+    return out, base
+
+
+def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
+    """One line for a trainer's start-up log: peak estimate and saved bytes per layer vs ``none``.
+
+    Compiles the gradient step twice (the policy and ``none``); nothing runs.
+    """
+    rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
+    row = rows[0]
+    peak = _fmt_bytes(row.peak_bytes)
+    parts = [
+        f"memory ({row.policy}): peak {peak} (none: {_fmt_bytes(base.peak_bytes)}, "
+        f"analytic {_fmt_bytes(row.analytic_peak_bytes)}), saved/layer {_fmt_bytes(row.saved_bytes_per_layer)} "
+        f"(none: {_fmt_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
+    ]
+    parts.extend(f"  note: {n}" for n in row.notes)
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
+    """The human-readable table: one line per policy, then notes."""
+    header = (f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
+              f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        pr = _ratio(r.peak_bytes, base.peak_bytes)
+        sr = _ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
+        err = _ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
+        lines.append(
+            f"{r.policy:<24} {_fmt_bytes(r.peak_bytes):>11} {_fmt_bytes(r.temp_bytes):>11} "
+            f"{_fmt_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
+            f"{('%.3f' % sr) if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
+            f"{_fmt_bytes(r.analytic_peak_bytes):>11} {('%+.1f%%' % (100 * err)) if err is not None else 'n/a':>8}"
+        )
+    first = rows[0]
+    lines.append(
+        f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
+        f"peak from: {first.peak_source}; recompute = extra FLOPs vs none / step FLOPs under none "
+        f"({base.step_flops:.3g})"
+    )
+    seen = set()
+    for r in rows:
+        for n in r.notes:
+            key = (r.policy, n) if "saved residuals fell" in n else n
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"note [{r.policy}]: {n}" if "saved residuals fell" in n else f"note: {n}")
+    return "\n".join(lines)
+
+
+def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
+    """Write a bar chart of peak bytes and saved bytes (whole step) per policy to ``path`` (PNG).
+
+    Raises:
+      UsageError: if the file cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r.policy for r in rows]
+    mib = 2**20
+    xs = range(len(rows))
+    width = 0.4
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows)), 4.0))
+    ax.bar([x - width / 2 for x in xs], [(r.peak_bytes or 0) / mib for r in rows], width, label="compiled peak")
+    ax.bar([x + width / 2 for x in xs], [r.saved_bytes / mib for r in rows], width, label="saved activations")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=20, ha="right")
+    ax.set_ylabel("MiB")
+    first = rows[0]
+    ax.set_title(f"gradient step memory, {first.n_layers} layers, batch {first.batch_size} x {first.seq_len}")
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png")
+    except OSError as err:
+        raise UsageError(f"cannot write plot {path!r}: {err}") from None
+    finally:
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; policy help comes from the registry (``jremat.describe()``)."""
+    parser = _Parser(
+        prog="python -m train.memory",
+        description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
+        epilog="registered policies:\n" + registry.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--preset", default="small", help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (<= preset max_seq_len)")
+    parser.add_argument("--dtype", default=None, help=f"compute dtype: {', '.join(DTYPES)}")
+    parser.add_argument("--policy", action="append", default=None,
+                        help="policy spec NAME or NAME:key=value (repeatable; default: none, full)")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    parser.add_argument("--d-model", type=int, default=None, help="override d_model")
+    parser.add_argument("--d-ff", type=int, default=None, help="override the MLP width")
+    parser.add_argument("--heads", type=int, default=None, help="override heads (head_dim = d_model/heads unless --head-dim)")
+    parser.add_argument("--head-dim", type=int, default=None, help="override head_dim")
+    parser.add_argument("--dropout", type=float, default=None, help="attention and residual dropout rate")
+    parser.add_argument("--granularity", default=None, help=f"remat granularity: {', '.join(jremat.GRANULARITIES)}")
+    parser.add_argument("--unrolled", action="store_true", help="unroll the layer loop instead of lax.scan")
+    parser.add_argument("--policy-module", action="append", default=None, help="import a module registering policies (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
+    parser.add_argument("--plot", default=None, help="write a bar chart (PNG) of peak and saved bytes per policy")
+    parser.add_argument("--remat-head-chunks", type=int, default=None,
+                        help="remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)")
+    parser.add_argument("--memory-budget", default=None,
+                        help="budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1]")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None) -> MemoryConfig:
+    """Parse command-line flags into a :class:`MemoryConfig`.
+
+    Policy modules are imported before the policies are checked.
+
+    Raises:
+      UsageError: on any bad flag or value.
+    """
+    args = build_parser().parse_args(argv)
+    for module in args.policy_module or ():
+        try:
+            registry.load_module(module)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    values = vars(args)
+    values["policy"] = tuple(args.policy) if args.policy else MemoryConfig.policy
+    values["policy_module"] = tuple(args.policy_module or ())
+    config = MemoryConfig(**values)
+    for spec in config.policy:
+        try:
+            registry.resolve(spec)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    return config
+
+
+def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
+    """Measure every policy of ``config``; returns the rows and the ``none`` baseline.
+
+    Raises:
+      UsageError: on an invalid model shape or policy.
+    """
+    base_cfg = config.model_config(config.policy[0])
+    for spec in config.policy[1:]:
+        config.model_config(spec)
+    try:
+        return compare_policies(
+            base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr)."""
+    try:
+        config = parse_config(argv)
+        rows, base = run(config)
+        if config.json:
+            print(json.dumps([r.to_json(base) for r in rows], indent=2))
+        else:
+            print(format_table(rows, base))
+        if config.plot:
+            write_plot(rows, config.plot)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
