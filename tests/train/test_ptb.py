@@ -1,0 +1,249 @@
+"""The PTB training CLI: end-to-end training, exact resume, Ctrl-C, NaN stop, determinism, bad input."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import preset
+from train import data as data_lib
+from train import ptb
+from train.checkpoint import Checkpoints, pack_state
+from train.config import TrainConfig
+from train.metrics import read_rows
+from train.step import OptimizerConfig, init_params
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+STEPS = 20
+
+
+@pytest.fixture
+def base_args(ptb_offline_dir):
+    """A short tiny-preset run with dropout on (tiny's train defaults: batch 4 x 16)."""
+    return ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "2",
+            "--dropout", "0.3", "--no-memory-report", "--data-dir", ptb_offline_dir]
+
+
+def losses_of(path):
+    return {row["step"]: row["loss"] for row in read_rows(path)}
+
+
+def wrap_train_step(monkeypatch, on_call):
+    """Route every train-step call through ``on_call(n, outputs) -> outputs`` (n counts from 1)."""
+    real = ptb.compiled_steps
+
+    def patched(*args, **kwargs):
+        train_step, eval_step = real(*args, **kwargs)
+        calls = [0]
+
+        def step(*step_args):
+            calls[0] += 1
+            return on_call(calls[0], train_step(*step_args))
+
+        return step, eval_step
+
+    monkeypatch.setattr(ptb, "compiled_steps", patched)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, ptb_offline_dir):
+    """An uninterrupted every_k:k=4 run of STEPS steps; its metrics rows."""
+    out = tmp_path_factory.mktemp("reference")
+    args = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "2",
+            "--dropout", "0.3", "--no-memory-report", "--data-dir", ptb_offline_dir,
+            "--policy", "every_k", "--k", "4", "--metrics-file", str(out / "m.jsonl")]
+    assert ptb.main(args) == 0
+    return read_rows(out / "m.jsonl")
+
+
+def test_reference_run_trains_and_logs_every_step(reference_run):
+    assert [r["step"] for r in reference_run] == list(range(1, STEPS + 1))
+    for row in reference_run:
+        assert set(row) >= {"step", "loss", "perplexity", "lr", "step_time_s", "tokens_per_s"}
+        assert math.isfinite(row["loss"]) and row["step_time_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
+    assert reference_run[-1]["loss"] < reference_run[0]["loss"] - 0.5
+    assert "valid_ppl" in reference_run[9] and "valid_ppl" not in reference_run[8]
+    assert reference_run[0]["lr"] == 0.0 and reference_run[2]["lr"] == pytest.approx(3e-3)  # 2 warmup steps
+
+
+def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, base_args, reference_run, capsys):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.csv"
+    args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
+
+    def ctrl_c_at_8(n, outputs):
+        if n == 8:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while step 8 runs: finish it, save, exit
+        return outputs
+
+    wrap_train_step(monkeypatch, ctrl_c_at_8)
+    assert ptb.main(args) == ptb.EXIT_INTERRUPTED
+    assert "interrupted after step 8" in capsys.readouterr().err
+    assert Checkpoints(ckpt).latest_step() == 8
+    assert sorted(losses_of(metrics)) == list(range(1, 9))
+    monkeypatch.undo()
+
+    assert ptb.main(args + ["--resume"]) == 0
+    resumed = losses_of(metrics)
+    expected = {r["step"]: r["loss"] for r in reference_run}
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):  # same compiled program, same data and keys: bitwise equal
+        assert resumed[step] == expected[step], step
+    assert Checkpoints(ckpt).latest_step() == STEPS
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(monkeypatch, tmp_path, base_args, capsys):
+    ckpt = tmp_path / "ck"
+
+    def nan_at_5(n, outputs):
+        params, opt_state, loss = outputs
+        return (params, opt_state, jnp.float32(math.nan)) if n == 5 else outputs
+
+    wrap_train_step(monkeypatch, nan_at_5)
+    args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    assert ptb.main(args) == ptb.EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "became nan at step 5" in err and "last good checkpoint is step 4" in err
+    assert "Traceback" not in err
+    assert Checkpoints(ckpt).latest_step() == 4
+
+
+def test_every_k_and_none_give_the_same_loss_curve(tmp_path, base_args, reference_run):
+    metrics = tmp_path / "none.jsonl"
+    assert ptb.main(base_args + ["--policy", "none", "--metrics-file", str(metrics)]) == 0
+    none_losses = [r["loss"] for r in read_rows(metrics)]
+    every_k_losses = [r["loss"] for r in reference_run]
+    assert len(none_losses) == STEPS
+    np.testing.assert_allclose(every_k_losses, none_losses, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policy", "nosuch"], "unknown policy 'nosuch'; valid policies:"),
+        (["--policy", "every_k", "--k", "0"], "k must be >= 1, got '0'"),
+        (["--policy", "every_k", "--k", "-1"], "k must be >= 1, got '-1'"),
+        (["--policy", "every_k", "--k", "x"], "k must be an integer, got 'x'"),
+        (["--policy", "full", "--k", "4"], "unknown key 'k' for policy 'full'"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        (["--seq-len", "17"], "--seq-len 17 is longer than preset 'tiny' has positions (max_seq_len 16)"),
+        (["--accum", "0"], "--accum must be a positive integer, got 0"),
+        (["--epochs", "1"], "give --steps or --epochs, not both"),
+        (["--resume"], "--resume needs --ckpt-dir"),
+        (["--policy-module", "no_such_module_xyz"], "cannot import policy module 'no_such_module_xyz'"),
+        (["--mesh", "data=4,fsdp=2", "--batch-size", "8"], "--mesh: mesh data=4,fsdp=2 has 8 devices but 1 are available"),
+        (["--mesh", "data=2,model=2"], "--mesh: "),
+        (["--mesh", "data=3", "--batch-size", "4"], "--batch-size 4 does not split over --mesh data=3"),
+        (["--policy", "full", "--memory-budget", "1GiB"], "--memory-budget applies only to --policy auto"),
+        (["--policy", "auto", "--memory-budget", "lots"], "memory budget 'lots' is not a size like 6GiB"),
+        (["--policy", "auto", "--memory-budget", "1KiB"], "smallest achievable peak is"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(base_args, capsys, extra, message):
+    assert ptb.main(base_args + extra) == ptb.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_and_empty_data_files(tmp_path, base_args, capsys, ptb_offline_dir):
+    args = [a if a != ptb_offline_dir else str(tmp_path) for a in base_args]
+    assert ptb.main(args) == ptb.EXIT_USAGE
+    assert "ptb.train.txt is missing" in capsys.readouterr().err
+    for name in ("ptb.train.txt", "ptb.valid.txt"):
+        (tmp_path / name).write_text("a b c\n")
+    (tmp_path / "ptb.test.txt").write_text("")
+    assert ptb.main(args) == ptb.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "ptb.test.txt is empty" in err and "JREMAT_PTB_DIR" in err
+
+
+def test_resume_without_checkpoint(tmp_path, base_args, capsys):
+    assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--resume"]) == ptb.EXIT_USAGE
+    assert "no checkpoint found" in capsys.readouterr().err
+
+
+def test_unwritable_ckpt_dir(tmp_path, base_args, capsys):
+    (tmp_path / "file").write_text("x")
+    assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "file" / "ck")]) == ptb.EXIT_USAGE
+    assert "is not writable" in capsys.readouterr().err
+
+
+def _foreign_checkpoint(directory, ptb_offline_dir, preset_name):
+    """A checkpoint as train.ptb writes it, of preset ``preset_name`` at step 3 (params as initialized)."""
+    corpus = data_lib.load_corpus(ptb_offline_dir)
+    cfg = TrainConfig(preset=preset_name, steps=10, data_dir=ptb_offline_dir)
+    model_cfg = cfg.model_config(corpus.vocab_size)
+    opt = OptimizerConfig(cfg.lr, cfg.warmup, 10, cfg.clip, cfg.weight_decay, cfg.accum).build()
+    _, params = init_params(model_cfg, 0)
+    import jax
+
+    ckpts = Checkpoints(directory)
+    ckpts.save(3, pack_state(params, opt.init(params), jax.random.key(0)),
+               ptb.checkpoint_meta(cfg, model_cfg, corpus, 3, 100, 10))
+    ckpts.close()
+
+
+def test_resume_from_a_different_model_shape(tmp_path, base_args, capsys, ptb_offline_dir):
+    ckpt = tmp_path / "ck"
+    _foreign_checkpoint(ckpt, ptb_offline_dir, "needle")
+    before = sorted(os.listdir(ckpt))
+    assert ptb.main(base_args + ["--ckpt-dir", str(ckpt), "--resume"]) == ptb.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "different model shape" in err and "d_model: checkpoint 20, this run 32" in err
+    assert sorted(os.listdir(ckpt)) == before and Checkpoints(ckpt).latest_step() == 3
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints_or_metrics(tmp_path, base_args, capsys, ptb_offline_dir):
+    ckpt = tmp_path / "ck"
+    _foreign_checkpoint(ckpt, ptb_offline_dir, "tiny")
+    assert ptb.main(base_args + ["--ckpt-dir", str(ckpt)]) == ptb.EXIT_USAGE
+    assert "already holds checkpoints (latest step 3)" in capsys.readouterr().err
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert ptb.main(base_args + ["--metrics-file", str(metrics)]) == ptb.EXIT_USAGE
+    assert "already has rows" in capsys.readouterr().err
+    assert metrics.read_text() == json.dumps({"step": 1, "loss": 1.0}) + "\n"
+
+
+def test_policy_keys_become_flags_and_policy_module_adds_policies(tmp_path, monkeypatch):
+    (tmp_path / "my_policies.py").write_text(
+        "from jremat import Param, register, resolve\n"
+        "@register('stride_test', doc='test policy', params={'stride': Param('int', 2, 'a stride', min=1)})\n"
+        "def make(stride):\n"
+        "    return resolve('full')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from jremat import registry
+
+    try:
+        cfg = ptb.parse_config(["--policy-module", "my_policies", "--policy", "stride_test", "--stride", "3"])
+        assert cfg.policy_spec() == "stride_test:stride=3"
+        assert ptb.parse_config(["--policy", "every_k", "--k", "2", "--skip-cheap", "true"]).policy_spec() == (
+            "every_k:k=2,skip_cheap=true")
+        assert ptb.parse_config(["--policy", "every_k"]).policy_spec() == "every_k"
+    finally:
+        registry.unregister("stride_test")
+
+
+def test_cli_subprocess_bad_input_has_no_traceback(ptb_offline_dir):
+    proc = subprocess.run([sys.executable, "-m", "train.ptb", "--preset", "tiny", "--policy", "every_k", "--k", "0",
+                           "--data-dir", ptb_offline_dir], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "k must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_lists_policies_and_their_keys(capsys):
+    assert ptb.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for text in ("--k VALUE", "--skip-cheap VALUE", "--batch-size", "--ckpt-dir", "every_k", "Exit codes"):
+        assert text in out
+    assert preset("tiny").max_seq_len == 16  # the seq-len error case above relies on it

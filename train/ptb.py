@@ -1,0 +1,489 @@
+"""Train the reference GPT on word-level Penn Treebank: ``python -m train.ptb --policy every_k --k 4``.
+
+Flags map one to one onto :class:`train.config.TrainConfig` fields; every key of every
+registered remat policy is also a flag (``--k``, ``--skip-cheap``, ...) passed to
+``jremat.resolve`` only when given. See "Training on Penn Treebank" in README.md.
+
+Exit codes: 0 done; 2 bad input (message, nothing written is lost); 1 the loss became NaN/inf
+(the last good checkpoint is kept); 130 interrupted with Ctrl-C (a checkpoint was saved first
+when ``--ckpt-dir`` is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import signal
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jremat
+from jremat import registry
+from train import data as data_lib
+from train import memory as memory_cli
+from train import sharding as sharding_lib
+from train import step as step_lib
+from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
+from train.config import TRAJECTORY_FIELDS, TrainConfig, UsageError, config_fields, flag_name
+from train.metrics import MetricsFile
+
+EXIT_OK, EXIT_NONFINITE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished (or stopped) run produced.
+
+    Attributes:
+      status: ``"done"``, ``"interrupted"`` or ``"nonfinite"``.
+      steps_done: optimizer steps completed (including those before a resume).
+      losses: per-step training losses of the steps run in this process, by step number.
+      valid_ppl / test_ppl: final perplexities (``None`` if not reached).
+      valid_history: ``(step, valid perplexity)`` of the periodic evaluations.
+      mean_step_time_s: mean wall time per optimizer step in this process (compile excluded).
+      tokens_per_s: training tokens per second over those steps.
+      message: a one-paragraph description of how the run ended.
+    """
+
+    status: str
+    steps_done: int
+    losses: dict[int, float]
+    valid_ppl: float | None = None
+    test_ppl: float | None = None
+    valid_history: list = dataclasses.field(default_factory=list)
+    mean_step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    message: str = ""
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints usage + message, exit 2; keep it short
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+
+
+def policy_key_flags() -> dict[str, str]:
+    """Flag name for every key of every registered policy: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
+
+    A key whose flag would collide with a training flag is spelled ``--policy-<key>``.
+    """
+    taken = {flag_name(f.name) for f in config_fields()} | {"--help"}
+    flags = {}
+    for entry in registry.entries().values():
+        for key in entry.params:
+            flag = flag_name(key)
+            flags[key] = flag if flag not in taken else "--policy-" + key.replace("_", "-")
+    return flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: one flag per :class:`TrainConfig` field plus one per policy key."""
+    parser = _ArgumentParser(
+        prog="python -m train.ptb",
+        description="Train the reference GPT on word-level Penn Treebank with a remat policy.",
+        epilog="Registered policies (spec keys are also flags):\n" + jremat.describe()
+        + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    for field in config_fields():
+        meta = field.metadata
+        kwargs: dict[str, Any] = {"dest": field.name, "help": meta["help"]}
+        if meta.get("action") == "store_true":
+            kwargs.update(action="store_true", default=False)
+        elif meta.get("action") == "bool":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            kwargs.update(default=None, metavar=field.name.upper())
+            if "type" in meta:
+                kwargs["type"] = meta["type"]
+            if "choices" in meta:
+                kwargs.update(choices=meta["choices"], metavar="{" + ",".join(meta["choices"]) + "}")
+            if field.default is not None:
+                kwargs["help"] += f" (default {field.default})"
+        parser.add_argument(flag_name(field.name), **kwargs)
+    group = parser.add_argument_group("policy keys (each passed to the policy only when given)")
+    for key, flag in sorted(policy_key_flags().items()):
+        helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
+        group.add_argument(flag, dest="policykey__" + key, default=None, metavar="VALUE", help="; ".join(helps))
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None) -> TrainConfig:
+    """Parse command-line arguments into a validated :class:`TrainConfig`.
+
+    ``--policy-module`` is imported first so that its policies' keys become flags.
+
+    Raises:
+      SystemExit: on argparse errors (code 2) and ``--help`` (code 0).
+      UsageError: on invalid values.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--policy-module", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.policy_module:
+        try:
+            registry.load_module(known.policy_module)
+        except ValueError as err:
+            raise UsageError(f"bad --policy-module: {err}") from None
+    args = vars(build_parser().parse_args(argv))
+    keys = tuple((k.split("__", 1)[1], v) for k, v in args.items() if k.startswith("policykey__") and v is not None)
+    values = {k: v for k, v in args.items() if not k.startswith("policykey__") and v is not None}
+    return TrainConfig(policy_keys=keys, **values)
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
+    """The start-up memory report: peak estimate and saved bytes per layer, this policy vs ``none``.
+
+    Compile-only (``train.memory.summary_vs_none``): nothing runs on the device.
+    """
+    return memory_cli.summary_vs_none(model_cfg, batch_size, seq_len)
+
+
+def plan_auto_policy(cfg: TrainConfig, model_cfg):
+    """Replace an ``auto`` policy by the plan that fits the budget (see :mod:`train.auto`).
+
+    Returns:
+      ``(model_cfg, plan_table)``; the config unchanged and ``None`` for any other policy.
+
+    Raises:
+      UsageError: if no plan fits the budget (the message gives the smallest achievable peak).
+    """
+    if registry.parse_spec(model_cfg.remat_policy)[0] != "auto":
+        return model_cfg, None
+    try:
+        planned, plan = memory_cli.config_for_spec(
+            model_cfg, model_cfg.remat_policy, cfg.batch_size, cfg.seq_len, cfg.memory_budget
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return planned, plan.table()
+
+
+def format_config(cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, source: str, total_steps: int,
+                  batches_per_epoch: int) -> str:
+    """The configuration block printed at start."""
+    lines = ["train config:"]
+    for field in dataclasses.fields(cfg):
+        lines.append(f"  {field.name:<17} {getattr(cfg, field.name)!r}")
+    lines.append("model config:")
+    for field in dataclasses.fields(model_cfg):
+        lines.append(f"  {field.name:<17} {getattr(model_cfg, field.name)!r}")
+    lines.append(
+        f"data: {source}; vocab {corpus.vocab_size}; tokens train {len(corpus.train):,} "
+        f"valid {len(corpus.valid):,} test {len(corpus.test):,}"
+    )
+    lines.append(
+        f"schedule: {total_steps} steps x {cfg.accum} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} "
+        f"= {total_steps * cfg.accum / batches_per_epoch:.2f} epochs ({batches_per_epoch} batches per epoch)"
+    )
+    return "\n".join(lines)
+
+
+def summary_table(cfg: TrainConfig, model_cfg, result: RunResult) -> str:
+    """The final summary table."""
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    last = result.losses[max(result.losses)] if result.losses else None
+    rows = [
+        ("preset", cfg.preset),
+        ("policy", model_cfg.remat_policy),
+        ("granularity", cfg.granularity),
+        ("steps", str(result.steps_done)),
+        ("final train loss", fmt(last, ".4f")),
+        ("valid perplexity", fmt(result.valid_ppl, ".2f")),
+        ("test perplexity", fmt(result.test_ppl, ".2f")),
+        ("mean step time (s)", fmt(result.mean_step_time_s, ".4f")),
+        ("tokens/s", fmt(result.tokens_per_s, ",.0f")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join(["summary", rule, *(f"{k:<{width}} | {v}" for k, v in rows), rule])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def evaluate(eval_step: Callable, params, batches: data_lib.Batches, max_batches: int = 0,
+             put: Callable = lambda a: a) -> float:
+    """Mean cross-entropy over the split's batches (the first ``max_batches`` if > 0); ``put`` places each array."""
+    n = len(batches) if max_batches == 0 else min(max_batches, len(batches))
+    total = 0.0
+    for i in range(n):
+        x, y = batches[i]
+        total += float(eval_step(params, put(x), put(y)))
+    return total / n
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+_STEP_CACHE: dict = {}
+
+
+def compiled_steps(model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, params, opt_state, batch_size, seq_len,
+                   mesh=None):
+    """AOT-compiled ``(train_step, eval_step)`` for these configs and shapes (sharded on ``mesh``), cached per process."""
+    key = (model_cfg, opt_cfg, batch_size, seq_len, mesh)
+    if key not in _STEP_CACHE and mesh is not None:
+        _STEP_CACHE[key] = sharding_lib.compile_steps(graphdef, opt_cfg.build(), mesh, params, opt_state,
+                                                      batch_size, seq_len)
+    if key not in _STEP_CACHE:
+        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+        train = step_lib.make_train_step(graphdef, opt_cfg.build())
+        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(0, 0, 0)).compile()
+        eval_c = step_lib.make_eval_step(graphdef).lower(params, tokens, tokens).compile()
+        _STEP_CACHE[key] = (train_c, eval_c)
+    return _STEP_CACHE[key]
+
+
+class _InterruptFlag:
+    """First Ctrl-C sets a flag (the loop saves and stops after the current step); a second one aborts."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave Ctrl-C alone
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: bool = True) -> RunResult:
+    """Run training as configured; see the module docstring for the CLI around it.
+
+    Raises:
+      UsageError: bad input (data, checkpoint directory, resume target, metrics file).
+    """
+    from tqdm import tqdm
+
+    ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints) if cfg.ckpt_dir else None
+    latest = ckpts.latest_step() if ckpts else None
+    if cfg.resume and latest is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint found in {str(ckpts.path)!r}; run without --resume to start fresh"
+        )
+    if ckpts and not cfg.resume and latest is not None:
+        raise CheckpointError(
+            f"--ckpt-dir {str(ckpts.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
+            "run; pass --resume to continue it or choose another --ckpt-dir"
+        )
+
+    data_dir, source = data_lib.locate(cfg.data_dir)
+    corpus = data_lib.load_corpus(data_dir)
+    train_batches = data_lib.Batches(corpus.train, cfg.batch_size, cfg.seq_len, split="train")
+    valid_batches = data_lib.Batches(corpus.valid, cfg.batch_size, cfg.seq_len, split="valid")
+    test_batches = data_lib.Batches(corpus.test, cfg.batch_size, cfg.seq_len, split="test")
+    per_epoch = len(train_batches)
+    total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
+
+    model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
+    if cfg.resume:
+        meta = ckpts.read_meta(latest)
+        check_compatible(meta, model_cfg, corpus.vocab_md5(), ckpts.path)
+    opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
+    tx = opt_cfg.build()
+    try:
+        mesh = sharding_lib.mesh_from_flag(cfg.mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a))
+    if mesh is None:
+        graphdef, params = step_lib.init_params(model_cfg, cfg.seed)
+        opt_state = tx.init(params)
+    else:
+        graphdef, params = sharding_lib.init_params(model_cfg, cfg.seed, mesh)
+        opt_state = sharding_lib.init_opt_state(tx, params, mesh)
+    base_key = jax.random.key(cfg.seed)
+
+    start_step = 0
+    if cfg.resume:
+        changed = [f for f in TRAJECTORY_FIELDS if meta.get("train", {}).get(f) != _jsonable(getattr(cfg, f))]
+        if changed:
+            log(f"warning: resuming with changed {', '.join(changed)}; losses will differ from an uninterrupted run")
+        tree = ckpts.restore_state(latest, pack_state(params, opt_state, base_key))
+        params, opt_state, base_key = unpack_state(tree, params, opt_state)
+        start_step = int(meta["step"])
+        if int(meta["data_position"]) != start_step * cfg.accum:
+            log(f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
+                f"micro-batch {start_step * cfg.accum}")
+        log(f"resumed from {ckpts.path} at step {start_step}")
+
+    metrics = MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None) if cfg.metrics_file else None
+
+    def save(step):
+        ckpts.save(step, pack_state(params, opt_state, base_key),
+                   checkpoint_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps))
+
+    log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
+    if plan_table:
+        log(plan_table)
+    if cfg.memory_report:
+        log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
+        if mesh is not None:
+            log(sharding_lib.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
+    t_compile = time.perf_counter()
+    train_step, eval_step = compiled_steps(model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh)
+    log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
+    result = RunResult(status="done", steps_done=start_step, losses={})
+    step_times = []
+    last_saved = start_step if cfg.resume else None
+    bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
+               dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    step = start_step
+    try:
+        with _InterruptFlag() as interrupt:
+            while step < total_steps:
+                t0 = time.perf_counter()
+                micro_losses = []
+                for micro in range(cfg.accum):
+                    x, y = train_batches[(step * cfg.accum + micro) % per_epoch]
+                    key = jax.random.fold_in(jax.random.fold_in(base_key, step), micro)
+                    params, opt_state, loss = train_step(params, opt_state, put(x), put(y), key)
+                    micro_losses.append(loss)
+                loss = float(np.mean([float(v) for v in micro_losses]))
+                step_time_s = time.perf_counter() - t0
+                if not math.isfinite(loss):
+                    kept = ckpts.latest_step() if ckpts else None
+                    where = f"the last good checkpoint is step {kept} in {ckpts.path}" if kept is not None else (
+                        "no checkpoint was saved" + ("" if ckpts else " (no --ckpt-dir)"))
+                    result.status = "nonfinite"
+                    result.message = (
+                        f"training loss became {loss} at step {step + 1}; stopped without saving this step; {where}. "
+                        "Try a lower --lr, a smaller --clip, longer --warmup or --dtype float32"
+                    )
+                    return result
+                step += 1
+                step_times.append(step_time_s)
+                result.losses[step] = loss
+                result.steps_done = step
+                row = dict(step=step, loss=loss, perplexity=_perplexity(loss), lr=opt_cfg.learning_rate(step - 1),
+                           step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                    valid_loss = evaluate(eval_step, params, valid_batches, cfg.eval_batches, put)
+                    row.update(valid_loss=valid_loss, valid_ppl=_perplexity(valid_loss))
+                    result.valid_history.append((step, row["valid_ppl"]))
+                    bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")
+                if metrics:
+                    metrics.write(row)
+                bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{row['perplexity']:.1f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}", step_s=f"{step_time_s:.3f}", refresh=False)
+                bar.update(1)
+                if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                    save(step)
+                    last_saved = step
+                if interrupt.raised:
+                    if ckpts and last_saved != step:
+                        save(step)
+                        last_saved = step
+                    result.status = "interrupted"
+                    result.message = (
+                        f"interrupted after step {step}; "
+                        + (f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
+                           if ckpts else "no --ckpt-dir, so nothing was saved")
+                    )
+                    return result
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+        if step_times:
+            result.mean_step_time_s = float(np.mean(step_times))
+            result.tokens_per_s = tokens_per_step * len(step_times) / float(np.sum(step_times))
+        if ckpts and result.status != "done":
+            ckpts.close()
+
+    if ckpts and last_saved != step:
+        save(step)
+    if ckpts:
+        ckpts.close()
+    result.valid_ppl = _perplexity(evaluate(eval_step, params, valid_batches, cfg.eval_batches, put))
+    result.test_ppl = _perplexity(evaluate(eval_step, params, test_batches, cfg.eval_batches, put))
+    result.message = f"finished {step} steps"
+    log(summary_table(cfg, model_cfg, result))
+    return result
+
+
+def checkpoint_meta(cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, step: int, batches_per_epoch: int,
+                    total_steps: int) -> dict[str, Any]:
+    """The JSON metadata stored with the checkpoint of ``step`` (what ``--resume`` checks)."""
+    return {
+        "step": step,
+        "data_position": step * cfg.accum,
+        "epoch": step * cfg.accum / batches_per_epoch,
+        "model_shape": model_shape(model_cfg),
+        "model": _jsonable(dataclasses.asdict(model_cfg)),
+        "train": _jsonable(dataclasses.asdict(cfg)),
+        "vocab_md5": corpus.vocab_md5(),
+        "total_steps": total_steps,
+    }
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=list))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI entry point; returns the exit code (see the module docstring)."""
+    try:
+        cfg = parse_config(argv)
+        if cfg.mesh is not None:  # multi-host: before anything starts the JAX backend
+            try:
+                sharding_lib.initialize_distributed()
+            except ValueError as err:
+                raise UsageError(f"multi-host environment: {err}") from None
+        result = train(cfg)
+    except SystemExit as exit_:  # argparse: --help or a malformed flag (message already printed)
+        return int(exit_.code or 0)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result.status == "nonfinite":
+        print(f"error: {result.message}", file=sys.stderr)
+        return EXIT_NONFINITE
+    if result.status == "interrupted":
+        print(result.message, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

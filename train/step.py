@@ -1,0 +1,103 @@
+"""Optimizer, train step and eval step (optax + Flax NNX, functional style).
+
+The model is split once into a graph definition and a parameter ``State``; the steps are pure
+jitted functions of ``(params, opt_state, batch, key)``. Gradient accumulation is
+``optax.MultiSteps``: each call of the train step consumes one micro-batch and the parameters
+change on every ``accum``-th call.
+
+Dropout keys are a pure function of the seed and the position in training,
+``fold_in(fold_in(key(seed), step), micro_step)``, so a resumed run draws the same masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models import GPT, ModelConfig, cross_entropy_loss
+
+
+def learning_rate_schedule(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to ``peak_lr`` over ``warmup_steps``, then cosine decay to ``peak_lr / 10``.
+
+    Args:
+      peak_lr: the learning rate after warmup.
+      warmup_steps: steps of linear warmup (0: none).
+      total_steps: the run's optimizer steps; the decay ends there.
+    """
+    decay = optax.cosine_decay_schedule(peak_lr, max(1, total_steps - warmup_steps), alpha=0.1)
+    if warmup_steps == 0:
+        return decay
+    warm = optax.linear_schedule(0.0, peak_lr, warmup_steps)
+    return optax.join_schedules([warm, decay], [warmup_steps])
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer hyperparameters (hashable, so compiled steps can be cached on them)."""
+
+    lr: float
+    warmup_steps: int
+    total_steps: int
+    clip: float
+    weight_decay: float
+    accum: int
+
+    def schedule(self) -> optax.Schedule:
+        """The learning-rate schedule, a function of the optimizer step."""
+        return learning_rate_schedule(self.lr, self.warmup_steps, self.total_steps)
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of the update made at optimizer step ``step`` (0-based)."""
+        with jax.numpy_dtype_promotion("standard"):
+            return float(self.schedule()(step))
+
+    def build(self) -> optax.GradientTransformation:
+        """Clipping (if ``clip > 0``) + AdamW, wrapped in ``optax.MultiSteps(every_k=accum)``."""
+        parts = [optax.clip_by_global_norm(self.clip)] if self.clip > 0 else []
+        parts.append(optax.adamw(self.schedule(), weight_decay=self.weight_decay))
+        return optax.MultiSteps(optax.chain(*parts), every_k_schedule=self.accum)
+
+
+def init_params(model_cfg: ModelConfig, seed: int) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of a freshly initialized :class:`models.GPT`."""
+    return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(seed)))
+
+
+def dropout_key(seed: int, step: int, micro_step: int) -> jax.Array:
+    """The dropout key of one micro-batch: ``fold_in(fold_in(key(seed), step), micro_step)``."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro_step)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
+    """A jitted ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``.
+
+    ``params`` and ``opt_state`` are donated.
+    """
+
+    def train_step(params, opt_state, tokens, targets, key):
+        def loss_fn(p):
+            return cross_entropy_loss(nnx.merge(graphdef, p), tokens, targets, key)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        # optax mixes Python floats with int32 step counts; allow that even under strict promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef) -> Callable:
+    """A jitted ``(params, tokens, targets) -> mean loss`` with dropout off."""
+
+    def eval_step(params, tokens, targets):
+        return cross_entropy_loss(nnx.merge(graphdef, params), tokens, targets, None)
+
+    return jax.jit(eval_step)
