@@ -1,12 +1,4 @@
-"""jremat: activation rematerialization for JAX with fine-grained policies.
-
-Import this package before running any JAX computation: on XLA:CPU it sets the scheduler flag
-that lets remat save memory in unrolled programs (see :mod:`jremat.xla_flags`).
-"""
-
-from jremat import xla_flags as _xla_flags
-
-CPU_SCHEDULER_FLAG_ACTIVE = _xla_flags.configure()
+"""jremat: activation rematerialization for JAX with fine-grained policies."""
 
 from jremat import names  # noqa: E402
 from jremat.policy import CallbackPolicy, NoRemat, Plan, PlanPolicy, Policy  # noqa: E402
@@ -14,10 +6,23 @@ from jremat.program import Program, trace_program  # noqa: E402
 from jremat.registry import Param, available, describe, load_module, register, resolve  # noqa: E402
 from jremat.remat import GRANULARITIES, RematConfig, checkpoint, remat_at, run_layers  # noqa: E402
 from jremat.rng import dropout, layer_keys, site_key  # noqa: E402
+# The decorator shadows the ``jremat.policy`` submodule attribute on purpose (``@jremat.policy``);
+# import the submodule's names with ``from jremat.policy import ...``.
+from jremat.decorator import custom_policy, policy  # noqa: E402
+from jremat.memory import (  # noqa: E402
+    MemoryReport,
+    ResidualsReport,
+    diagnose_remat,
+    live_memory,
+    memory_report,
+    program_flops,
+    saved_residuals_report,
+)
 
 __all__ = [
     "CallbackPolicy",
     "GRANULARITIES",
+    "MemoryReport",
     "NoRemat",
     "Param",
     "Plan",
@@ -25,17 +30,25 @@ __all__ = [
     "Policy",
     "Program",
     "RematConfig",
+    "ResidualsReport",
     "available",
     "checkpoint",
+    "custom_policy",
     "describe",
+    "diagnose_remat",
     "dropout",
     "layer_keys",
+    "live_memory",
     "load_module",
+    "memory_report",
     "names",
+    "policy",
+    "program_flops",
     "register",
     "remat_at",
     "resolve",
     "run_layers",
+    "saved_residuals_report",
     "site_key",
     "trace_program",
 ]

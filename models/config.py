@@ -28,6 +28,14 @@ class ModelConfig:
       remat_policy: a policy spec (see ``jremat.describe()``).
       remat_granularity: ``none``, ``block`` or ``sublayer``.
       scan_layers: run the blocks under ``lax.scan`` (default) rather than unrolled.
+      remat_head_chunks: 0 (default) keeps the final LayerNorm, vocabulary head and loss as they
+        are (their ``[batch, seq, vocab]`` logits stay live for the backward pass); ``N > 0`` runs
+        them over ``N`` sequence chunks, each recomputed in the backward pass, so at most one
+        chunk's logits is live. ``N`` must divide the sequence length.
+      remat_layer_policies: different policies for contiguous groups of layers, in layer order,
+        ``"COUNT:SPEC,...[,rest:SPEC]"``: ``"2:full,rest:none"`` rematerializes layers 0-1 fully
+        and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
+        (default): every layer uses ``remat_policy``. See :func:`jremat.remat.parse_layer_policies`.
     """
 
     vocab_size: int = 10000
@@ -44,8 +52,12 @@ class ModelConfig:
     remat_policy: str = "full"
     remat_granularity: str = "block"
     scan_layers: bool = True
+    remat_layer_policies: str = ""
+    remat_head_chunks: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.remat_head_chunks, int) or isinstance(self.remat_head_chunks, bool) or self.remat_head_chunks < 0:
+            raise ValueError(f"remat_head_chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
         for field in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -57,12 +69,15 @@ class ModelConfig:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
-        self.remat_config()  # validates policy and granularity
+        self.remat_config().validate_layers(self.n_layers)  # policy, granularity, layer groups
 
     def remat_config(self) -> jremat.RematConfig:
         """The :class:`jremat.RematConfig` these fields describe."""
         return jremat.RematConfig(
-            policy=self.remat_policy, granularity=self.remat_granularity, scan_layers=self.scan_layers
+            policy=self.remat_policy,
+            granularity=self.remat_granularity,
+            scan_layers=self.scan_layers,
+            layer_policies=self.remat_layer_policies,
         )
 
     def replace(self, **changes) -> "ModelConfig":

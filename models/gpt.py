@@ -106,14 +106,19 @@ class Block(nnx.Module):
         return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE)
 
 
-def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy):
+def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy, activation_sharding=None):
     """The pure per-layer function ``(block_params, x, key) -> x`` with remat marked.
 
     Args:
       graphdef: the NNX graph definition of one :class:`Block`.
       config: where remat goes (block or sublayer).
       policy: the policy for this layer group.
+      activation_sharding: ``None`` (default, no-op) or a function ``x -> x`` applied to the
+        residual stream ``[batch, seq, d_model]`` at the block input, between the attention and
+        MLP sublayers and at the block output, e.g. a ``jax.lax.with_sharding_constraint`` that
+        shards it along the sequence axis (sequence parallelism, see ``train.sharding``).
     """
+    constrain = activation_sharding if activation_sharding is not None else (lambda x: x)
 
     def attention_part(params, x, key):
         return nnx.merge(graphdef, params).attention_sublayer(x, key)
@@ -125,9 +130,9 @@ def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy):
     mlp_part = jremat.remat_at(mlp_part, "sublayer", config, policy=policy)
 
     def block(params, x, key):
-        x = checkpoint_name(x, names.BLOCK_INPUT)
-        x = attention_part(params, x, key)
-        return checkpoint_name(mlp_part(params, x, key), names.BLOCK_OUTPUT)
+        x = checkpoint_name(constrain(x), names.BLOCK_INPUT)
+        x = constrain(attention_part(params, x, key))
+        return checkpoint_name(constrain(mlp_part(params, x, key)), names.BLOCK_OUTPUT)
 
     return jremat.remat_at(block, "block", config, policy=policy)
 
@@ -138,10 +143,14 @@ class GPT(nnx.Module):
     Args:
       cfg: the :class:`ModelConfig`.
       rngs: parameter-initialization RNGs.
+      activation_sharding: ``None`` (default) or a hashable function ``x -> x`` applied to the
+        residual stream between sublayers (see :func:`make_block_fn`); kept as a static
+        attribute, so it is part of the graph definition.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, activation_sharding=None):
         self.cfg = cfg
+        self.activation_sharding = activation_sharding
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         init = nnx.initializers.normal(0.02)
@@ -163,6 +172,13 @@ class GPT(nnx.Module):
         Raises:
           ValueError: if the sequence is longer than ``cfg.max_seq_len``.
         """
+        return self.head(self.ln_f(self.hidden(tokens, key)))
+
+    def hidden(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """The residual stream after the last block, ``[batch, seq, d_model]`` (before the final LayerNorm).
+
+        Args and raises as :meth:`__call__`.
+        """
         cfg = self.cfg
         seq = tokens.shape[1]
         if seq > cfg.max_seq_len:
@@ -170,26 +186,45 @@ class GPT(nnx.Module):
         x = self.token_embed(tokens) + self.pos_embed[None, :seq].astype(jnp.dtype(cfg.dtype))
         remat = cfg.remat_config()
         graphdef, stacked = nnx.split(self.blocks)
-        x = jremat.run_layers(
-            lambda policy: make_block_fn(graphdef, remat, policy),
+        return jremat.run_layers(
+            lambda policy: make_block_fn(graphdef, remat, policy, self.activation_sharding),
             stacked,
             x,
             jremat.layer_keys(key, cfg.n_layers),
             remat,
         )
-        return self.head(self.ln_f(x))
+
+
+def _summed_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
 
 def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy in float32.
+
+    With ``cfg.remat_head_chunks > 0`` the final LayerNorm, head and loss run over that many
+    sequence chunks, each recomputed in the backward pass (:func:`jremat.remat.rematerialized_chunks`).
 
     Args:
       model: the :class:`GPT`.
       tokens: ``[batch, seq]`` inputs.
       targets: ``[batch, seq]`` next tokens.
       key: dropout key or ``None``.
+
+    Raises:
+      ValueError: if ``remat_head_chunks`` does not divide the sequence length.
     """
-    logits = model(tokens, key).astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    chunks = model.cfg.remat_head_chunks
+    x = model.hidden(tokens, key)
+    if chunks == 0:
+        total = _summed_token_loss(model.head(model.ln_f(x)), targets)
+    else:
+        head_graphdef, head_params = nnx.split((model.ln_f, model.head))
+
+        def chunk_loss(params, x_chunk, target_chunk):
+            ln_f, head = nnx.merge(head_graphdef, params)
+            return _summed_token_loss(head(ln_f(x_chunk)), target_chunk)
+
+        total = jremat.remat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
+    return total / targets.size

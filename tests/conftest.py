@@ -7,7 +7,7 @@ import os
 # buffer assignment, and so every memory figure, is unchanged.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jremat  # noqa: E402  (sets the XLA:CPU scheduler flag before the backend starts)
+import jremat  # noqa: E402,F401
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402

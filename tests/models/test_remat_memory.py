@@ -43,14 +43,15 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
     residuals = saved_residuals(
         lambda p: cross_entropy_loss(nnx.merge(graphdef, p), tokens, tokens, jax.random.key(0)), params
     )
-    from_scan = [aval for aval, where in residuals if "run_layers" in where and aval.ndim == 4]
-    assert [a.shape for a in from_scan] == [(cfg.n_layers, BATCH, cfg.max_seq_len, cfg.d_model)]
+    # Residuals stacked over layers by the scan: every array with a leading layer axis.
+    stacked = [a for a, where in residuals if "argument" not in where and a.ndim >= 2 and a.shape[0] == cfg.n_layers]
+    assert [a.shape for a in stacked] == [(cfg.n_layers, BATCH, cfg.max_seq_len, cfg.d_model)]
 
 
-@pytest.mark.parametrize("policy", ["full", "every_k:k=4"])
-def test_unrolled_remat_saves_memory(policy):
-    """Unrolled stacks save memory too (needs the XLA:CPU scheduler flag jremat sets)."""
+@pytest.mark.parametrize("policy, max_fraction_of_none", [("full", 0.6), ("every_k:k=4", 0.75)])
+def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
+    """Unrolled stacks save memory too, thanks to recompute_after_cotangent (measured 0.55x and 0.66x)."""
     cfg = small(n_layers=8, scan_layers=False)
     none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_size_in_bytes
     temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_size_in_bytes
-    assert temp < none_temp, (policy, temp, none_temp)
+    assert temp <= max_fraction_of_none * none_temp, (policy, temp, none_temp)

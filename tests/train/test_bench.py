@@ -1,0 +1,86 @@
+"""python -m train.bench: smoke run on tiny sizes (CSV columns, plots, summary) and exit code 2 on bad flags."""
+
+import csv
+
+import pytest
+
+import jax
+from train import bench
+
+
+def test_quick_run_writes_csv_plots_and_summary(tmp_path, capsys):
+    out = tmp_path / "results"
+    code = bench.main(["--quick", "--out", str(out), "--parts", "needle,needle_time,megatron,time",
+                       "--policy", "none", "--policy", "full", "--policy", "every_k:k=4", "--policy", bench.BASELINE_JAX,
+                       "--needle-batches", "4", "--needle-d-ffs", "32", "--needle-ks", "0,2"])
+    assert code == 0
+    with open(out / "bench.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+        rows = list(reader)
+    assert {r["part"] for r in rows} == {"needle_batch", "needle_dff", "needle_time", "megatron", "time"}
+    meg = {r["policy"]: r for r in rows if r["part"] == "megatron"}
+    assert list(meg) == ["none", "full", "every_k:k=4", bench.BASELINE_JAX]
+    # full keeps one bf16 block input per layer: exactly 2 bytes per element of [b, s, h].
+    assert float(meg["full"]["saved_per_sbh"]) == pytest.approx(2.0)
+    assert float(meg[bench.BASELINE_JAX]["saved_per_sbh"]) == pytest.approx(2.0)
+    assert float(meg["none"]["saved_per_sbh"]) > float(meg["every_k:k=4"]["saved_per_sbh"]) > 2.0
+    assert int(meg["full"]["peak_bytes"]) < int(meg["none"]["peak_bytes"])
+    timed = [r for r in rows if r["part"] in ("time", "needle_time")]
+    assert {r["policy"] for r in timed} == {"none", "full", "every_k:k=4", bench.BASELINE_JAX, "every_k:k=2"}
+    for r in timed:
+        ratio, low, high = (float(r[c]) for c in ("time_ratio_vs_none", "time_ratio_low", "time_ratio_high"))
+        assert int(r["time_steps"]) == 5 and int(r["peak_bytes"]) > 0
+        # --quick times in one round: the round's ratio is the overall ratio.
+        assert low == pytest.approx(ratio) and high == pytest.approx(ratio)
+        if r["policy"] == "none":
+            assert ratio == 1.0
+    for name in ("needle_batch", "needle_dff", "needle_k_time", "megatron", "pareto"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    assert "python -m train.bench --quick" in summary and f"JAX {jax.__version__}" in summary
+    assert "## Targets" in summary and "![pareto.png](pareto.png)" in summary
+
+
+def test_quick_maxbatch_and_auto_parts(tmp_path, capsys):
+    out = tmp_path / "results"
+    code = bench.main(["--quick", "--out", str(out), "--parts", "maxbatch,auto", "--policy", "none", "--policy", "full"])
+    assert code == 0
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    maxb = {r["policy"]: int(r["max_batch"]) for r in rows if r["part"] == "maxbatch"}
+    assert maxb["full"] >= maxb["none"] >= 1
+    [auto] = [r for r in rows if r["part"] == "auto"]
+    assert int(auto["peak_bytes"]) <= int(auto["budget_bytes"])
+    assert auto["best_fitting_policy"] in ("none", "full") and float(auto["time_ratio_vs_none"]) > 0
+    assert "## auto at 1 budgets" in (out / "summary.md").read_text()
+    for name in ("maxbatch", "pareto"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unregistered_default_policy_is_skipped_with_a_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "DEFAULT_POLICIES", ("none", "no_such_policy_yet"))
+    config = bench.BenchConfig(out=str(tmp_path), parts=("megatron",), quick=True, policy=bench.DEFAULT_POLICIES)
+    rows, _, notes = bench.run(config, "test")
+    assert [r["policy"] for r in rows] == ["none"]
+    assert "skipped policy 'no_such_policy_yet'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parts", "needle,bogus"], "unknown part 'bogus'"),
+        (["--policy", "every_k:k=0"], "bad --policy"),
+        (["--policy", "no_such_policy"], "unknown policy"),
+        (["--time-steps", "3"], "--time-steps must be an integer >= 5"),
+        (["--needle-batches", "4,x"], "comma-separated integers"),
+        (["--auto-budget-fractions", "0.5,1.5"], "--auto-budget-fractions must be numbers in (0, 1)"),
+        (["--remat-head-chunks", "3"], "--remat-head-chunks 3 does not divide sequence length 20"),
+        (["--megatron-preset", "huge"], "is not a preset"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
