@@ -1,15 +1,15 @@
 """jremat: activation rematerialization for JAX with fine-grained policies."""
 
-from jremat import names  # noqa: E402
-from jremat.policy import CallbackPolicy, NoRemat, Plan, PlanPolicy, Policy  # noqa: E402
-from jremat.program import Program, trace_program  # noqa: E402
-from jremat.registry import Param, available, describe, load_module, register, resolve  # noqa: E402
-from jremat.remat import GRANULARITIES, RematConfig, checkpoint, remat_at, run_layers  # noqa: E402
-from jremat.rng import dropout, layer_keys, site_key  # noqa: E402
+from jremat import names
+from jremat.policy import CallbackPolicy, NoRemat, Plan, PlanPolicy, Policy
+from jremat.program import Program, trace_program
+from jremat.registry import Param, available, describe, load_module, register, resolve
+from jremat.remat import GRANULARITIES, RematConfig, checkpoint, remat_at, run_layers
+from jremat.rng import dropout, layer_keys, site_key
 # The decorator shadows the ``jremat.policy`` submodule attribute on purpose (``@jremat.policy``);
 # import the submodule's names with ``from jremat.policy import ...``.
-from jremat.decorator import custom_policy, policy  # noqa: E402
-from jremat.memory import (  # noqa: E402
+from jremat.decorator import custom_policy, policy
+from jremat.memory import (
     MemoryReport,
     ResidualsReport,
     diagnose_remat,

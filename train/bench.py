@@ -55,7 +55,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-import jremat  # noqa: F401
+import jremat
 import jax
 import jax.numpy as jnp
 import optax

@@ -35,7 +35,7 @@ import math
 import sys
 from typing import Sequence
 
-import jremat  # noqa: F401
+import jremat
 import jax
 import jax.numpy as jnp
 from flax import nnx
