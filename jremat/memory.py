@@ -719,11 +719,13 @@ def diagnose_remat(
     causes = []
     if jax.default_backend() == "cpu" and scan_layers is not True:
         causes.append(
-            "XLA:CPU's concurrency-optimized scheduler hoists recomputation into the forward pass "
-            "in unrolled programs, keeping recomputed values alive "
-            f"({_xla_flags.CPU_SCHEDULER_FLAG} is {'set' if flag_on else 'NOT set'} in this process; "
-            "measured on an 8-layer unrolled 'small' model, full remat cut temp only 68.7->55.3 MB "
-            "versus 50.1->14.0 MB under scan)"
+            "in unrolled programs (and length-1 scans) XLA:CPU strips jax.checkpoint's optimization "
+            "barriers and merges the recomputation with the forward pass (common-subexpression "
+            "elimination), or its concurrency-optimized scheduler runs it early; remat applied "
+            "through jremat.remat_at/run_layers ties recomputation to the cotangent to prevent this, "
+            "a hand-written jax.checkpoint does not (measured: 8-layer unrolled chain, 192 MiB with "
+            f"jax.checkpoint vs 136 MiB without and 104 MiB with the tie; {_xla_flags.CPU_SCHEDULER_FLAG} "
+            f"is {'set' if flag_on else 'NOT set'} in this process)"
         )
     causes.append("XLA scheduling recomputation early or fusing it with the forward pass")
     causes.append("the peak being set by buffers other than residuals (logits, gradients, workspace)")
