@@ -26,10 +26,9 @@ import collections
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jremat import program as _program
@@ -369,7 +368,7 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
     n_res = len(jax.tree.leaves(out_shape[1]))
     # Inline nested jit calls so that each residual's producer is a real primitive, and values a
     # jit merely forwards become the same variable (no double counting).
-    inlined = jax.make_jaxpr(lambda *flat: _program._eval_inlined(closed.jaxpr, closed.consts, flat))(*leaves)
+    inlined = _program.inline_calls(closed, leaves)
     jaxpr = inlined.jaxpr
     return jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_res:], leaves, in_tree
 
@@ -420,7 +419,7 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
                 carry = new_carry
             outs = carry + body_outs[n_carry:]
         else:
-            subs = _program._subjaxprs(eqn)
+            subs = _program.subjaxprs(eqn)
             if len(subs) == 1 and len(subs[0].invars) == len(masks) and len(subs[0].outvars) == len(eqn.outvars):
                 inner = dict(zip(subs[0].invars, masks))
                 _propagate_deps(subs[0], inner)
@@ -495,7 +494,7 @@ def saved_residuals_report(
     invar_index = {}
     for i, v in enumerate(jaxpr.invars):
         invar_index[v] = i
-        if _program._is_key(v.aval):
+        if _program.is_key(v.aval):
             deps[v] = _KEY
         elif owners[i] in param_argnums:
             deps[v] = _PARAM
@@ -570,7 +569,7 @@ def saved_residuals_report(
                 stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
         else:
             primitive, source = "constant", "a constant"
-        if _program._is_key(aval):
+        if _program.is_key(aval):
             kind = RNG_KEY
         elif mask & (_DATA | _KEY):
             kind = ACTIVATION
@@ -609,7 +608,7 @@ def jaxpr_flops(jaxpr) -> float:
         elif name == "cond":
             total += max((jaxpr_flops(b) for b in eqn.params["branches"]), default=0.0)
         else:
-            subs = _program._subjaxprs(eqn)
+            subs = _program.subjaxprs(eqn)
             total += sum(jaxpr_flops(s) for s in subs) if subs else _program.equation_flops(eqn)
     return total
 

@@ -64,7 +64,8 @@ MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 _SUBJAXPR_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def _is_key(aval) -> bool:
+def is_key(aval) -> bool:
+    """Whether ``aval`` is a typed PRNG key."""
     return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
 
 
@@ -74,12 +75,13 @@ def aval_bytes(aval) -> int:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    if _is_key(aval):
+    if is_key(aval):
         return math.prod(shape) * 8
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _subjaxprs(eqn) -> list:
+def subjaxprs(eqn) -> list:
+    """The jaxprs nested in an equation's parameters (``jit``, ``remat2``, custom derivatives)."""
     found = []
     for name in _SUBJAXPR_PARAM_NAMES:
         sub = eqn.params.get(name)
@@ -109,7 +111,7 @@ def equation_flops(eqn) -> float:
         rhs_shape = eqn.invars[1].aval.shape
         out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
-    subs = _subjaxprs(eqn)
+    subs = subjaxprs(eqn)
     if subs:
         return float(sum(equation_flops(e) for sub in subs for e in sub.eqns))
     if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod"):
@@ -205,6 +207,19 @@ def _bind(eqn, invals):
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def inline_calls(closed_jaxpr, flat_args: Sequence):
+    """Re-trace ``closed_jaxpr`` with nested ``jit`` / ``closed_call`` bodies inlined.
+
+    Args:
+      closed_jaxpr: the jaxpr to flatten.
+      flat_args: arguments (arrays, tracers or shape structs) matching its inputs.
+
+    Returns:
+      A ``ClosedJaxpr`` computing the same values without nested call equations.
+    """
+    return jax.make_jaxpr(lambda *a: _eval_inlined(closed_jaxpr.jaxpr, closed_jaxpr.consts, a))(*flat_args)
+
+
 def _eval_inlined(jaxpr, consts, args):
     env = {}
     for v, c in zip(jaxpr.constvars, consts):
@@ -227,8 +242,8 @@ def _eval_inlined(jaxpr, consts, args):
 
 
 def _classify(jaxpr) -> tuple[Op, ...]:
-    data_dep: dict = {v: not _is_key(v.aval) for v in jaxpr.invars}
-    key_dep: dict = {v: _is_key(v.aval) for v in jaxpr.invars}
+    data_dep: dict = {v: not is_key(v.aval) for v in jaxpr.invars}
+    key_dep: dict = {v: is_key(v.aval) for v in jaxpr.invars}
     consumer_name: dict = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "name" and not isinstance(eqn.invars[0], jcore.Literal):
@@ -238,14 +253,14 @@ def _classify(jaxpr) -> tuple[Op, ...]:
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         has_data = any(data_dep.get(v, False) for v in ins)
-        has_key = any(key_dep.get(v, False) for v in ins) or any(_is_key(v.aval) for v in ins)
+        has_key = any(key_dep.get(v, False) for v in ins) or any(is_key(v.aval) for v in ins)
         for v in eqn.outvars:
             data_dep[v] = has_data
             key_dep[v] = has_key
         name = eqn.primitive.name
         rng_derived = has_key and not has_data
         counted = has_data and name not in SHAPE_ONLY_PRIMITIVES and not any(
-            _is_key(v.aval) for v in eqn.outvars
+            is_key(v.aval) for v in eqn.outvars
         )
         if name == "name":
             tensor_name = eqn.params["name"]
@@ -293,7 +308,7 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
     out_tree = jax.tree.structure(out_shape)
-    flat = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*flat_args)
+    flat = inline_calls(closed, flat_args)
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
 
 

@@ -20,6 +20,8 @@ import functools
 import itertools
 from typing import Callable
 
+import jax.numpy as jnp
+
 import jremat
 from jremat import memory as jmem
 from jremat import names as tensor_names
@@ -178,7 +180,7 @@ def plan_for_budget(
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     n_layers = cfg.n_layers
     costs = name_costs(cfg, batch_size, seq_len)
-    block_input_bytes = batch_size * seq_len * cfg.d_model * _itemsize(cfg.dtype)
+    block_input_bytes = batch_size * seq_len * cfg.d_model * jnp.dtype(cfg.dtype).itemsize
 
     def measure(cand: Candidate) -> int:
         if measure_peak_bytes is not None:
@@ -187,9 +189,10 @@ def plan_for_budget(
 
     none_cand, full_cand = Candidate((), 0), Candidate((), n_layers)
     none_peak, full_peak = measure(none_cand), measure(full_cand)
-    none_layer_bytes = jmem.saved_residuals_report(
-        *_block_args(cfg.replace(remat_policy="none", remat_granularity="block"), batch_size, seq_len), param_argnums=(0,)
-    ).saved_bytes
+    none_block_fn, none_block_args = block_program(
+        cfg.replace(remat_policy="none", remat_granularity="block"), batch_size, seq_len
+    )
+    none_layer_bytes = jmem.saved_residuals_report(none_block_fn, *none_block_args, param_argnums=(0,)).saved_bytes
     traced_span = max(none_layer_bytes - block_input_bytes, 1)
     bytes_per_traced_byte = max(none_peak - full_peak, 0) / (n_layers * traced_span)
     by_name = {c.name: c for c in costs}
@@ -234,14 +237,3 @@ def plan_for_budget(
         full_peak_bytes=full_peak,
         step_flops=jmem.program_flops(grad_fn, *args),
     )
-
-
-def _block_args(cfg, batch_size, seq_len):
-    fn, args = block_program(cfg, batch_size, seq_len)
-    return (fn, *args)
-
-
-def _itemsize(dtype_name: str) -> int:
-    import jax.numpy as jnp
-
-    return jnp.dtype(dtype_name).itemsize

@@ -64,10 +64,10 @@ from flax import nnx
 from jremat import memory as jmem
 from jremat import registry
 from jremat.remat import NestedLayers
-from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
+from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
 from train.config import UsageError
-from train.memory import block_program, step_program
+from train.memory import block_program, step_residuals
 from train.step import make_train_step
 
 PARTS = ("needle", "needle_time", "megatron", "time", "maxbatch", "auto")
@@ -510,23 +510,12 @@ def saved_per_layer(cfg: ModelConfig, batch: int, seq: int, none_cfg: ModelConfi
     head residuals are the same under every policy, so they cancel).
     """
     if isinstance(registry.resolve(cfg.remat_policy), NestedLayers):
-        whole = _step_saved(cfg, batch, seq)
-        whole_none = _step_saved(none_cfg, batch, seq)
+        whole = step_residuals(cfg, batch, seq).saved_bytes
+        whole_none = step_residuals(none_cfg, batch, seq).saved_bytes
         block_none, _ = saved_per_layer(none_cfg, batch, seq, none_cfg)
         return (whole - whole_none) / cfg.n_layers + block_none, "whole step - none, per layer"
     fn, args = block_program(cfg, batch, seq)
     return float(jmem.saved_residuals_report(fn, *args, param_argnums=(0,)).saved_bytes), "one block"
-
-
-def _step_saved(cfg: ModelConfig, batch: int, seq: int) -> int:
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-    _, (params, tokens, targets, key) = step_program(cfg, batch, seq)
-
-    def loss(p, tok, tgt, k):
-        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, k)
-
-    return jmem.saved_residuals_report(loss, params, tokens, targets, key, n_layers=cfg.n_layers,
-                                       param_argnums=(0,)).saved_bytes
 
 
 def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:

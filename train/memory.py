@@ -260,8 +260,8 @@ def _key_shape():
     return jax.eval_shape(lambda: jax.random.key(0))
 
 
-def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
-    """The gradient step and its abstract arguments, without allocating anything.
+def loss_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """The loss of one step and its abstract arguments, without allocating anything.
 
     Args:
       model_cfg: the model (its ``remat_policy`` is the policy measured).
@@ -269,8 +269,8 @@ def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = 
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
 
     Returns:
-      ``(grad_fn, (params, tokens, targets, key))`` where ``grad_fn`` is
-      ``jax.grad(loss)`` with respect to ``params`` and the arguments are shape structs.
+      ``(loss_fn, (params, tokens, targets, key))``: ``loss_fn(params, tokens, targets, key)`` is
+      the mean cross-entropy and the arguments are shape structs.
 
     Raises:
       ValueError: on a non-positive batch size or a too-long sequence.
@@ -287,7 +287,21 @@ def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = 
     def loss(p, tok, tgt, key):
         return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
 
-    return jax.grad(loss), (params, tokens, tokens, _key_shape())
+    return loss, (params, tokens, tokens, _key_shape())
+
+
+def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """The gradient step and its abstract arguments (see :func:`loss_program`).
+
+    Returns:
+      ``(grad_fn, (params, tokens, targets, key))`` with ``grad_fn = jax.grad(loss)`` with
+      respect to ``params``.
+
+    Raises:
+      ValueError: on a non-positive batch size or a too-long sequence.
+    """
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    return jax.grad(loss), args
 
 
 def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
@@ -333,26 +347,15 @@ def analytic_peak_bytes(
     param_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
     token_bytes = 2 * batch_size * seq_len * 4 + 8
     if residuals is None:
-        residuals = _step_residuals(model_cfg, batch_size, seq_len)
+        residuals = step_residuals(model_cfg, batch_size, seq_len)
     head_work = 2 * 4 * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
     return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
 
 
-def _loss_fn(model_cfg: ModelConfig):
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
-
-    def loss(p, tok, tgt, key):
-        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
-
-    return loss
-
-
-def _step_residuals(model_cfg, batch_size, seq_len) -> jmem.ResidualsReport:
-    _, (params, tokens, targets, key) = step_program(model_cfg, batch_size, seq_len)
-    loss_fn = _loss_fn(model_cfg)
-    return jmem.saved_residuals_report(
-        loss_fn, params, tokens, targets, key, n_layers=model_cfg.n_layers, param_argnums=(0,)
-    )
+def step_residuals(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jmem.ResidualsReport:
+    """Every value the whole step keeps for its backward pass (:func:`jremat.saved_residuals_report`)."""
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    return jmem.saved_residuals_report(loss, *args, n_layers=model_cfg.n_layers, param_argnums=(0,))
 
 
 def _step_flops(model_cfg, batch_size, seq_len) -> float:
@@ -396,7 +399,7 @@ def policy_memory(
         report = None
     block_fn, block_args = block_program(model_cfg, batch_size, seq_len)
     block = jmem.saved_residuals_report(block_fn, *block_args, param_argnums=(0,))
-    whole = _step_residuals(model_cfg, batch_size, seq_len)
+    whole = step_residuals(model_cfg, batch_size, seq_len)
     cross = whole.layer_stacked_bytes / model_cfg.n_layers if model_cfg.scan_layers and model_cfg.n_layers > 1 else None
     flops = jmem.program_flops(grad_fn, *args)
     if baseline_step_flops is None:

@@ -15,7 +15,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 import jremat
 from jremat import registry
-from tests.policies.helpers import saved_residuals
+from tests.conftest import saved_residuals
 
 
 def max_abs_diff(a, b):

@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals
 
 from models import GPT, cross_entropy_loss, preset
-from tests.conftest import train_step_memory
+from tests.conftest import saved_residuals, train_step_memory
 
 BATCH = 8
 

@@ -1,20 +1,14 @@
-"""Test helpers for policies: the one place that touches JAX's private ``saved_residuals``."""
+"""Test helpers for policies, built on :func:`tests.conftest.saved_residuals`."""
 
 from __future__ import annotations
 
 import math
 import re
 
-from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
-
 import jremat
+from tests.conftest import saved_residuals
 
 _TAG_RE = re.compile(r"named 'jremat\d+/(\d+)'")
-
-
-def saved_residuals(fn, *args):
-    """``[(aval, description)]`` of every value ``jax.vjp(fn, *args)`` keeps for the backward pass."""
-    return list(_jax_saved_residuals(fn, *args))
 
 
 def saved_op_indices(fn, *args):

@@ -1,13 +1,12 @@
 """``auto``: budget parsing, the per-function knapsack, and the whole-step planner's guarantees."""
 
-import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.ad_checkpoint import saved_residuals
 
 import jremat
 from models import preset
 from policies.auto import Budget, parse_budget
+from tests.conftest import saved_residuals
 from train.auto import Candidate, compiled_peak_bytes, plan_for_budget
 
 BATCH = 8

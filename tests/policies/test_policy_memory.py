@@ -2,8 +2,6 @@
 
 import functools
 
-import pytest
-
 from models import preset
 from tests.conftest import train_step_memory
 

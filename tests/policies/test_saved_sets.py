@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jremat
 from models import preset
 from models.gpt import Block, make_block_fn
-from tests.policies.helpers import program_of, residual_bytes, saved_op_indices, saved_residuals
+from tests.conftest import saved_residuals
+from tests.policies.helpers import program_of, residual_bytes, saved_op_indices
 
 
 def sin_chain(x):
