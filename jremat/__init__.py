@@ -6,6 +6,7 @@ from jremat.program import Program, trace_program
 from jremat.registry import Param, available, describe, load_module, register, resolve
 from jremat.remat import GRANULARITIES, RematConfig, checkpoint, remat_at, run_layers
 from jremat.rng import dropout, layer_keys, site_key
+from jremat.xla_flags import compiler_options, jit
 # The decorator shadows the ``jremat.policy`` submodule attribute on purpose (``@jremat.policy``);
 # import the submodule's names with ``from jremat.policy import ...``.
 from jremat.decorator import custom_policy, policy
@@ -33,10 +34,12 @@ __all__ = [
     "ResidualsReport",
     "available",
     "checkpoint",
+    "compiler_options",
     "custom_policy",
     "describe",
     "diagnose_remat",
     "dropout",
+    "jit",
     "layer_keys",
     "live_memory",
     "load_module",

@@ -170,13 +170,16 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
     return MemoryReport(True, platform, peak_bytes=peak, peak_source=source, notes=tuple(notes), **fields)
 
 
-def memory_report(fn: Callable, *args, **kwargs) -> MemoryReport:
+def memory_report(fn: Callable, *args, compiler_options: dict | None = None, **kwargs) -> MemoryReport:
     """Compile ``fn(*args, **kwargs)`` (nothing runs) and report XLA's memory figures.
 
     Args:
       fn: a function of pytrees of arrays, jitted or not (it is wrapped in ``jax.jit`` if it has
         no ``lower`` method). Typically ``jax.grad(loss)`` or a whole train step.
       *args: arrays or :class:`jax.ShapeDtypeStruct` (shapes suffice).
+      compiler_options: XLA options to compile with; ``None`` means
+        :func:`jremat.xla_flags.compiler_options` (what :func:`jremat.jit` uses), ``{}`` plain
+        ``jax.jit``.
       **kwargs: keyword arguments, likewise.
 
     Returns:
@@ -189,7 +192,8 @@ def memory_report(fn: Callable, *args, **kwargs) -> MemoryReport:
     if not callable(fn):
         raise TypeError(f"memory_report needs a callable, got {type(fn).__name__}")
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = lowerable.lower(*args, **kwargs).compile()
+    options = _xla_flags.compiler_options() if compiler_options is None else compiler_options
+    compiled = lowerable.lower(*args, **kwargs).compile(options or None)
     return compiled_memory_report(compiled)
 
 

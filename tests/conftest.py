@@ -14,6 +14,7 @@ from flax import nnx  # noqa: E402
 
 from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals  # noqa: E402
 
+import jremat  # noqa: E402
 from models import GPT, cross_entropy_loss, preset  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -64,7 +65,7 @@ def max_relative_error(grads, reference):
 
 
 def train_step_memory(cfg, batch_size=8):
-    """Compile-only XLA memory analysis of ``jit(grad(loss))`` for ``GPT(cfg)``; nothing runs."""
+    """Compile-only XLA memory analysis of ``jremat.jit(grad(loss))`` for ``GPT(cfg)``; nothing runs."""
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(model)
     tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_seq_len), jnp.int32)
@@ -72,7 +73,7 @@ def train_step_memory(cfg, batch_size=8):
     def loss(p, tok):
         return cross_entropy_loss(nnx.merge(graphdef, p), tok, tok, jax.random.key(0))
 
-    return jax.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis()
+    return jremat.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis()
 
 
 def saved_residuals(fn, *args):

@@ -333,8 +333,14 @@ def analytic_peak_bytes(
     (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
     forward pass computes (:attr:`jremat.memory.ResidualsReport.computed_bytes`: every
     non-constant residual that is not an argument) + the head's backward working set: the f32
-    gradient of the logits and one more f32 logits-sized buffer, ``2 x 4 x batch x seq x vocab``
-    bytes (divided by ``remat_head_chunks`` when the head is rematerialized in chunks).
+    gradient of the logits plus the logits-sized buffer that feeds the two head matmuls (its
+    cast to the compute dtype), ``(4 + itemsize(dtype)) x batch x seq x vocab`` bytes (divided
+    by ``remat_head_chunks`` when the head is rematerialized in chunks).
+
+    It assumes the step is compiled as :func:`jremat.jit` compiles it (on XLA:CPU, without
+    loop-invariant code motion; see :mod:`jremat.xla_flags`). It leaves out the transient
+    working set of one block's backward pass, so it underestimates when that, not the head,
+    sets the peak (small vocabularies with long sequences; measured in docs/RESULTS.md).
 
     Args:
       model_cfg: the model, with its policy.
@@ -348,7 +354,8 @@ def analytic_peak_bytes(
     token_bytes = 2 * batch_size * seq_len * 4 + 8
     if residuals is None:
         residuals = step_residuals(model_cfg, batch_size, seq_len)
-    head_work = 2 * 4 * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
+    bytes_per_logit = 4 + jnp.dtype(model_cfg.dtype).itemsize
+    head_work = bytes_per_logit * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
     return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
 
 

@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+import jremat
 from models import GPT, ModelConfig, cross_entropy_loss
 
 #: The mesh axes, in mesh order (outermost first).
@@ -412,7 +413,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, para
 
     p_sh, o_sh = _shardings_of(params), _shardings_of(opt_state)
     b_sh, r_sh = batch_sharding(mesh), replicated(mesh)
-    return jax.jit(
+    return jremat.jit(
         step_lib.make_train_step(graphdef, tx),
         in_shardings=(p_sh, o_sh, b_sh, b_sh, r_sh),
         out_shardings=(p_sh, o_sh, r_sh),
@@ -425,8 +426,8 @@ def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
     from train import step as step_lib
 
     b_sh = batch_sharding(mesh)
-    return jax.jit(step_lib.make_eval_step(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
-                   out_shardings=replicated(mesh))
+    return jremat.jit(step_lib.make_eval_step(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
+                      out_shardings=replicated(mesh))
 
 
 def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
@@ -436,7 +437,7 @@ def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
     def loss_and_grads(p, tokens, targets, key):
         return jax.value_and_grad(lambda q: cross_entropy_loss(nnx.merge(graphdef, q), tokens, targets, key))(p)
 
-    return jax.jit(loss_and_grads, in_shardings=(p_sh, b_sh, b_sh, r_sh), out_shardings=(r_sh, p_sh))
+    return jremat.jit(loss_and_grads, in_shardings=(p_sh, b_sh, b_sh, r_sh), out_shardings=(r_sh, p_sh))
 
 
 def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any,

@@ -18,6 +18,7 @@ import jax
 import optax
 from flax import nnx
 
+import jremat
 from models import GPT, ModelConfig, cross_entropy_loss
 
 
@@ -90,7 +91,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
-    return jax.jit(train_step, donate_argnums=(0, 1))
+    return jremat.jit(train_step, donate_argnums=(0, 1))
 
 
 def make_eval_step(graphdef) -> Callable:
@@ -99,4 +100,4 @@ def make_eval_step(graphdef) -> Callable:
     def eval_step(params, tokens, targets):
         return cross_entropy_loss(nnx.merge(graphdef, params), tokens, targets, None)
 
-    return jax.jit(eval_step)
+    return jremat.jit(eval_step)
