@@ -151,7 +151,7 @@ FULL_SIZES: dict[str, Any] = dict(
     needle_batches=(256, 512, 1024, 2048), needle_d_ff=2048, needle_d_ffs=(256, 512, 1024, 2048),
     needle_batch=2048, needle_ks=(0, 1, 2, 3, 4, 5, 6, 7, 8), needle_time_batch=64, megatron_preset="gpt2-small",
     megatron_layers=None, megatron_batch=8, megatron_seq=1024, maxbatch_budget_gib=16.0, maxbatch_seq=1024,
-    time_preset="small", time_batch=20, time_steps=10, time_rounds=5,
+    time_preset="small", time_batch=20, time_steps=40, time_rounds=40,
     auto_budget_fractions=(0.1, 0.3, 0.5, 0.7, 0.9),
 )
 
@@ -242,6 +242,9 @@ class BenchConfig:
             raise UsageError(f"--needle-ks must be integers >= 0 (0 = none), got {self.needle_ks!r}")
         if not isinstance(self.time_steps, int) or self.time_steps < 5:
             raise UsageError(f"--time-steps must be an integer >= 5 (medians of at least 5 steps), got {self.time_steps!r}")
+        if self.time_rounds > self.time_steps:
+            raise UsageError(f"--time-rounds {self.time_rounds} exceeds --time-steps {self.time_steps}: "
+                             "every round needs at least one step")
         if not (isinstance(self.maxbatch_budget_gib, (int, float)) and math.isfinite(self.maxbatch_budget_gib)
                 and self.maxbatch_budget_gib > 0):
             raise UsageError(f"--maxbatch-budget-gib must be a positive number, got {self.maxbatch_budget_gib!r}")
@@ -371,17 +374,18 @@ def time_steps(
 
 
 def time_ratios(times: dict[str, list[list[float]]], baseline: str) -> dict[str, tuple[float, float, float]]:
-    """``(median ratio, lowest round ratio, highest round ratio)`` of each label to ``baseline``.
+    """``(ratio, low, high)`` of each label's step time to ``baseline``'s, from paired rounds.
 
-    The ratio is the median of all the label's steps over the median of the baseline's; the
-    round ratios compare the medians of the same interleaved round (a spread, not a bound).
+    Each interleaved round gives one paired ratio (the label's median step in that round over the
+    baseline's in the same round), so drift in machine load cancels within the pair. The ratio is
+    the median of the paired ratios; ``low`` and ``high`` are their lower and upper quartiles (a
+    spread, not a bound; both equal the ratio when there is a single round).
     """
-    flat = lambda rounds: [t for block in rounds for t in block]  # noqa: E731
-    base = statistics.median(flat(times[baseline]))
     out = {}
     for label, rounds in times.items():
-        per_round = [statistics.median(b) / statistics.median(bb) for b, bb in zip(rounds, times[baseline]) if b]
-        out[label] = (statistics.median(flat(rounds)) / base, min(per_round), max(per_round))
+        paired = [statistics.median(b) / statistics.median(bb) for b, bb in zip(rounds, times[baseline]) if b and bb]
+        low, _, high = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
+        out[label] = (statistics.median(paired), low, high)
     return out
 
 
@@ -734,7 +738,7 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
         ax.axhline(1.0, ls="--", lw=1, color="gray")
         ax.set_xticks(ks)
         ax.set_xlabel("k (0 = none)")
-        ax.set_ylabel("step time / none (median; bars: per-round range)")
+        ax.set_ylabel("step time / none (median of paired rounds; bars: quartiles)")
         ax.set_title(f"Needle preset, batch {pts[0]['batch_size']}, d_ff {pts[0]['d_ff']}: step time vs k", fontsize=9)
         _save(fig, os.path.join(out, "needle_k_time.png"), plt)
         written.append("needle_k_time.png")
@@ -821,8 +825,8 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
     lines = ["# jremat benchmark results", "", f"- Machine: {machine_description()}", f"- Command: `{command}`",
              "- Memory: compile-only XLA buffer assignment of a full Adam train step (parameters, gradients, both "
              "moments; parameters and optimizer state donated); peak = " + (rows[0]["peak_source"] if rows else "n/a"),
-             "- Times: ratios to `none` measured in the same process (warm-up excluded, median of all steps; "
-             "low/high = range of per-round median ratios over interleaved rounds). No absolute times are claimed.",
+             "- Times: ratios to `none` measured in the same process (warm-up excluded; the median over interleaved "
+             "rounds of each round's paired ratio; low/high = the quartiles of those ratios). No absolute times are claimed.",
              ""]
     for part, title in (("needle_batch", "Needle figure 1: peak reduction vs batch size (every_k:k=4 vs none)"),
                         ("needle_dff", "Needle figure 2: peak reduction vs d_ff (every_k:k=4 vs none)")):
@@ -989,8 +993,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--maxbatch-seq", type=int, default=None, help="max-batch sequence length (default 1024)")
     p.add_argument("--time-preset", default=None, help="timing preset (default small)")
     p.add_argument("--time-batch", type=int, default=None, help="timing batch size (default 20)")
-    p.add_argument("--time-steps", type=int, default=None, help="timed steps per policy, >= 5 (default 10)")
-    p.add_argument("--time-rounds", type=int, default=None, help="interleaved timing rounds (default 5)")
+    p.add_argument("--time-steps", type=int, default=None, help="timed steps per policy, >= 5 (default 40)")
+    p.add_argument("--time-rounds", type=int, default=None,
+                   help="interleaved timing rounds, at most --time-steps (default 40: one step per round)")
     p.add_argument("--auto-budget-fractions", type=_floats, default=None,
                    help="auto part: budgets as fractions between full's and none's peak (default 0.1,0.3,0.5,0.7,0.9)")
     p.add_argument("--seed", type=int, default=0, help="parameter and data seed")

@@ -73,6 +73,7 @@ def test_unregistered_default_policy_is_skipped_with_a_note(tmp_path, capsys, mo
         (["--policy", "every_k:k=0"], "bad --policy"),
         (["--policy", "no_such_policy"], "unknown policy"),
         (["--time-steps", "3"], "--time-steps must be an integer >= 5"),
+        (["--time-steps", "8", "--time-rounds", "9"], "--time-rounds 9 exceeds --time-steps 8"),
         (["--needle-batches", "4,x"], "comma-separated integers"),
         (["--auto-budget-fractions", "0.5,1.5"], "--auto-budget-fractions must be numbers in (0, 1)"),
         (["--remat-head-chunks", "3"], "--remat-head-chunks 3 does not divide sequence length 20"),
@@ -84,3 +85,13 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_time_ratios_pair_rounds_so_load_drift_cancels():
+    # round 2 is 10x slower for both (load drift), round 1 only for the label (an outlier):
+    # paired ratios 1.1, 11, 1.1 give 1.1, where the ratio of overall medians would give 11
+    times = {"none": [[1.0], [1.0], [10.0]], "p": [[1.1], [11.0], [11.0]]}
+    ratio, low, high = bench.time_ratios(times, "none")["p"]
+    assert ratio == pytest.approx(1.1)
+    assert low == pytest.approx(1.1) and high == pytest.approx(6.05)
+    assert bench.time_ratios(times, "none")["none"] == (1.0, 1.0, 1.0)
