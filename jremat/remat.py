@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import registry
-from jremat.policy import Policy
+from jremat.policy import NoRemat, Policy
 
 GRANULARITIES = ("none", "block", "sublayer")
 
@@ -238,9 +238,9 @@ def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy |
     chosen = policy if policy is not None else config.resolved_policy()
     # Inside scan every iteration is its own computation, so CSE across layers cannot undo remat.
     wrapped = chosen.wrap(fn, prevent_cse=not config.scan_layers)
-    # Also under scan: XLA turns a length-1 scan into straight-line code and would merge the
-    # recomputation with the forward pass (measured on the 1-layer needle model).
-    return wrapped if wrapped is fn else recompute_after_cotangent(wrapped)
+    if wrapped is fn or config.scan_layers:
+        return wrapped  # a length-1 scan, which XLA flattens, is tied in run_layers instead
+    return recompute_after_cotangent(wrapped)
 
 
 def recompute_after_cotangent(fn: Callable) -> Callable:
@@ -323,22 +323,35 @@ def run_layers(
             return _run_stack(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config.scan_layers)
         return _run_nested(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config, policy.group_size(n_layers))
     groups = config.layer_groups(n_layers)
+
+    def remats(group_policy: Policy) -> bool:
+        return config.granularity != "none" and not isinstance(group_policy, NoRemat)
+
     if len(groups) == 1:
-        return _run_stack(make_layer_fn(groups[0][1]), stacked_params, x, keys, config.scan_layers)
+        return _run_stack(make_layer_fn(groups[0][1]), stacked_params, x, keys, config.scan_layers, remats(groups[0][1]))
     sizes = tuple(count for count, _ in groups)
     param_parts = jax.tree.map(lambda a: jax.lax.split(a, sizes, axis=0), stacked_params)
     start = 0
     for g, (count, group_policy) in enumerate(groups):
         params_g = jax.tree.map(lambda parts: parts[g], param_parts, is_leaf=lambda t: isinstance(t, list))
         keys_g = None if keys is None else keys[start : start + count]
-        x = _run_stack(make_layer_fn(group_policy), params_g, x, keys_g, config.scan_layers)
+        x = _run_stack(make_layer_fn(group_policy), params_g, x, keys_g, config.scan_layers, remats(group_policy))
         start += count
     return x
 
 
-def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, scan: bool) -> jax.Array:
-    """Run ``layer_fn`` over the leading layer axis of ``stacked_params`` (scan or unrolled)."""
+def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, scan: bool,
+               checkpointed: bool = False) -> jax.Array:
+    """Run ``layer_fn`` over the leading layer axis of ``stacked_params`` (scan or unrolled).
+
+    ``checkpointed`` says ``layer_fn`` contains a checkpoint: a length-1 scan of it is tied to
+    its cotangent, because XLA turns such a scan into straight-line code and would merge the
+    recomputation with the forward pass (measured on the 1-layer needle model). Longer scans
+    need no tie, which would cost an extra pass over every saved residual.
+    """
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+    if scan and n_layers == 1 and checkpointed:
+        layer_fn = recompute_after_cotangent(layer_fn)
     if scan:
         def body(carry, layer_inputs):
             params_i, key_i = layer_inputs

@@ -813,8 +813,11 @@ def _table(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> list[str]:
 def machine_description() -> str:
     """The machine and software that produced the figures, in one line."""
     device = jax.devices()[0]
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores visible, JAX {jax.__version__} "
-            f"(backend {jax.default_backend()}, device {device.device_kind}), Python {platform.python_version()}")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores visible, {usable} usable by this "
+            f"process, JAX {jax.__version__} (backend {jax.default_backend()}, device {device.device_kind}), "
+            f"Python {platform.python_version()}, XLA_FLAGS={flags or '(unset)'}")
 
 
 def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, notes: Sequence[str]) -> str:

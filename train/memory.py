@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import math
+import subprocess
 import sys
 from typing import Sequence
 
@@ -83,6 +84,9 @@ class MemoryConfig:
         (``ModelConfig.remat_head_chunks``; must divide the sequence length).
       memory_budget: budget for ``--policy auto`` (``6GiB``, ``512MiB``, bytes, or a fraction of
         the no-remat peak above the full-remat floor); overrides an ``auto:budget=`` key.
+      live: also run one step per policy, each in a fresh process, and report the device
+        allocator's peak next to the compiled one (GPU/TPU; on CPU a note says why not).
+      live_child: internal: measure the first policy's live peak here and print it as JSON.
     """
 
     preset: str = "small"
@@ -103,6 +107,8 @@ class MemoryConfig:
     plot: str | None = None
     memory_budget: str | None = None
     remat_head_chunks: int | None = None
+    live: bool = False
+    live_child: bool = False
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -183,6 +189,18 @@ class MemoryConfig:
         """``seq_len``, or the preset's ``max_seq_len`` when unset."""
         return self.seq_len if self.seq_len is not None else PRESETS[self.preset].max_seq_len
 
+    def model_argv(self) -> list[str]:
+        """The flags that rebuild this config's model and budget (not its policies or outputs)."""
+        argv = []
+        for field in ("preset", "batch_size", "seq_len", "dtype", "layers", "d_model", "d_ff", "heads", "head_dim",
+                      "dropout", "granularity", "remat_head_chunks", "memory_budget"):
+            value = getattr(self, field)
+            if value is not None:
+                argv += [f"--{field.replace('_', '-')}", str(value)]
+        for module in self.policy_module:
+            argv += ["--policy-module", module]
+        return argv + (["--unrolled"] if self.unrolled else [])
+
 
 # ---------------------------------------------------------------------------------------------
 # Measurement
@@ -218,6 +236,7 @@ class PolicyMemory:
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
       analytic_peak_bytes: :func:`analytic_peak_bytes`.
       notes: caveats (backend, truthfulness checks).
+      live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
     """
 
     policy: str
@@ -240,6 +259,7 @@ class PolicyMemory:
     recompute_flops_fraction: float
     analytic_peak_bytes: int
     notes: tuple[str, ...] = ()
+    live_peak_bytes: int | None = None
 
     def to_json(self, baseline: "PolicyMemory | None" = None) -> dict:
         """A JSON-ready dict of every field, plus ratios to ``baseline`` when given."""
@@ -539,8 +559,9 @@ def _fmt_bytes(n) -> str:
 
 def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     """The human-readable table: one line per policy, then notes."""
+    live = any(r.live_peak_bytes is not None for r in rows)
     header = (f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
-              f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}")
+              f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}" + (f" {'live peak':>11}" if live else ""))
     lines = [header, "-" * len(header)]
     for r in rows:
         pr = _ratio(r.peak_bytes, base.peak_bytes)
@@ -551,6 +572,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
             f"{_fmt_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
             f"{('%.3f' % sr) if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
             f"{_fmt_bytes(r.analytic_peak_bytes):>11} {('%+.1f%%' % (100 * err)) if err is not None else 'n/a':>8}"
+            + (f" {_fmt_bytes(r.live_peak_bytes):>11}" if live else "")
         )
     first = rows[0]
     lines.append(
@@ -603,6 +625,69 @@ def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Live peaks
+# ---------------------------------------------------------------------------------------------
+
+
+def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jmem.LiveMemory:
+    """Run the gradient step once on real arrays and read the allocator's peak (:func:`jremat.live_memory`).
+
+    The allocator's peak only grows within a process, so measure one policy per process (the
+    CLI's ``--live`` does).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+
+    Returns:
+      The :class:`jremat.memory.LiveMemory`; ``available`` is False, and nothing runs, on a
+      backend without allocator statistics (XLA:CPU).
+    """
+    note = _allocator_stats_note()
+    if note is not None:
+        return jmem.LiveMemory(False, str(jax.devices()[0]), None, None, note)
+    grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
+    _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
+    batch = jnp.zeros(tokens.shape, tokens.dtype)
+    return jmem.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
+
+
+def _allocator_stats_note() -> str | None:
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return None
+    return (f"live: {device.platform} device {device} reports no allocator statistics (memory_stats() is "
+            "None); --live needs a GPU or TPU, so only compiled figures are shown")
+
+
+def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
+    """The live peak of ``spec``, measured in a fresh Python process (``None`` if it failed)."""
+    argv = [sys.executable, "-m", "train.memory", *config.model_argv(), "--policy", spec, "--live-child"]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return None
+    return json.loads(lines[-1]).get("live_peak_bytes")
+
+
+def add_live_peaks(config: MemoryConfig, rows: Sequence[PolicyMemory]) -> tuple[list[PolicyMemory], str | None]:
+    """Fill :attr:`PolicyMemory.live_peak_bytes` of every row, one fresh process per policy.
+
+    Returns:
+      ``(rows, note)``: the rows, and a note when live figures could not be taken.
+    """
+    note = _allocator_stats_note()
+    if note is not None:
+        return list(rows), note
+    peaks = [_run_live_child(config, spec) for spec in config.policy]
+    failed = [spec for spec, peak in zip(config.policy, peaks) if peak is None]
+    rows = [dataclasses.replace(r, live_peak_bytes=peak) for r, peak in zip(rows, peaks)]
+    return rows, (f"live: the measurement failed for {', '.join(failed)}" if failed else None)
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -641,6 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)")
     parser.add_argument("--memory-budget", default=None,
                         help="budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1]")
+    parser.add_argument("--live", action="store_true",
+                        help="also run one step per policy (fresh process each) and report the allocator's peak (GPU/TPU)")
+    parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -691,7 +779,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr)."""
     try:
         config = parse_config(argv)
+        if config.live_child:
+            live = live_step_memory(config.model_config(config.policy[0]), config.batch_size, config.resolved_seq_len)
+            print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
+            return 0
         rows, base = run(config)
+        live_note = None
+        if config.live:
+            rows, live_note = add_live_peaks(config, rows)
+            base = next((r for r in rows if r.policy == base.policy), base)
+        if live_note:
+            print(live_note, file=sys.stderr)
         if config.json:
             print(json.dumps([r.to_json(base) for r in rows], indent=2))
         else:

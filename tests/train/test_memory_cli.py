@@ -95,3 +95,40 @@ def test_analytic_peak_within_10_percent_at_reference_shapes(policy):
     cfg = preset("gpt2-small", dtype="bfloat16", remat_policy=policy, n_layers=2)
     row = tm.policy_memory(cfg, batch_size=8, seq_len=1024)
     assert abs(row.analytic_peak_bytes - row.peak_bytes) <= 0.10 * row.peak_bytes
+
+
+def test_live_on_cpu_says_why_and_keeps_compiled_figures(capsys):
+    code = tm.main(TINY + ["--policy", "none", "--live", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0
+    (row,) = json.loads(captured.out)
+    assert row["live_peak_bytes"] is None and row["peak_bytes"] > 0
+    assert "no allocator statistics" in captured.err and "--live needs a GPU or TPU" in captured.err
+
+
+def test_live_child_prints_one_json_line(capsys):
+    assert tm.main(TINY + ["--policy", "full", "--live-child"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"live_peak_bytes": None}
+
+
+def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys):
+    calls = []
+
+    def fake_child(config, spec):
+        calls.append((tuple(config.model_argv()), spec))
+        return {"none": 1000, "full": 600}[spec]
+
+    monkeypatch.setattr(tm, "_allocator_stats_note", lambda: None)
+    monkeypatch.setattr(tm, "_run_live_child", fake_child)
+    assert tm.main(TINY + ["--policy", "none", "--policy", "full", "--live"]) == 0
+    out = capsys.readouterr().out
+    assert "live peak" in out.splitlines()[0]
+    assert [spec for _, spec in calls] == ["none", "full"]
+    assert calls[0][0] == ("--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16")
+
+
+def test_model_argv_rebuilds_the_same_model():
+    config = tm.parse_config(TINY + ["--layers", "3", "--heads", "2", "--dropout", "0.2", "--unrolled",
+                                     "--remat-head-chunks", "2", "--policy", "selective"])
+    again = tm.parse_config(config.model_argv() + ["--policy", "selective"])
+    assert again.model_config("selective") == config.model_config("selective")
