@@ -194,7 +194,12 @@ def memory_report(fn: Callable, *args, compiler_options: dict | None = None, **k
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     options = _xla_flags.compiler_options() if compiler_options is None else compiler_options
     compiled = lowerable.lower(*args, **kwargs).compile(options or None)
-    return compiled_memory_report(compiled)
+    report = compiled_memory_report(compiled)
+    if options.get("xla_disable_hlo_passes") == _xla_flags.CPU_HOISTING_PASS:
+        report = dataclasses.replace(report, notes=report.notes + (
+            f"compiled as jremat.jit compiles: XLA pass {_xla_flags.CPU_HOISTING_PASS} off; plain jax.jit "
+            "keeps an extra f32 copy of every scan-stacked bf16 residual (see jremat.xla_flags)",))
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

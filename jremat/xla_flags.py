@@ -16,9 +16,9 @@ strips ``jax.checkpoint``'s optimization barriers and merges the recomputation w
 pass, so remat saves nothing (8-layer unrolled chain: 256 MiB temp with and without remat).
 Turning off the concurrency-optimized scheduler with :data:`CPU_SCHEDULER_FLAG` recovers part of
 that (248 -> 136 MiB), but :func:`jremat.remat.recompute_after_cotangent`, which jremat applies to
-every checkpointed layer, does better and is hurt by the flag: on the 8-layer ``small`` model,
-unrolled full remat keeps 39.2 MB of temp memory with default flags and 54.9 MB with the flag
-(no remat: 71.8 MB). The memory report names the flag when it finds it set.
+every unrolled checkpointed layer (and to a length-1 scan, which XLA flattens), does better and
+is hurt by the flag: on the 8-layer ``small`` model, unrolled full remat keeps 39.2 MB of temp
+memory with default flags and 54.9 MB with the flag (no remat: 71.8 MB). The memory report names the flag when it finds it set.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
 def jit(fn: Callable, **jit_kwargs: Any):
     """``jax.jit(fn, **jit_kwargs)`` with :func:`compiler_options` for the default backend merged in.
 
-    Options passed in ``jit_kwargs["compiler_options"]`` win over jremat's.
+    Options passed in ``jit_kwargs["compiler_options"]`` win over jremat's. Use it for the
+    outermost jit only: JAX refuses compiler options on a jit nested inside another (jit the
+    unjitted function once, with your shardings, instead of wrapping a jitted one).
 
     Args:
       fn: the function to compile (a train step, ``jax.grad`` of a loss ...).

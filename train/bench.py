@@ -570,11 +570,13 @@ def max_batch(cfg: ModelConfig, budget: int, seq: int, *, max_compiles: int = 8)
     slope = max(1.0, (peak(8) - peak(1)) / 7)
     lo, hi = (8, None) if peak(8) <= budget else (1, 8)
     guess = max(1, int(1 + (budget - peak(1)) // slope))
+    guided = 2  # the prediction and its neighbour; after that, bisect (no walking one batch at a time)
     while len(peaks) < max_compiles and not (hi is not None and hi == lo + 1):
         if hi is None:
-            candidate = guess if guess > lo else 2 * lo
+            candidate = guess if guided > 0 and guess > lo else 2 * lo
         else:
-            candidate = guess if lo < guess < hi else (lo + hi) // 2
+            candidate = guess if guided > 0 and lo < guess < hi else (lo + hi) // 2
+        guided -= 1
         if peak(candidate) <= budget:  # every candidate is new: strictly above lo, below hi
             lo, guess = candidate, candidate + 1
         else:

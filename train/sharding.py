@@ -414,7 +414,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, para
     p_sh, o_sh = _shardings_of(params), _shardings_of(opt_state)
     b_sh, r_sh = batch_sharding(mesh), replicated(mesh)
     return jremat.jit(
-        step_lib.make_train_step(graphdef, tx),
+        step_lib.train_step_fn(graphdef, tx),
         in_shardings=(p_sh, o_sh, b_sh, b_sh, r_sh),
         out_shardings=(p_sh, o_sh, r_sh),
         donate_argnums=(0, 1),
@@ -426,7 +426,7 @@ def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
     from train import step as step_lib
 
     b_sh = batch_sharding(mesh)
-    return jremat.jit(step_lib.make_eval_step(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
+    return jremat.jit(step_lib.eval_step_fn(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
                       out_shardings=replicated(mesh))
 
 

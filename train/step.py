@@ -74,10 +74,11 @@ def dropout_key(seed: int, step: int, micro_step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro_step)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
-    """A jitted ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``.
+def train_step_fn(graphdef, tx: optax.GradientTransformation) -> Callable:
+    """The unjitted ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``.
 
-    ``params`` and ``opt_state`` are donated.
+    For callers that jit it themselves (with shardings: ``train.sharding``); JAX accepts
+    compiler options only on the outermost jit.
     """
 
     def train_step(params, opt_state, tokens, targets, key):
@@ -91,13 +92,23 @@ def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
-    return jremat.jit(train_step, donate_argnums=(0, 1))
+    return train_step
 
 
-def make_eval_step(graphdef) -> Callable:
-    """A jitted ``(params, tokens, targets) -> mean loss`` with dropout off."""
+def eval_step_fn(graphdef) -> Callable:
+    """The unjitted ``(params, tokens, targets) -> mean loss`` with dropout off."""
 
     def eval_step(params, tokens, targets):
         return cross_entropy_loss(nnx.merge(graphdef, params), tokens, targets, None)
 
-    return jremat.jit(eval_step)
+    return eval_step
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
+    """:func:`train_step_fn` compiled by :func:`jremat.jit`; ``params`` and ``opt_state`` are donated."""
+    return jremat.jit(train_step_fn(graphdef, tx), donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef) -> Callable:
+    """:func:`eval_step_fn` compiled by :func:`jremat.jit`."""
+    return jremat.jit(eval_step_fn(graphdef))

@@ -30,8 +30,8 @@ def test_full_remat_temp_grows_by_about_one_block_input_per_layer():
     per_layer = block_input_bytes(small())
     temps = {n: train_step_memory(small(n_layers=n, remat_policy="full"), BATCH).temp_size_in_bytes for n in (4, 8)}
     growth_per_layer = (temps[8] - temps[4]) / 4
-    # Measured 1.375x: XLA's scan keeps a little per-iteration bookkeeping beyond the residual.
-    assert 0.9 * per_layer <= growth_per_layer <= 1.5 * per_layer, (growth_per_layer, per_layer)
+    # Measured exactly 1.0x under jremat.jit; plain jax.jit gave 1.375x (loop-invariant code motion).
+    assert 0.95 * per_layer <= growth_per_layer <= 1.05 * per_layer, (growth_per_layer, per_layer)
 
 
 def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():

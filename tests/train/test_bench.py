@@ -95,3 +95,18 @@ def test_time_ratios_pair_rounds_so_load_drift_cancels():
     assert ratio == pytest.approx(1.1)
     assert low == pytest.approx(1.1) and high == pytest.approx(6.05)
     assert bench.time_ratios(times, "none")["none"] == (1.0, 1.0, 1.0)
+
+
+def test_max_batch_bisects_when_the_affine_prediction_is_off(monkeypatch):
+    # peak rises 1 per sequence up to 8, then only 0.4: the prediction from batches 1 and 8 says
+    # 8, the answer is 9; walking down one batch at a time from 16 would run out of compiles
+    peaks = {}
+
+    def fake_peak(batch):
+        peaks[batch] = 10 + (batch - 1 if batch <= 8 else 7 + 0.4 * (batch - 8))
+        return peaks[batch]
+
+    monkeypatch.setattr(bench, "step_memory", lambda cfg, batch, seq: batch)
+    monkeypatch.setattr(bench, "bench_peak", fake_peak)
+    assert bench.max_batch(None, budget=17.5, seq=16) == (9, True)
+    assert len(peaks) <= 8
