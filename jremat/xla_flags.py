@@ -5,7 +5,7 @@ f32, so the backward loop of a ``lax.scan`` over layers converts every bf16 resi
 reads to f32. The ``while-loop-invariant-code-motion`` pass then rewrites that as one convert
 of the whole stacked ``[n_layers, ...]`` residual, hoisted out of the loop, so the backward pass
 holds every saved residual a second time in f32. Measured (JAX 0.10.2, gpt2-small shapes, batch
-8 x 1024, bf16, Adam-free gradient step, compile-only): compiled peak ``none`` 20.87 -> 13.43 GiB,
+8 x 1024, bf16, gradient step without optimizer, compile-only): compiled peak ``none`` 20.87 -> 13.43 GiB,
 ``every_k:k=4`` 17.23 -> 10.49, ``dots`` 13.30 -> 8.91, ``selective`` 9.80 -> 7.12 and ``full``
 6.58 -> 5.39 GiB with the pass off. Step time on the f32 ``small`` preset was unchanged within
 noise (0.98-1.03x). :func:`compiler_options` returns the option for the CPU backend and
@@ -18,7 +18,8 @@ Turning off the concurrency-optimized scheduler with :data:`CPU_SCHEDULER_FLAG` 
 that (248 -> 136 MiB), but :func:`jremat.remat.recompute_after_cotangent`, which jremat applies to
 every unrolled checkpointed layer (and to a length-1 scan, which XLA flattens), does better and
 is hurt by the flag: on the 8-layer ``small`` model, unrolled full remat keeps 39.2 MB of temp
-memory with default flags and 54.9 MB with the flag (no remat: 71.8 MB). The memory report names the flag when it finds it set.
+memory with default flags and 54.9 MB with the flag (no remat: 71.8 MB). The memory report
+names the flag when it finds it set.
 """
 
 from __future__ import annotations

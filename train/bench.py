@@ -25,13 +25,14 @@ Parts (``--parts``, comma-separated; default all):
     the Adam train step.
 ``maxbatch``
     The largest batch whose compiled Adam-step peak fits ``--maxbatch-budget-gib``, per policy
-    (a linear fit of peak against batch from two compiles, then verified by compiling the
-    answer and the answer + 1).
+    (a linear fit of peak against batch from two compiles, then bisection, verified by compiling
+    the answer and the answer + 1).
 ``time``
     Step time of every policy on preset ``small`` as a ratio to ``none`` (interleaved rounds,
-    warm-up excluded, medians), and the compiled peak of the same step: the Pareto plot.
+    warm-up excluded, median of the paired per-round ratios), and the compiled peak of the same
+    step: the Pareto plot.
 
-Memory is always compile-only (``jax.jit(...).lower(shapes).compile()``, XLA's buffer
+Memory is always compile-only (``jremat.jit(...).lower(shapes).compile()``, XLA's buffer
 assignment; nothing is allocated), so large shapes run on a CPU. Times are only reported as
 ratios to ``none`` measured in the same process.
 

@@ -1,7 +1,7 @@
 """Compile-only memory report of the reference model's gradient step, one row per policy.
 
 ``python -m train.memory --preset gpt2-small --batch-size 8 --dtype bfloat16 --policy none
---policy full --policy every_k:k=4 --policy selective`` compiles ``jax.jit(jax.grad(loss))`` of
+--policy full --policy every_k:k=4 --policy selective`` compiles ``jremat.jit(jax.grad(loss))`` of
 the GPT model for each policy (nothing is executed: parameters and tokens are shapes only) and
 prints peak and temp bytes, saved activation bytes per layer, ratios to ``none`` and the
 policy's recompute FLOPs as a fraction of the step's FLOPs.
@@ -681,8 +681,9 @@ def add_live_peaks(config: MemoryConfig, rows: Sequence[PolicyMemory]) -> tuple[
     note = _allocator_stats_note()
     if note is not None:
         return list(rows), note
-    peaks = [_run_live_child(config, spec) for spec in config.policy]
-    failed = [spec for spec, peak in zip(config.policy, peaks) if peak is None]
+    specs = list(dict.fromkeys(config.policy))  # one row per distinct spec, as compare_policies
+    peaks = [_run_live_child(config, spec) for spec in specs]
+    failed = [spec for spec, peak in zip(specs, peaks) if peak is None]
     rows = [dataclasses.replace(r, live_peak_bytes=peak) for r, peak in zip(rows, peaks)]
     return rows, (f"live: the measurement failed for {', '.join(failed)}" if failed else None)
 
@@ -780,7 +781,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
         if config.live_child:
-            live = live_step_memory(config.model_config(config.policy[0]), config.batch_size, config.resolved_seq_len)
+            spec = config.policy[0]
+            cfg, _ = config_for_spec(config.model_config(spec), spec, config.batch_size, config.resolved_seq_len,
+                                     config.memory_budget)
+            live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
             print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
             return 0
         rows, base = run(config)
