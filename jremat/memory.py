@@ -198,7 +198,7 @@ def memory_report(fn: Callable, *args, compiler_options: dict | None = None, **k
     if options.get("xla_disable_hlo_passes") == _xla_flags.CPU_HOISTING_PASS:
         report = dataclasses.replace(report, notes=report.notes + (
             f"compiled as jremat.jit compiles: XLA pass {_xla_flags.CPU_HOISTING_PASS} off; plain jax.jit "
-            "keeps an extra f32 copy of every scan-stacked bf16 residual (see jremat.xla_flags)",))
+            "can keep an extra f32 copy of every scan-stacked bf16 residual (see jremat.xla_flags)",))
     return report
 
 

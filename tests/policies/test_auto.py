@@ -7,7 +7,7 @@ import jremat
 from models import preset
 from policies.auto import Budget, parse_budget
 from tests.conftest import saved_residuals
-from train.auto import Candidate, compiled_peak_bytes, plan_for_budget
+from train.auto import Candidate, compiled_peak_bytes, host_offload_available, plan_for_budget
 
 BATCH = 8
 
@@ -102,3 +102,39 @@ def test_infeasible_budget_names_smallest_peak(tiny, extremes):
     _, full_peak = extremes
     with pytest.raises(ValueError, match=rf"smallest achievable peak is {full_peak:,} bytes .* reached by full"):
         plan_for_budget(tiny, BATCH, str(full_peak // 2))
+
+
+def _fake_measure(none_peak, full_peak):
+    """Every remat plan at full's peak, no remat at none's: the planner runs without compiling."""
+    return lambda cfg: none_peak if cfg.remat_policy == "none" and not cfg.remat_layer_policies else full_peak
+
+
+@pytest.mark.parametrize("per_byte, offloaded", [(0.0, True), (1e12, False)])
+def test_offload_replaces_recompute_only_where_cheaper(tiny, extremes, per_byte, offloaded):
+    none_peak, full_peak = extremes
+    plan = plan_for_budget(tiny, BATCH, str(full_peak + 1), measure_peak_bytes=_fake_measure(none_peak, full_peak),
+                           offload=True, offload_cost_per_byte=per_byte)
+    unsaved = [c.name for c in plan.names if c.name not in plan.candidate.save]
+    if offloaded:  # free transfers: every value not kept on the device goes to the host
+        assert plan.candidate.offload == tuple(unsaved) and unsaved
+        assert plan.config.remat_policy.startswith("offload:names=")
+        assert plan.solution.recompute_flops == 0
+        assert "offload to host" in plan.table()
+    else:  # transfers dearer than any recompute: the plan is the recompute-only one
+        assert plan.candidate.offload == ()
+        assert "offload to host" not in plan.table()
+    jremat.resolve(plan.config.remat_policy)  # the spec is a valid registered policy
+
+
+def test_offload_is_off_by_default_on_cpu_and_its_price_is_measured(tiny, extremes):
+    import jax
+
+    from train.auto import offload_flops_per_byte
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU default")
+    assert not host_offload_available()  # pinned_host is listed, but it is the same RAM
+    plan = plan_for_budget(tiny, BATCH, str(extremes[1] + 1))
+    assert plan.candidate.offload == () and all(c.offload_flops is None for c in plan.names)
+    per_byte = offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
+    assert 0 < per_byte < float("inf")
