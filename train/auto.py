@@ -3,18 +3,20 @@
 Decision space: which of the block's tagged tensors to save (every subset of the names in
 :mod:`jremat.names` that the block tags, except its input and output) x how many layers, from
 the first, are rematerialized (the rest keep everything). A plan becomes an ordinary config:
-``remat_policy="names:save=..."`` (``full`` for the empty set) and, for a partial stack,
+``remat_policy="names:save=..."`` (``full`` for the empty set; ``offload:names=...,save=...``
+when some names go to host memory) and, for a partial stack,
 ``layer_policies="G:<spec>"`` with the remaining layers on ``none``.
 
 Cost model (shared with ``skip_cheap``): a name's recompute cost is the FLOPs of the block's ops
 from the previous tagged value up to it; a plan's cost is the sum over names it does not save,
-times the layers it remats. Where the backend has separate host memory (``pinned_host`` on GPU, TPU), a
-name that is not saved on the device is offloaded instead of recomputed when moving its bytes
-to the host and back costs less: bytes x FLOP-equivalents per byte, measured once on the device
-(:func:`offload_flops_per_byte`). Offloaded values take no device memory, so this choice is
-per name and does not enlarge the search. Peak prediction: two compiles (``none`` and ``full``) calibrate how
-XLA's peak moves per traced residual byte; the chosen plan is then compiled and, if over budget,
-the walk goes on to the next-cheapest plan (:func:`policies.auto.solve`).
+times the layers it remats. Where the backend has separate host memory (``pinned_host`` on
+GPU, TPU), a name that is not saved on the device is offloaded instead of recomputed when moving
+its bytes to the host and back costs less: bytes x FLOP-equivalents per byte, measured once on
+the device (:func:`offload_flops_per_byte`). Offloaded values take no device memory, so this
+choice is per name and does not enlarge the search. Peak prediction: two compiles (``none`` and
+``full``) calibrate how XLA's peak moves per traced residual byte; the chosen plan is then
+compiled and, if over budget, the walk goes on to the next-cheapest plan
+(:func:`policies.auto.solve`).
 """
 
 from __future__ import annotations
@@ -186,6 +188,14 @@ def offload_flops_per_byte(dtype: str = "bfloat16", transfer_bytes: int = 64 * 2
     Times a round trip of ``transfer_bytes`` to ``pinned_host`` and a ``matmul_size``-square
     matmul in ``dtype``; the ratio prices offloading in the recompute cost model's unit. It does
     not credit the overlap of transfers with compute, so offloading is priced pessimistically.
+
+    Args:
+      dtype: the compute dtype whose matmul rate sets the FLOP side.
+      transfer_bytes: bytes moved to the host and back per timing.
+      matmul_size: side of the square matmul timed.
+
+    Returns:
+      FLOP-equivalents per byte (cached per argument tuple).
 
     Raises:
       ValueError: if the device has no ``pinned_host`` memory.
