@@ -659,6 +659,19 @@ class LiveMemory:
     reason: str = ""
 
 
+def allocator_stats_missing(device=None) -> str | None:
+    """Why ``device`` cannot report a live peak (no ``peak_bytes_in_use`` statistic), or ``None`` if it can.
+
+    Args:
+      device: the device to ask; defaults to ``jax.devices()[0]``.
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return None
+    return f"{device.platform} device {device} reports no allocator statistics (memory_stats() is None)"
+
+
 def live_memory(fn: Callable, *args, device=None, **kwargs) -> LiveMemory:
     """Run ``fn(*args, **kwargs)`` once and read the device's ``memory_stats()`` peak.
 
@@ -673,12 +686,10 @@ def live_memory(fn: Callable, *args, device=None, **kwargs) -> LiveMemory:
       A :class:`LiveMemory`.
     """
     device = device or jax.devices()[0]
-    stats = device.memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        return LiveMemory(False, str(device), None, None,
-                          f"{device.platform} device {device} reports no allocator statistics "
-                          "(memory_stats() is None): live measurement needs a GPU or TPU")
-    before = int(stats.get("bytes_in_use", 0))
+    missing = allocator_stats_missing(device)
+    if missing is not None:
+        return LiveMemory(False, str(device), None, None, f"{missing}: live measurement needs a GPU or TPU")
+    before = int(device.memory_stats().get("bytes_in_use", 0))
     jax.block_until_ready(fn(*args, **kwargs))
     after = device.memory_stats()
     return LiveMemory(True, str(device), int(after["peak_bytes_in_use"]), before)
@@ -746,6 +757,7 @@ def diagnose_remat(
 
 __all__ = [
     "ACTIVATION",
+    "allocator_stats_missing",
     "CONSTANT",
     "LiveMemory",
     "MemoryReport",

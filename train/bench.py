@@ -67,8 +67,8 @@ from jremat import registry
 from jremat.remat import NestedLayers
 from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
-from train.config import UsageError
-from train.memory import block_program, step_residuals
+from train.config import OneLineErrorParser, UsageError
+from train.memory import block_program, format_bytes, step_residuals
 from train.step import make_train_step
 
 PARTS = ("needle", "needle_time", "megatron", "time", "maxbatch", "auto")
@@ -794,15 +794,6 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
     return written
 
 
-def _fmt_bytes(n) -> str:
-    if n in (None, ""):
-        return "n/a"
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def _pct(x) -> str:
     return "n/a" if x in (None, "") else f"{100 * x:.1f}%"
 
@@ -843,10 +834,10 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
         lines += [f"## {title}", ""]
         lines += _table(("batch", "d_ff", "peak none", "peak every_k:k=4", "peak reduction",
                          "block saved none", "block saved every_k:k=4", "block saved reduction"),
-                        [(r["batch_size"], r["d_ff"], _fmt_bytes(none[(r["batch_size"], r["d_ff"])]["peak_bytes"]),
-                          _fmt_bytes(r["peak_bytes"]), _pct(r["peak_reduction_vs_none"]),
-                          _fmt_bytes(none[(r["batch_size"], r["d_ff"])]["saved_bytes_per_layer"]),
-                          _fmt_bytes(r["saved_bytes_per_layer"]),
+                        [(r["batch_size"], r["d_ff"], format_bytes(none[(r["batch_size"], r["d_ff"])]["peak_bytes"]),
+                          format_bytes(r["peak_bytes"]), _pct(r["peak_reduction_vs_none"]),
+                          format_bytes(none[(r["batch_size"], r["d_ff"])]["saved_bytes_per_layer"]),
+                          format_bytes(r["saved_bytes_per_layer"]),
                           _pct(1 - r["saved_bytes_per_layer"] / none[(r["batch_size"], r["d_ff"])]["saved_bytes_per_layer"]))
                          for r in pts if r["policy"] != "none"])
         lines.append("")
@@ -855,7 +846,7 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
         lines += [f"## Needle figure 3: step time vs k (batch {pts[0]['batch_size']}, d_ff {pts[0]['d_ff']})", ""]
         lines += _table(("k", "policy", "time / none", "low", "high", "peak"),
                         [(r["k"], r["policy"], f"{r['time_ratio_vs_none']:.3f}", f"{r['time_ratio_low']:.3f}",
-                          f"{r['time_ratio_high']:.3f}", _fmt_bytes(r["peak_bytes"]))
+                          f"{r['time_ratio_high']:.3f}", format_bytes(r["peak_bytes"]))
                          for r in sorted(pts, key=lambda r: r["k"])])
         lines.append("")
     pts = by_part.get("megatron", [])
@@ -864,9 +855,9 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
         lines += [f"## Megatron-LM accounting: {r0['preset']} shapes, {r0['n_layers']} layers, b={r0['batch_size']}, "
                   f"s={r0['seq_len']}, h={r0['d_model']}, a={r0['n_heads']}, {r0['dtype']}, dropout 0.1", ""]
         lines += _table(("policy", "saved / layer", "/ sbh", "Megatron / sbh", "how", "Adam-step peak", "peak vs none"),
-                        [(r["policy"], _fmt_bytes(r["saved_bytes_per_layer"]), f"{r['saved_per_sbh']:.2f}",
+                        [(r["policy"], format_bytes(r["saved_bytes_per_layer"]), f"{r['saved_per_sbh']:.2f}",
                           f"{r['megatron_per_sbh']:.1f}" if r["megatron_per_sbh"] != "" else "",
-                          r["saved_method"], _fmt_bytes(r["peak_bytes"]), _pct(-r["peak_reduction_vs_none"]))
+                          r["saved_method"], format_bytes(r["peak_bytes"]), _pct(-r["peak_reduction_vs_none"]))
                          for r in pts])
         lines.append("")
     pts = by_part.get("maxbatch", [])
@@ -877,7 +868,7 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
         none = next((r["max_batch"] for r in pts if r["policy"] == "none"), None)
         lines += _table(("policy", "max batch", "verified", "vs none", "peak at max batch"),
                         [(r["policy"], r["max_batch"], "yes" if r["max_batch_verified"] else "lower bound",
-                          f"{r['max_batch'] / none:.2f}x" if none else "n/a", _fmt_bytes(r["peak_bytes"]))
+                          f"{r['max_batch'] / none:.2f}x" if none else "n/a", format_bytes(r["peak_bytes"]))
                          for r in pts])
         lines.append("")
     pts = by_part.get("time", [])
@@ -887,7 +878,7 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
                   f"{r0['seq_len']}, {r0['time_steps']} steps per policy", ""]
         lines += _table(("policy", "time / none", "low", "high", "peak", "peak reduction"),
                         [(r["policy"], f"{r['time_ratio_vs_none']:.3f}", f"{r['time_ratio_low']:.3f}",
-                          f"{r['time_ratio_high']:.3f}", _fmt_bytes(r["peak_bytes"]),
+                          f"{r['time_ratio_high']:.3f}", format_bytes(r["peak_bytes"]),
                           _pct(r["peak_reduction_vs_none"])) for r in pts])
         lines.append("")
     pts = by_part.get("auto", [])
@@ -897,7 +888,7 @@ def summary_markdown(rows: Sequence[dict], plots: Sequence[str], command: str, n
                   "Adam step", ""]
         lines += _table(("budget", "auto plan", "auto peak", "auto time / none", "fastest fitting built-in",
                          "its time / none"),
-                        [(_fmt_bytes(r["budget_bytes"]), r["policy"], _fmt_bytes(r["peak_bytes"]),
+                        [(format_bytes(r["budget_bytes"]), r["policy"], format_bytes(r["peak_bytes"]),
                           f"{r['time_ratio_vs_none']:.3f}", r["best_fitting_policy"],
                           f"{r['best_fitting_time_ratio']:.3f}") for r in pts])
         lines.append("")
@@ -957,11 +948,6 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, no usage dump
-        raise UsageError(message)
-
-
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
@@ -978,7 +964,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; one flag per :class:`BenchConfig` field."""
-    p = _Parser(prog="python -m train.bench", description=__doc__.splitlines()[0],
+    p = OneLineErrorParser(prog="python -m train.bench", description=__doc__.splitlines()[0],
                 epilog="registered policies:\n" + registry.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", help="output folder (CSV, PNG plots, summary.md)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts: {', '.join(PARTS)}")

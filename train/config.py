@@ -11,6 +11,7 @@ positions) and may be set lower, never higher; the model's position table is nev
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from typing import Any
@@ -26,6 +27,13 @@ from policies.auto import parse_budget
 
 class UsageError(ValueError):
     """Bad user input: the CLI prints the message and exits with code 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors raise :class:`UsageError` (one line, exit 2, no usage dump)."""
+
+    def error(self, message):
+        raise UsageError(message)
 
 
 def _field(default, help_text: str, **cli):

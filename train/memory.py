@@ -48,10 +48,7 @@ from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
 from models import preset as model_preset
 from models.config import DTYPES
 from models.gpt import Block, make_block_fn
-
-
-class UsageError(ValueError):
-    """Bad user input: the CLI prints the message and exits with code 2."""
+from train.config import OneLineErrorParser, UsageError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,11 +530,11 @@ def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None
     """
     rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
     row = rows[0]
-    peak = _fmt_bytes(row.peak_bytes)
+    peak = format_bytes(row.peak_bytes)
     parts = [
-        f"memory ({row.policy}): peak {peak} (none: {_fmt_bytes(base.peak_bytes)}, "
-        f"analytic {_fmt_bytes(row.analytic_peak_bytes)}), saved/layer {_fmt_bytes(row.saved_bytes_per_layer)} "
-        f"(none: {_fmt_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
+        f"memory ({row.policy}): peak {peak} (none: {format_bytes(base.peak_bytes)}, "
+        f"analytic {format_bytes(row.analytic_peak_bytes)}), saved/layer {format_bytes(row.saved_bytes_per_layer)} "
+        f"(none: {format_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
     ]
     parts.extend(f"  note: {n}" for n in row.notes)
     return "\n".join(parts)
@@ -548,8 +545,9 @@ def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt_bytes(n) -> str:
-    if n is None:
+def format_bytes(n) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``); ``"n/a"`` for ``None`` or ``""``."""
+    if n is None or n == "":
         return "n/a"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -568,11 +566,11 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
         sr = _ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
         err = _ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
         lines.append(
-            f"{r.policy:<24} {_fmt_bytes(r.peak_bytes):>11} {_fmt_bytes(r.temp_bytes):>11} "
-            f"{_fmt_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
+            f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
+            f"{format_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
             f"{('%.3f' % sr) if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
-            f"{_fmt_bytes(r.analytic_peak_bytes):>11} {('%+.1f%%' % (100 * err)) if err is not None else 'n/a':>8}"
-            + (f" {_fmt_bytes(r.live_peak_bytes):>11}" if live else "")
+            f"{format_bytes(r.analytic_peak_bytes):>11} {('%+.1f%%' % (100 * err)) if err is not None else 'n/a':>8}"
+            + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
         )
     first = rows[0]
     lines.append(
@@ -644,9 +642,9 @@ def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | Non
       The :class:`jremat.memory.LiveMemory`; ``available`` is False, and nothing runs, on a
       backend without allocator statistics (XLA:CPU).
     """
-    note = _allocator_stats_note()
-    if note is not None:
-        return jmem.LiveMemory(False, str(jax.devices()[0]), None, None, note)
+    missing = jmem.allocator_stats_missing()
+    if missing is not None:
+        return jmem.LiveMemory(False, str(jax.devices()[0]), None, None, missing)
     grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
     _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
     batch = jnp.zeros(tokens.shape, tokens.dtype)
@@ -654,12 +652,8 @@ def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | Non
 
 
 def _allocator_stats_note() -> str | None:
-    device = jax.devices()[0]
-    stats = device.memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return None
-    return (f"live: {device.platform} device {device} reports no allocator statistics (memory_stats() is "
-            "None); --live needs a GPU or TPU, so only compiled figures are shown")
+    missing = jmem.allocator_stats_missing()
+    return None if missing is None else f"live: {missing}; --live needs a GPU or TPU, so only compiled figures are shown"
 
 
 def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
@@ -693,14 +687,9 @@ def add_live_peaks(config: MemoryConfig, rows: Sequence[PolicyMemory]) -> tuple[
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, no usage dump
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; policy help comes from the registry (``jremat.describe()``)."""
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m train.memory",
         description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
         epilog="registered policies:\n" + registry.describe(),
