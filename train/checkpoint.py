@@ -9,7 +9,6 @@ the latest good one (the half-written temporary directory is ignored).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -155,8 +154,3 @@ def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, vocab_md5: st
             f"cannot resume from {str(directory)!r} (step {meta.get('step')}): the checkpoint was trained "
             "with a different vocabulary (other training data); use the same --data-dir as the original run"
         )
-
-
-def model_config_json(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The model config as JSON-ready values."""
-    return dataclasses.asdict(model_cfg)
