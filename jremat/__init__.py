@@ -10,6 +10,8 @@ from jremat.xla_flags import compiler_options, jit
 # The decorator shadows the ``jremat.policy`` submodule attribute on purpose (``@jremat.policy``);
 # import the submodule's names with ``from jremat.policy import ...``.
 from jremat.decorator import custom_policy, policy
+# Likewise ``jremat.explain`` is the function; import the module's names with ``from jremat.explain import ...``.
+from jremat.explain import Explanation, explain
 from jremat.memory import (
     MemoryReport,
     ResidualsReport,
@@ -22,6 +24,7 @@ from jremat.memory import (
 
 __all__ = [
     "CallbackPolicy",
+    "Explanation",
     "GRANULARITIES",
     "MemoryReport",
     "NoRemat",
@@ -39,6 +42,7 @@ __all__ = [
     "describe",
     "diagnose_remat",
     "dropout",
+    "explain",
     "jit",
     "layer_keys",
     "live_memory",

@@ -1,0 +1,560 @@
+"""What a policy did to a function: each decision, the names it matched, and whether memory fell.
+
+:func:`explain` answers "did remat save anything?" for any function. It traces the function
+under the policy and reads every checkpoint the trace contains (inside ``lax.scan`` bodies
+too), asking the checkpoint's own policy about each value, exactly as JAX's partial evaluation
+does. It reports:
+
+* one line per decision (``save``, ``offload``, ``recompute``, ``exclude`` by name) and place
+  (top level, or inside which scan): how many values, their bytes;
+* the tensor names the policy mentions (``names:save=...``, ``names_except:exclude=...``,
+  ``offload:names=...``) and how many values each matched; a name matching nothing gets a line
+  of its own that lists the names the function actually tags;
+* with ``compile=True``, the residuals kept for the backward pass and XLA's compiled temp memory
+  of the gradient, without and with the policy; when the temp did not fall although the policy
+  recomputes (XLA merged the recomputation back, or the checkpoint covers the whole
+  differentiated function) a line says so and names the likely cause
+  (:func:`jremat.memory.diagnose_remat`).
+
+``print(jremat.explain(f, "full", w, x))`` prints plain text; :meth:`Explanation.to_json` gives
+the same as a dict.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
+from jax.extend import core as jcore
+
+from jremat import memory as _memory
+from jremat import program as _program
+from jremat import registry
+from jremat.decorator import policy as _decorate_with
+from jremat.policy import NoRemat, Policy
+
+SAVE = "save"
+OFFLOAD = "offload"
+RECOMPUTE = "recompute"
+EXCLUDE = "exclude"
+#: Decisions in report order.
+DECISIONS = (SAVE, OFFLOAD, RECOMPUTE, EXCLUDE)
+
+#: Policy attributes holding the tensor names a policy mentions, and the role each gives them.
+NAME_ROLES = (("save", SAVE), ("offload", OFFLOAD), ("exclude", EXCLUDE))
+
+_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")
+_IDENTITY = _memory.IDENTITY_PRIMITIVES
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Values one decision of the policy covers, in one place.
+
+    Attributes:
+      decision: :data:`SAVE`, :data:`OFFLOAD`, :data:`RECOMPUTE` or :data:`EXCLUDE` (recomputed
+        because the policy excludes their name).
+      count: how many values, per execution of the checkpoint.
+      bytes: their bytes, per execution.
+      where: ``"top level"`` or the enclosing scan(s), ``"scan(length=2) at file:line (fn)"``.
+      iterations: how often the checkpoint runs (the product of the enclosing scan lengths).
+      names: the ``checkpoint_name`` tags among these values.
+    """
+
+    decision: str
+    count: int
+    bytes: int
+    where: str
+    iterations: int
+    names: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        """:attr:`bytes` times :attr:`iterations`."""
+        return self.bytes * self.iterations
+
+
+@dataclasses.dataclass(frozen=True)
+class NameMatch:
+    """One tensor name the policy mentions and what it matched in the traced function.
+
+    Attributes:
+      role: :data:`SAVE`, :data:`OFFLOAD` or :data:`EXCLUDE`.
+      name: the name.
+      count: values tagged with it (scan bodies counted once per iteration).
+      bytes: their bytes, all iterations.
+    """
+
+    role: str
+    name: str
+    count: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What a policy did to a function (see :func:`explain`).
+
+    Attributes:
+      policy: the policy's spec.
+      function: the function's name.
+      checkpoints: how many checkpoints the rematerialized trace contains.
+      decisions: one :class:`Decision` per (decision, place).
+      names: one :class:`NameMatch` per name the policy mentions.
+      names_found: every ``checkpoint_name`` tag in the traced function, in first-seen order.
+      saved_bytes: residuals the forward pass computes for the backward pass, with the policy
+        (:attr:`jremat.ResidualsReport.computed_bytes`); ``None`` when not measured.
+      baseline_saved_bytes: the same without remat.
+      temp_bytes: XLA's compiled temp bytes of the gradient with the policy (``None``: not compiled).
+      baseline_temp_bytes: the same without remat.
+      messages: one line per problem found: a name that matched nothing, no saving, a policy
+        that could not be applied.
+    """
+
+    policy: str
+    function: str
+    checkpoints: int
+    decisions: tuple[Decision, ...]
+    names: tuple[NameMatch, ...]
+    names_found: tuple[str, ...]
+    saved_bytes: int | None = None
+    baseline_saved_bytes: int | None = None
+    temp_bytes: int | None = None
+    baseline_temp_bytes: int | None = None
+    messages: tuple[str, ...] = ()
+
+    def count(self, decision: str) -> int:
+        """Values given ``decision``, all places and iterations.
+
+        Raises:
+          ValueError: if ``decision`` is not one of :data:`DECISIONS`.
+        """
+        if decision not in DECISIONS:
+            raise ValueError(f"unknown decision {decision!r}; valid decisions: {', '.join(DECISIONS)}")
+        return sum(d.count * d.iterations for d in self.decisions if d.decision == decision)
+
+    def text(self) -> str:
+        """Plain text: a header, one line per decision and name, memory figures, then messages."""
+        lines = [(f"policy {self.policy!r} on {self.function}: {self.checkpoints} checkpoint"
+                 f"{'' if self.checkpoints == 1 else 's'}")]
+        for d in self.decisions:
+            per = f" per iteration, x{d.iterations} = {_fmt_bytes(d.total_bytes)}" if d.iterations > 1 else ""
+            tagged = f"  [names: {', '.join(d.names)}]" if d.names else ""
+            lines.append(f"  {d.decision:<9} {d.count:>5} values {_fmt_bytes(d.bytes):>11}{per}  {d.where}{tagged}")
+        for m in self.names:
+            lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_fmt_bytes(m.bytes)}")
+        if self.saved_bytes is not None:
+            lines.append(f"  residuals for the backward pass: {_fmt_bytes(self.baseline_saved_bytes)} without remat, "
+                         f"{_fmt_bytes(self.saved_bytes)} with the policy")
+        if self.temp_bytes is not None:
+            lines.append(f"  compiled temp of the gradient: {_fmt_bytes(self.baseline_temp_bytes)} without remat, "
+                         f"{_fmt_bytes(self.temp_bytes)} with the policy")
+        lines.extend(self.messages)
+        return "\n".join(lines)
+
+    __str__ = text
+
+    def to_json(self) -> dict:
+        """Every field as JSON-ready values (decisions and names as lists of dicts)."""
+        out = dataclasses.asdict(self)
+        out["decisions"] = [dataclasses.asdict(d) for d in self.decisions]
+        out["names"] = [dataclasses.asdict(m) for m in self.names]
+        out["names_found"] = list(self.names_found)
+        out["messages"] = list(self.messages)
+        return out
+
+
+def _fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a trace
+# ---------------------------------------------------------------------------------------------
+
+
+def _sub_jaxprs(eqn) -> list:
+    subs = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, jcore.ClosedJaxpr):
+                subs.append(sub.jaxpr)
+            elif isinstance(sub, jcore.Jaxpr):
+                subs.append(sub)
+    return subs
+
+
+def _scope(eqn) -> str:
+    return f"scan(length={eqn.params['length']}) at {_memory._summarize_source(eqn)}"
+
+
+def _where(scopes: Sequence[tuple[str, int]]) -> str:
+    return "inside " + " > ".join(s for s, _ in scopes) if scopes else "top level"
+
+
+def _iterations(scopes: Sequence[tuple[str, int]]) -> int:
+    n = 1
+    for _, length in scopes:
+        n *= length
+    return n
+
+
+def _tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
+    """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.append((eqn.params["name"], _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
+        inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
+        for sub in _sub_jaxprs(eqn):
+            found.extend(_tags(sub, inner))
+    return found
+
+
+def _decide(callback, eqn) -> str:
+    if callback is None:
+        return RECOMPUTE
+    result = callback(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    if isinstance(result, Offloadable):
+        return OFFLOAD
+    if result is Saveable or result is True:
+        return SAVE
+    if result is Recompute or not result:
+        return RECOMPUTE
+    return SAVE
+
+
+def _is_float_var(v) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and not _program.is_key(v.aval) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _checkpoint_decisions(eqn, scopes, excluded: frozenset[str], acc: dict, visit) -> None:
+    """Add the decisions of checkpoint ``eqn``'s policy on its body to ``acc``."""
+    callback = eqn.params.get("policy")
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    _body_decisions(body, callback, scopes, excluded, acc, visit)
+
+
+def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
+    producer = {v: e for e in body.eqns for v in e.outvars}
+    user_name: dict = {}
+    for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
+        if e.primitive.name == "name" and not _memory.PLAN_TAG_RE.match(e.params["name"]):
+            v = e.invars[0]
+            user_name.setdefault(v, e.params["name"])
+            user_name.setdefault(e.outvars[0], e.params["name"])
+
+    def canonical(v):
+        while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in _IDENTITY:
+            v = producer[v].invars[0]
+        return v
+
+    def name_of(v):
+        while True:
+            if v in user_name:
+                return user_name[v]
+            if isinstance(v, jcore.Literal) or v not in producer or producer[v].primitive.name not in _IDENTITY:
+                return None
+            v = producer[v].invars[0]
+
+    decided: dict = {}
+    for e in body.eqns:
+        prim = e.primitive.name
+        if prim in _CHECKPOINT_PRIMITIVES:
+            visit(e, scopes)
+            continue
+        subs = _sub_jaxprs(e)
+        if subs:
+            inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
+            for sub in subs:
+                _body_decisions(sub, callback, inner, excluded, acc, visit)
+            continue
+        decision = _decide(callback, e)
+        for v in e.outvars:
+            if isinstance(v, jcore.DropVar) or not _is_float_var(v):
+                continue
+            base = canonical(v)
+            if decision in (SAVE, OFFLOAD):
+                decided[base] = decision
+            elif prim not in _program.SHAPE_ONLY_PRIMITIVES and prim != "name":
+                decided.setdefault(base, RECOMPUTE)
+    for v, decision in decided.items():
+        name = name_of(v)
+        if decision == RECOMPUTE and name in excluded:
+            decision = EXCLUDE
+        key = (decision, _where(scopes))
+        entry = acc.setdefault(key, [0, 0, _iterations(scopes), []])
+        entry[0] += 1
+        entry[1] += _program.aval_bytes(v.aval)
+        if name and name not in entry[3]:
+            entry[3].append(name)
+
+
+def _decisions(jaxpr, excluded: frozenset[str]) -> tuple[int, list[Decision]]:
+    acc: dict = collections.OrderedDict()
+    count = [0]
+
+    def visit(eqn, scopes):
+        count[0] += 1
+        _checkpoint_decisions(eqn, scopes, excluded, acc, visit)
+
+    def walk(jx, scopes):
+        for eqn in jx.eqns:
+            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+                visit(eqn, scopes)
+                continue
+            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
+            for sub in _sub_jaxprs(eqn):
+                walk(sub, inner)
+
+    walk(jaxpr, ())
+    order = {d: i for i, d in enumerate(DECISIONS)}
+    decisions = [Decision(d, c, b, where, it, tuple(names)) for (d, where), (c, b, it, names) in acc.items()]
+    return count[0], sorted(decisions, key=lambda d: (d.where != "top level", d.where, order[d.decision]))
+
+
+def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
+    """``(role, name)`` for every tensor name ``policy`` refers to.
+
+    Read from the policy's ``save``, ``offload`` and ``exclude`` attributes (tuples of names;
+    the name-based built-ins set them, and a custom policy may too) and, for a stack-level
+    policy, its ``layer_policy``'s.
+    """
+    found = []
+    for attr, role in NAME_ROLES:
+        value = getattr(policy, attr, None)
+        if isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value):
+            found.extend((role, n) for n in value)
+    inner = getattr(policy, "layer_policy", None)
+    if isinstance(inner, Policy):
+        found.extend(mentioned_names(inner))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_dynamic(leaf) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+
+
+def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[int]):
+    """``(flat_fn, leaves, param_positions)``: ``fn`` as a function of its array leaves only.
+
+    Leaves become shape structs; other leaves (bools, ints, strings) stay constants, as the
+    decorator treats them. ``param_positions`` are the leaf positions of ``param_argnums``.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    owners += [None] * (len(leaves) - len(owners))
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+    wanted = set(param_argnums)
+
+    def flat_fn(*values):
+        full = list(leaves)
+        for i, value in zip(dynamic, values):
+            full[i] = value
+        a, kw = jax.tree.unflatten(treedef, full)
+        return fn(*a, **kw)
+
+    structs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in dynamic]
+    params = tuple(j for j, i in enumerate(dynamic) if owners[i] in wanted)
+    return flat_fn, structs, params
+
+
+def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
+    """The VJP of ``flat_fn`` (cotangent 1) w.r.t. its float leaves, as a function of all leaves."""
+    floats = [i for i, s in enumerate(structs) if not _program.is_key(s) and jnp.issubdtype(s.dtype, jnp.inexact)]
+
+    def grad_fn(*values):
+        def of_diff(*d):
+            full = list(values)
+            for i, value in zip(floats, d):
+                full[i] = value
+            return flat_fn(*full)
+
+        out, vjp = jax.vjp(of_diff, *[values[i] for i in floats])
+        return vjp(jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
+                                else jnp.zeros(o.shape, jax.dtypes.float0), out))
+
+    return grad_fn
+
+
+def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, saved: int, base_saved: int,
+                    whole_function: bool) -> str | None:
+    """One line when compiled temp memory did not fall although the policy recomputes, else ``None``."""
+    note = _memory.diagnose_remat(temp, base_temp, saved, base_saved)
+    if note is None and not (recomputed and temp >= base_temp):
+        return None
+    if whole_function:  # the known cause: diagnose_remat's list of XLA causes does not apply first
+        return (f"no saving ({label}): residuals for the backward pass fell {base_saved:,} -> {saved:,} bytes but "
+                f"compiled temp memory did not ({base_temp:,} -> {temp:,} bytes); cause: the one checkpoint wraps "
+                "the whole differentiated function, so the backward pass recomputes all of it at once and every "
+                "intermediate is alive again; apply the policy to smaller pieces (each layer or block: "
+                "@jremat.policy on the block, jremat.run_layers)")
+    if note is None:
+        note = (f"the policy recomputes {recomputed} values but compiled temp memory did not fall "
+                f"({base_temp:,} -> {temp:,} bytes); likely cause: XLA merged the recomputation back into the "
+                "forward pass or scheduled it early")
+    return f"no saving ({label}): {note}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def explain(fn: Callable, policy: str | Policy, *args: Any, compile: bool = True,
+            param_argnums: Iterable[int] = (), **kwargs: Any) -> Explanation:
+    """Explain what ``policy`` does to ``fn(*args, **kwargs)``; nothing is executed.
+
+    The policy is applied around ``fn`` as ``@jremat.policy(policy)`` would. For a function
+    that already contains its checkpoints (a model configured with a policy) use
+    :func:`explain_applied`.
+
+    Args:
+      fn: a function of pytrees of arrays.
+      policy: a spec string or :class:`jremat.Policy`.
+      *args: arguments; arrays or :class:`jax.ShapeDtypeStruct`.
+      compile: also compile the gradient (``jax.vjp`` with respect to every float argument)
+        without and with the policy to compare XLA's temp memory; ``False`` only traces.
+      param_argnums: positions of arguments holding parameters (values derived only from
+        them are not counted as saved activations; see :func:`jremat.saved_residuals_report`).
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      An :class:`Explanation`; ``print`` it for plain text.
+
+    Raises:
+      ValueError: on a bad policy spec.
+    """
+    chosen = registry.resolve(policy)
+    label = chosen.spec or type(chosen).__name__
+    try:
+        remat_fn = _decorate_with(chosen)(fn)
+    except ValueError as err:
+        return _failed(label, fn, err)
+    return explain_applied(remat_fn, *args, policy=chosen, baseline=fn, compile=compile,
+                           param_argnums=param_argnums, whole_function=True, _label=label,
+                           _name=getattr(fn, "__name__", repr(fn)), **kwargs)
+
+
+def _failed(label, fn, err) -> Explanation:
+    return Explanation(label, getattr(fn, "__name__", repr(fn)), 0, (), (), (),
+                       messages=(f"error ({label}): applying the policy raised: {err}",))
+
+
+def explain_applied(
+    remat_fn: Callable,
+    *args: Any,
+    policy: str | Policy,
+    baseline: Callable | None = None,
+    compile: bool = True,
+    param_argnums: Iterable[int] = (),
+    temp_bytes: int | None = None,
+    baseline_temp_bytes: int | None = None,
+    whole_function: bool = False,
+    _label: str | None = None,
+    _name: str | None = None,
+    **kwargs: Any,
+) -> Explanation:
+    """Explain a function that already runs its checkpoints under ``policy``.
+
+    Every checkpoint in ``remat_fn``'s trace (inside scans too) is read with its own policy;
+    ``policy`` supplies the tensor names to check and the label.
+
+    Args:
+      remat_fn: the function with remat applied (a model configured with the policy).
+      *args: its arguments; arrays or :class:`jax.ShapeDtypeStruct`.
+      policy: the policy it applies (spec or :class:`jremat.Policy`).
+      baseline: the same function without remat, for the memory comparison and the tags
+        found; ``None`` uses ``remat_fn`` for the tags and skips the comparison.
+      compile: compile both gradients to compare temp memory (needs ``baseline``).
+      param_argnums: as in :func:`explain`.
+      temp_bytes: the policy's compiled temp bytes if already measured (no compile then).
+      baseline_temp_bytes: the baseline's, likewise.
+      whole_function: whether one checkpoint wraps the whole differentiated function (names
+        that cause when memory did not fall).
+      **kwargs: keyword arguments of both functions.
+
+    Returns:
+      An :class:`Explanation`.
+
+    Raises:
+      ValueError: on a bad policy spec.
+    """
+    chosen = registry.resolve(policy)
+    label = _label or chosen.spec or type(chosen).__name__
+    name = _name or getattr(remat_fn, "__name__", repr(remat_fn))
+    flat_remat, structs, params = _flatten(remat_fn, args, kwargs, param_argnums)
+    flat_base = _flatten(baseline, args, kwargs, param_argnums)[0] if baseline is not None else None
+    tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
+    tags = [t for t in _tags(tag_jaxpr) if not _memory.PLAN_TAG_RE.match(t[0])]
+    found = tuple(dict.fromkeys(t[0] for t in tags))
+    mentioned = mentioned_names(chosen)
+    matches = []
+    messages = []
+    for role, tag in mentioned:
+        hits = [t for t in tags if t[0] == tag]
+        matches.append(NameMatch(role, tag, sum(it for _, _, it in hits), sum(b * it for _, b, it in hits)))
+        if not hits:
+            messages.append(
+                f"unmatched name ({label}): {role} name {tag!r} matched nothing; the traced function tags "
+                + (", ".join(found) if found else "no values (no checkpoint_name at all)"))
+    try:
+        jaxpr = jax.make_jaxpr(flat_remat)(*structs).jaxpr
+    except ValueError as err:
+        messages.append(f"error ({label}): applying the policy raised: {err}")
+        return Explanation(label, name, 0, (), tuple(matches), found, messages=tuple(messages))
+    excluded = frozenset(n for role, n in mentioned if role == EXCLUDE)
+    n_checkpoints, decisions = _decisions(jaxpr, excluded)
+    if n_checkpoints == 0:
+        why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
+        messages.append(f"no checkpoint ({label}): the traced function contains no checkpoint; {why}")
+    saved = base_saved = None
+    if flat_base is not None:
+        saved = _memory.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
+        base_saved = _memory.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
+        if compile and (temp_bytes is None or baseline_temp_bytes is None):
+            temps = []
+            for f in (flat_remat, flat_base):
+                report = _memory.memory_report(_gradient_program(f, structs), *structs)
+                temps.append(report.temp_bytes if report.available else None)
+            temp_bytes, baseline_temp_bytes = temps
+    recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
+    if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
+        line = _no_saving_line(label, recomputed, temp_bytes, baseline_temp_bytes, saved, base_saved,
+                               whole_function and n_checkpoints == 1)
+        if line:
+            messages.append(line)
+    return Explanation(label, name, n_checkpoints, tuple(decisions), tuple(matches), found, saved, base_saved,
+                       temp_bytes, baseline_temp_bytes, tuple(messages))
+
+
+__all__ = [
+    "DECISIONS",
+    "EXCLUDE",
+    "OFFLOAD",
+    "RECOMPUTE",
+    "SAVE",
+    "Decision",
+    "Explanation",
+    "NameMatch",
+    "explain",
+    "explain_applied",
+    "mentioned_names",
+]

@@ -1,0 +1,584 @@
+"""Check a model of your own: are its results unchanged under a rematerialization policy?
+
+:func:`assert_remat_exact` runs a function (or a Flax NNX / Linen module) once as written and
+once under a policy, both compiled the same way (``jax.jit``), and compares the outputs, the
+gradients with respect to chosen arguments and, for NNX objects among the arguments, the state
+they end with (RNG counters, batch statistics). By default the comparison is bitwise.
+
+:func:`policies` lists every registered policy with a usable example spec, as ``pytest``
+parameters; the ones that cannot apply (to a single function, or on this backend) are skipped
+with the reason instead of being left out. The ``jremat`` pytest plugin (loaded automatically
+once jremat is installed) adds a ``remat_exact`` fixture that runs a test once per policy::
+
+    def test_my_model(remat_exact):
+        remat_exact(model, x, rngs=nnx.Rngs(dropout=0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jremat import registry
+from jremat.decorator import policy as _decorate_with
+from jremat.policy import Policy
+
+#: Causes a mismatch is attributed to (see :class:`RematMismatch`).
+CAUSE_RANDOM = "a random value drawn differently on recompute"
+CAUSE_STATE = "state not written back"
+CAUSE_VALUE = "a value that differs"
+
+#: Primitives that draw or derive random bits; their presence makes :data:`CAUSE_RANDOM` plausible.
+RANDOM_PRIMITIVES = frozenset(
+    {"random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "threefry2x32",
+     "rng_bit_generator", "rng_uniform"}
+)
+
+#: Relative error above which a differing float value is not plain rounding.
+ROUNDING_LIMIT = 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies to test
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyExample:
+    """One registered policy and how to test it.
+
+    Attributes:
+      name: the registered name.
+      spec: a spec that builds it (``"every_k:k=2"``), or ``None`` when none can be given.
+      skip_reason: why it cannot be tested here (``None`` when it can).
+    """
+
+    name: str
+    spec: str | None
+    skip_reason: str | None = None
+
+
+#: Example keys for built-in policies whose defaults are not the interesting case.
+_PREFERRED = {"every_k": "every_k:k=2"}
+#: Policy keys that name tensors (``checkpoint_name`` tags) for the name-based built-ins.
+_NAME_KEYS = {"names": "save", "names_except": "exclude", "offload": "names"}
+
+
+def policy_examples(tags: Iterable[str] = (), *, examples: Mapping[str, str] | None = None) -> list[PolicyExample]:
+    """Every registered policy with an example spec, or the reason it cannot be tested.
+
+    Args:
+      tags: ``checkpoint_name`` tags the tested function uses; the name-based policies
+        (``names``, ``names_except``, ``offload``) are built from them. Without tags those
+        policies are skipped (they would match nothing).
+      examples: spec per policy name, overriding the generated example (needed for a custom
+        policy with required keys).
+
+    Returns:
+      One :class:`PolicyExample` per registered policy, sorted by name.
+
+    Raises:
+      ValueError: if an entry of ``examples`` names no registered policy or does not parse.
+    """
+    tags = tuple(tags)
+    if isinstance(tags, str) or any(not isinstance(t, str) or not t for t in tags):
+        raise ValueError(f"tags must be a sequence of non-empty checkpoint_name strings, got {tags!r}")
+    examples = dict(examples or {})
+    entries = registry.entries()
+    unknown = sorted(set(examples) - set(entries))
+    if unknown:
+        raise ValueError(f"examples for unknown policies {unknown}; registered policies: {', '.join(sorted(entries))}")
+    out = []
+    for name, entry in sorted(entries.items()):
+        if name in examples:
+            spec, reason = examples[name], None
+        elif name in _NAME_KEYS:
+            key = _NAME_KEYS[name]
+            spec = f"{name}:{key}={'+'.join(tags)}" if tags else None
+            reason = None if tags else (
+                f"policy {name!r} needs tensor names ({key}=): pass the checkpoint_name tags your function "
+                "uses, e.g. jremat.testing.policies(tags=['q', 'k'])"
+            )
+        else:
+            required = [k for k, p in entry.params.items() if p.default is registry.REQUIRED]
+            spec = _PREFERRED.get(name, name) if not required else None
+            reason = None if not required else (
+                f"policy {name!r} needs key(s) {', '.join(required)}: give an example spec with "
+                f"jremat.testing.policies(examples={{{name!r}: '{name}:{required[0]}=...'}})"
+            )
+        if spec is not None:
+            try:
+                built = registry.resolve(spec)
+            except ValueError as err:
+                if name in examples:
+                    raise ValueError(f"example spec {spec!r} for policy {name!r}: {err}") from None
+                built, reason = None, f"policy {name!r}: example spec {spec!r} does not build here: {err}"
+            if built is not None:
+                reason = _cannot_apply(built)
+        out.append(PolicyExample(name, spec, reason))
+    return out
+
+
+def _cannot_apply(built: Policy) -> str | None:
+    """Why ``built`` cannot wrap a single function on this backend, or ``None``."""
+    try:
+        built.wrap(lambda x: x)
+    except ValueError as err:
+        return f"policy {built.spec!r} cannot wrap a single function: {err}"
+    return None
+
+
+def policies(tags: Iterable[str] = (), *, examples: Mapping[str, str] | None = None) -> list:
+    """Every registered policy as a ``pytest.param`` of its example spec, for ``parametrize``.
+
+    ::
+
+        @pytest.mark.parametrize("policy", jremat.testing.policies(tags=["q", "mlp_in"]))
+        def test_exact(policy):
+            jremat.testing.assert_remat_exact(loss, policy, params, x)
+
+    Policies that cannot be tested (a stack-level policy, offloading on a backend without host
+    memory, name-based policies without ``tags``) are kept as skipped parameters with the
+    reason, never dropped silently.
+
+    Args:
+      tags: as in :func:`policy_examples`.
+      examples: as in :func:`policy_examples`.
+
+    Returns:
+      A list of ``pytest.param(spec, id=name)``, skipped ones marked ``pytest.mark.skip``.
+
+    Raises:
+      ImportError: if pytest is not installed.
+      ValueError: as :func:`policy_examples`.
+    """
+    import pytest
+
+    return [
+        pytest.param(ex.spec or ex.name, id=ex.name, marks=pytest.mark.skip(reason=ex.skip_reason))
+        if ex.skip_reason else pytest.param(ex.spec, id=ex.name)
+        for ex in policy_examples(tags, examples=examples)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+# ---------------------------------------------------------------------------------------------
+
+
+class RematMismatch(AssertionError):
+    """Raised by :func:`assert_remat_exact`: a leaf differs with and without the policy.
+
+    Attributes:
+      where: ``"output"``, ``"state"`` or ``"gradient"``.
+      path: the differing leaf's pytree path (``"gradient of args[0]['w1']"``).
+      max_abs_error: largest absolute difference.
+      max_rel_error: largest difference relative to the reference value (``inf`` where the
+        reference is 0 and the value is not).
+      mismatched: how many elements differ beyond the tolerance.
+      size: the leaf's element count.
+      cause: :data:`CAUSE_RANDOM`, :data:`CAUSE_STATE` or :data:`CAUSE_VALUE`.
+    """
+
+    def __init__(self, message, *, where, path, max_abs_error, max_rel_error, mismatched, size, cause):
+        super().__init__(message)
+        self.where = where
+        self.path = path
+        self.max_abs_error = max_abs_error
+        self.max_rel_error = max_rel_error
+        self.mismatched = mismatched
+        self.size = size
+        self.cause = cause
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _is_float(x) -> bool:
+    return not _is_key(x) and jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)
+
+
+def _graph_node_types() -> tuple:
+    from flax import nnx
+
+    return (nnx.Pytree,)
+
+
+def _key_text(key) -> str:
+    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+    if isinstance(key, GetAttrKey):
+        return "" if key.name == "value" else f".{key.name}"
+    if isinstance(key, DictKey):
+        return f"[{key.key!r}]"
+    if isinstance(key, SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, FlattenedIndexKey):
+        return f"[{key.key}]"
+    return str(key)
+
+
+def _path_text(path) -> str:
+    return "".join(_key_text(k) for k in path)
+
+
+_RUNNERS: dict = {}
+_MAX_RUNNERS = 8
+
+
+@dataclasses.dataclass
+class _Call:
+    """A call ``fn(*args, **kwargs)`` taken apart into NNX graph nodes, arrays and constants."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    argnums: tuple[int, ...]
+    module_arg: bool  # fn was an NNX module: args[0] is it, always differentiated
+
+    def __post_init__(self):
+        node_types = _graph_node_types()
+        self.leaves, self.treedef = jax.tree.flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types))[0]]
+        self.labels = [self._label(p) for p in paths]
+        self.node_pos = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, node_types)]
+        self.array_pos = [i for i, leaf in enumerate(self.leaves) if _is_array(leaf)]
+        owner = [p[1].idx if p[0].idx == 0 else None for p in paths]  # positional index, or None for kwargs
+        self.diff_nodes = [j for j, i in enumerate(self.node_pos) if owner[i] in self.argnums]
+        self.diff_arrays = [j for j, i in enumerate(self.array_pos)
+                            if owner[i] in self.argnums and _is_float(self.leaves[i])]
+
+    def _label(self, path) -> str:
+        head, rest = path[0], path[1:]
+        if head.idx == 0:
+            if self.module_arg and rest[0].idx == 0:
+                return "module" + _path_text(rest[1:])
+            index = rest[0].idx - (1 if self.module_arg else 0)
+            return f"args[{index}]" + _path_text(rest[1:])
+        return "kwargs" + _path_text(rest)
+
+    def split(self):
+        """``(graphdef, diff_state, other_state, arrays)`` for a pure, jittable call."""
+        from flax import nnx
+
+        nodes = [self.leaves[i] for i in self.node_pos]
+        wanted = set(self.diff_nodes)
+        diff_filter = lambda path, value: path[0] in wanted and isinstance(value, nnx.Param)
+        graphdef, diff_state, other_state = nnx.split(nodes, diff_filter, ...)
+        arrays = [jnp.asarray(self.leaves[i]) for i in self.array_pos]
+        return graphdef, diff_state, other_state, arrays
+
+    def runner(self, fn: Callable, graphdef) -> Callable:
+        """A jitted ``(diff_state, other_state, arrays) -> (out, grads, new_state)`` calling ``fn``.
+
+        Runners are cached on everything they close over, so checking several policies against
+        one reference compiles the reference once.
+        """
+        try:
+            key = (fn, graphdef, self.treedef, tuple(self.node_pos), tuple(self.array_pos),
+                   tuple(self.diff_arrays), tuple(self.leaves[i] if not (i in self.node_pos or i in self.array_pos)
+                                                  else None for i in range(len(self.leaves))))
+            hash(key)
+        except TypeError:
+            return self._runner(fn, graphdef)
+        if key not in _RUNNERS:
+            if len(_RUNNERS) >= _MAX_RUNNERS:
+                _RUNNERS.pop(next(iter(_RUNNERS)))
+            _RUNNERS[key] = self._runner(fn, graphdef)
+        return _RUNNERS[key]
+
+    def _runner(self, fn: Callable, graphdef) -> Callable:
+        from flax import nnx
+
+        diff_idx = set(self.diff_arrays)
+
+        def run(diff_state, other_state, arrays):
+            diff_arrays = [a for j, a in enumerate(arrays) if j in diff_idx]
+
+            def forward(diff_state, diff_arrays, other_state):
+                nodes = nnx.merge(graphdef, diff_state, other_state)
+                full = list(self.leaves)
+                for j, i in enumerate(self.node_pos):
+                    full[i] = nodes[j]
+                it = iter(diff_arrays)
+                for j, i in enumerate(self.array_pos):
+                    full[i] = next(it) if j in diff_idx else arrays[j]
+                args, kwargs = jax.tree.unflatten(self.treedef, full)
+                out = fn(*args, **kwargs)
+                return out, nnx.state(nodes)
+
+            # The other state is a primal too (its cotangent is dropped): NNX only lets a call
+            # update variables created at the trace level it runs at.
+            out, vjp, new_state = jax.vjp(forward, diff_state, diff_arrays, other_state, has_aux=True)
+            grads = vjp(_cotangent(out))[:2]
+            return out, grads, new_state
+
+        return jax.jit(run)
+
+
+def _cotangent(out):
+    """A fixed cotangent for ``out``: 1 for scalars, fixed normal draws for arrays, float0 for ints."""
+    leaves, treedef = jax.tree.flatten(out)
+    cts = []
+    for i, leaf in enumerate(leaves):
+        if _is_float(leaf):
+            if leaf.ndim == 0:
+                cts.append(jnp.ones((), leaf.dtype))
+            else:
+                draw = jax.random.normal(jax.random.key(1000 + i), leaf.shape, jnp.float32)
+                cts.append(draw.astype(leaf.dtype))
+        else:
+            cts.append(np.zeros(np.shape(leaf), jax.dtypes.float0))
+    return jax.tree.unflatten(treedef, cts)
+
+
+def _as_numpy(x) -> np.ndarray:
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _compare(got, ref, rtol: float, atol: float):
+    """``(mismatched, max_abs, max_rel)`` between two leaves; NaNs at the same place are equal."""
+    a, b = _as_numpy(got), _as_numpy(ref)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.size, b.size, 1), float("inf"), float("inf")
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.number):
+        bad = a != b
+        return int(np.count_nonzero(bad)), float(np.count_nonzero(bad) > 0), float(np.count_nonzero(bad) > 0)
+    a64 = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+    b64 = b.astype(a64.dtype)
+    diff = np.abs(a64 - b64)
+    both_nan = np.isnan(a64) & np.isnan(b64)
+    diff = np.where(both_nan, 0.0, diff)
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    bad = diff > atol + rtol * np.abs(b64)
+    bad &= ~both_nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(diff == 0, 0.0, diff / np.abs(b64))
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float(np.nan_to_num(rel, nan=np.inf).max()) if rel.size else 0.0
+    return int(np.count_nonzero(bad)), max_abs, max_rel
+
+
+def _random_primitives(jaxpr) -> set[str]:
+    """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
+    from jax.extend import core as jcore
+
+    found: set[str] = set()
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    seen = set()
+    while stack:
+        jx = stack.pop()
+        if id(jx) in seen:
+            continue
+        seen.add(id(jx))
+        for eqn in jx.eqns:
+            if eqn.primitive.name in RANDOM_PRIMITIVES:
+                found.add(eqn.primitive.name)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        stack.append(sub.jaxpr)
+                    elif isinstance(sub, jcore.Jaxpr):
+                        stack.append(sub)
+    return found
+
+
+def _cause(where, got, ref, initial, max_rel, random_used: set[str]) -> tuple[str, str]:
+    """``(cause, explanation)`` for the first mismatch."""
+    if where == "state" and initial is not None:
+        got_np, ref_np, init_np = _as_numpy(got), _as_numpy(ref), _as_numpy(initial)
+        if got_np.shape == init_np.shape and np.array_equal(got_np, init_np) and not np.array_equal(ref_np, init_np):
+            return CAUSE_STATE, (
+                "the value is still the one before the call, while the call without remat updated it: "
+                "the rematerialized call did not write the updated state (an RNG counter, batch "
+                "statistics) back to the object passed in; decorate with @jremat.policy, which lifts "
+                "NNX state, instead of wrapping a pure function of the state")
+    a, b = _as_numpy(got), _as_numpy(ref)
+    one_zero = (a.shape == b.shape and np.issubdtype(a.dtype, np.number)
+                and bool(np.any((a == 0) != (b == 0))))
+    if random_used and (one_zero or max_rel > ROUNDING_LIMIT):
+        return CAUSE_RANDOM, (
+            f"the function draws random values ({', '.join(sorted(random_used))}) and "
+            + ("elements are zero in one result but not the other (a different dropout mask)" if one_zero
+               else f"the error is not rounding (relative {max_rel:.3g})")
+            + ": the recomputation used another key or RNG counter than the forward pass; pass "
+            "the key as an argument of the rematerialized function (jremat.dropout, nnx.Rngs "
+            "through @jremat.policy, Linen make_rng through a decorated Linen module)")
+    if max_rel <= ROUNDING_LIMIT:
+        return CAUSE_VALUE, (
+            f"relative error {max_rel:.3g} looks like rounding: a saved value kept at lower precision "
+            "(a bf16 cast), or XLA fusing the recomputation differently from the forward pass; if "
+            "that is acceptable, pass rtol/atol")
+    return CAUSE_VALUE, (
+        "the rematerialized function computes another value: the policy or wrapper changes what "
+        "the backward pass sees (a saved value altered, a different function recomputed)")
+
+
+def assert_remat_exact(
+    fn: Callable,
+    policy: str | Policy,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    decorate: Callable | None = None,
+    **kwargs: Any,
+) -> None:
+    """Assert that ``fn`` gives the same results with and without rematerialization under ``policy``.
+
+    ``fn(*args, **kwargs)`` runs twice, as written and rematerialized (by default
+    ``jremat.policy(policy)(fn)``), each inside ``jax.jit`` and under ``jax.vjp`` with the same
+    fixed cotangent (1 for a scalar output, fixed normal draws otherwise). Compared, in order:
+    the outputs, the state of every NNX object among the arguments after the call (RNG
+    counters, batch statistics), and the gradients with respect to ``argnums``.
+
+    ``fn`` may be
+
+    * a function of pytrees of arrays and NNX objects;
+    * an NNX module instance: it is called as ``fn(*args, **kwargs)``, its ``nnx.Param``
+      variables are always differentiated and ``argnums`` counts the call's own arguments;
+    * a Linen module instance: ``fn.apply(*args, **kwargs)`` is compared with the same module
+      built from ``jremat.policy(policy)(type(fn))`` (its RNG streams and variables lifted);
+      pass ``rngs={"dropout": key}`` and ``mutable=[...]`` as for ``apply``.
+
+    Arguments that are not arrays or NNX objects (bools, ints, strings) are constants.
+
+    Args:
+      fn: the function or module.
+      policy: a spec string or :class:`jremat.Policy` (or, with ``decorate``, whatever it takes).
+      *args: positional arguments of the call.
+      argnums: positional argument(s) to differentiate: their float leaves, and the
+        ``nnx.Param`` variables of NNX modules in them; integer leaves are held constant.
+      rtol: relative tolerance; the default 0 with ``atol=0`` demands bitwise equality (which
+        holds for float32 on one backend when the policy is correct; see the docs page).
+      atol: absolute tolerance.
+      decorate: ``(fn, policy) -> rematerialized fn``, to check another remat wrapper (for a
+        Linen module it may return a module, whose ``apply`` is called); default
+        ``jremat.policy(policy)(fn)``.
+      **kwargs: keyword arguments of the call.
+
+    Raises:
+      RematMismatch: (an ``AssertionError``) naming the first differing leaf by its pytree
+        path, with its largest absolute and relative error and the class of cause that fits:
+        a random value drawn differently on recompute, state not written back, or a value that
+        differs.
+      ValueError: on a bad policy spec, bad ``argnums`` or tolerances, or nothing to
+        differentiate.
+    """
+    from flax import linen, nnx
+
+    if rtol < 0 or atol < 0:
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r}, atol={atol!r}")
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if any(not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < len(args) for n in nums):
+        raise ValueError(
+            f"argnums={argnums!r} must be positions of positional arguments, 0 to {len(args) - 1} "
+            f"({len(args)} given)" if args else f"argnums={argnums!r} given, but the call has no positional arguments")
+    label = policy.spec if isinstance(policy, Policy) and policy.spec else repr(policy) if not isinstance(policy, str) else policy
+    if decorate is None:
+        chosen = registry.resolve(policy)
+        label = chosen.spec or label
+
+        def decorate(f, _policy):
+            if isinstance(f, linen.Module):
+                return _linen_rebuilt(f, chosen)
+            return _decorate_with(chosen)(f)
+
+    module_arg = isinstance(fn, nnx.Module)
+    if module_arg:
+        reference = _call_module
+        remat = decorate(_call_module, policy)
+        call = _Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
+    elif isinstance(fn, linen.Module):
+        built = decorate(fn, policy)
+        reference = fn.apply
+        remat = built.apply if isinstance(built, linen.Module) else built
+        call = _Call(reference, args, kwargs, nums, False)
+    else:
+        if not callable(fn):
+            raise ValueError(f"assert_remat_exact needs a function, an NNX module or a Linen module, got {fn!r}")
+        reference, remat = fn, decorate(fn, policy)
+        call = _Call(reference, args, kwargs, nums, False)
+    if not call.diff_nodes and not call.diff_arrays:
+        raise ValueError(
+            f"nothing to differentiate: argnums={argnums!r} selects no float array and no NNX module; "
+            "choose the arguments holding parameters or float inputs")
+
+    graphdef, diff_state, other_state, arrays = call.split()
+    initial_state = jax.tree.leaves(nnx.state([call.leaves[i] for i in call.node_pos]))
+    ref_out, ref_grads, ref_state = call.runner(reference, graphdef)(diff_state, other_state, arrays)
+    graphdef2, diff_state2, other_state2, arrays2 = call.split()
+    got_out, got_grads, got_state = call._runner(remat, graphdef2)(diff_state2, other_state2, arrays2)
+
+    node_labels = [call.labels[i] for i in call.node_pos]
+    array_labels = [call.labels[i] for j, i in enumerate(call.array_pos) if j in set(call.diff_arrays)]
+
+    def state_label(path):
+        return node_labels[path[0].key] + _path_text(path[1:])
+
+    groups = [
+        ("output", ref_out, got_out, lambda p: "output" + _path_text(p), None),
+        ("state", ref_state, got_state, lambda p: "state of " + state_label(p), initial_state),
+        ("gradient", ref_grads[0], got_grads[0], lambda p: "gradient of " + state_label(p), None),
+        ("gradient", ref_grads[1], got_grads[1], lambda p: "gradient of " + array_labels[p[0].idx] + _path_text(p[1:]), None),
+    ]
+    for where, ref_tree, got_tree, name, initial in groups:
+        ref_leaves = jax.tree_util.tree_flatten_with_path(ref_tree)[0]
+        got_leaves = jax.tree.leaves(got_tree)
+        if jax.tree.structure(ref_tree) != jax.tree.structure(got_tree):
+            raise RematMismatch(
+                f"remat under {label}: the {where} has another structure with the policy "
+                f"({jax.tree.structure(got_tree)}) than without ({jax.tree.structure(ref_tree)})",
+                where=where, path=where, max_abs_error=float("inf"), max_rel_error=float("inf"),
+                mismatched=0, size=0, cause=CAUSE_VALUE)
+        for k, ((path, ref_leaf), got_leaf) in enumerate(zip(ref_leaves, got_leaves)):
+            bad, max_abs, max_rel = _compare(got_leaf, ref_leaf, rtol, atol)
+            if not bad:
+                continue
+            closed = jax.make_jaxpr(lambda d, o, a: call.runner(reference, graphdef)(d, o, a))(
+                diff_state, other_state, arrays)
+            init = initial[k] if initial is not None and k < len(initial) else None
+            cause, why = _cause(where, got_leaf, ref_leaf, init, max_rel, _random_primitives(closed))
+            size = int(np.size(_as_numpy(ref_leaf)))
+            tol = "bitwise" if rtol == 0 and atol == 0 else f"rtol={rtol:g}, atol={atol:g}"
+            raise RematMismatch(
+                f"remat under {label} changed {name(path)}: {bad} of {size} elements differ ({tol}), "
+                f"max abs error {max_abs:.3g}, max rel error {max_rel:.3g}; likely cause: {cause}: {why}",
+                where=where, path=name(path), max_abs_error=max_abs, max_rel_error=max_rel,
+                mismatched=bad, size=size, cause=cause)
+
+
+def _call_module(module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
+def _linen_rebuilt(module, chosen: Policy):
+    """``module`` rebuilt from its class decorated with ``chosen`` (same fields, unbound)."""
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+              if f.init and f.name not in ("parent", "name")}
+    return _decorate_with(chosen)(type(module))(**fields)
+
+
+__all__ = [
+    "CAUSE_RANDOM",
+    "CAUSE_STATE",
+    "CAUSE_VALUE",
+    "PolicyExample",
+    "RematMismatch",
+    "assert_remat_exact",
+    "policies",
+    "policy_examples",
+]
