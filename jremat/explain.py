@@ -239,15 +239,8 @@ def _is_float_var(v) -> bool:
     return dtype is not None and not _program.is_key(v.aval) and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _checkpoint_decisions(eqn, scopes, excluded: frozenset[str], acc: dict, visit) -> None:
-    """Add the decisions of checkpoint ``eqn``'s policy on its body to ``acc``."""
-    callback = eqn.params.get("policy")
-    body = eqn.params["jaxpr"]
-    body = getattr(body, "jaxpr", body)
-    _body_decisions(body, callback, scopes, excluded, acc, visit)
-
-
 def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
+    """Add to ``acc`` what ``callback`` decides for each value computed in checkpoint body ``body``."""
     producer = {v: e for e in body.eqns for v in e.outvars}
     user_name: dict = {}
     for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
@@ -273,22 +266,22 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
     for e in body.eqns:
         prim = e.primitive.name
         if prim in _CHECKPOINT_PRIMITIVES:
-            visit(e, scopes)
-            continue
-        subs = _sub_jaxprs(e)
-        if subs:
-            inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
-            for sub in subs:
-                _body_decisions(sub, callback, inner, excluded, acc, visit)
-            continue
-        decision = _decide(callback, e)
+            visit(e, scopes)  # a checkpoint of its own; its outputs are decided here too
+        else:
+            subs = _sub_jaxprs(e)
+            if subs:
+                inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
+                for sub in subs:
+                    _body_decisions(sub, callback, inner, excluded, acc, visit)
+                continue
+        decision = RECOMPUTE if prim in _CHECKPOINT_PRIMITIVES else _decide(callback, e)
         for v in e.outvars:
             if isinstance(v, jcore.DropVar) or not _is_float_var(v):
                 continue
             base = canonical(v)
             if decision in (SAVE, OFFLOAD):
                 decided[base] = decision
-            elif prim not in _program.SHAPE_ONLY_PRIMITIVES and prim != "name":
+            elif prim not in _program.SHAPE_ONLY_PRIMITIVES:
                 decided.setdefault(base, RECOMPUTE)
     for v, decision in decided.items():
         name = name_of(v)
@@ -302,13 +295,20 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
             entry[3].append(name)
 
 
-def _decisions(jaxpr, excluded: frozenset[str]) -> tuple[int, list[Decision]]:
-    acc: dict = collections.OrderedDict()
-    count = [0]
+def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
+    """One ``(signature, decisions)`` per checkpoint in ``jaxpr`` (nested ones included).
+
+    ``decisions`` maps ``(decision, where)`` to ``[count, bytes, iterations, names]``; the
+    signature (place and decisions, frozen) identifies the same checkpoint in another trace.
+    """
+    found = []
 
     def visit(eqn, scopes):
-        count[0] += 1
-        _checkpoint_decisions(eqn, scopes, excluded, acc, visit)
+        acc: dict = collections.OrderedDict()
+        body = eqn.params["jaxpr"]
+        _body_decisions(getattr(body, "jaxpr", body), eqn.params.get("policy"), scopes, excluded, acc, visit)
+        signature = (_where(scopes), tuple((k, v[0], v[1]) for k, v in acc.items()))
+        found.append((signature, acc))
 
     def walk(jx, scopes):
         for eqn in jx.eqns:
@@ -320,9 +320,35 @@ def _decisions(jaxpr, excluded: frozenset[str]) -> tuple[int, list[Decision]]:
                 walk(sub, inner)
 
     walk(jaxpr, ())
+    return found
+
+
+def _decisions(jaxpr, excluded: frozenset[str], baseline_jaxpr=None) -> tuple[int, list[Decision]]:
+    """``(checkpoints, decisions)`` of the checkpoints in ``jaxpr`` that ``baseline_jaxpr`` lacks.
+
+    Checkpoints the function has without the policy (a model's own, e.g. around a LayerNorm)
+    are matched by signature and left out: they are not the policy's decisions.
+    """
+    mine = _checkpoints(jaxpr, excluded)
+    if baseline_jaxpr is not None:
+        theirs = collections.Counter(sig for sig, _ in _checkpoints(baseline_jaxpr, excluded))
+        kept = []
+        for sig, acc in mine:
+            if theirs[sig]:
+                theirs[sig] -= 1
+            else:
+                kept.append((sig, acc))
+        mine = kept
+    total: dict = collections.OrderedDict()
+    for _, acc in mine:
+        for key, (count, nbytes, iterations, names) in acc.items():
+            entry = total.setdefault(key, [0, 0, iterations, []])
+            entry[0] += count
+            entry[1] += nbytes
+            entry[3].extend(n for n in names if n not in entry[3])
     order = {d: i for i, d in enumerate(DECISIONS)}
-    decisions = [Decision(d, c, b, where, it, tuple(names)) for (d, where), (c, b, it, names) in acc.items()]
-    return count[0], sorted(decisions, key=lambda d: (d.where != "top level", d.where, order[d.decision]))
+    decisions = [Decision(d, c, b, where, it, tuple(names)) for (d, where), (c, b, it, names) in total.items()]
+    return len(mine), sorted(decisions, key=lambda d: (d.where != "top level", d.where, order[d.decision]))
 
 
 def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
@@ -395,10 +421,16 @@ def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
 
 
 def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, saved: int, base_saved: int,
-                    whole_function: bool) -> str | None:
-    """One line when compiled temp memory did not fall although the policy recomputes, else ``None``."""
-    note = _memory.diagnose_remat(temp, base_temp, saved, base_saved)
-    if note is None and not (recomputed and temp >= base_temp):
+                    whole_function: bool, scan_layers: bool | None) -> str | None:
+    """One line when compiled temp memory did not fall although the policy recomputes, else ``None``.
+
+    Any fall of the residuals counts (:func:`jremat.memory.diagnose_remat` with
+    ``min_saved_drop=0``): the temp must show at least a quarter of it.
+    """
+    if not recomputed:
+        return None
+    note = _memory.diagnose_remat(temp, base_temp, saved, base_saved, scan_layers=scan_layers, min_saved_drop=0.0)
+    if note is None and temp < base_temp:
         return None
     if whole_function:  # the known cause: diagnose_remat's list of XLA causes does not apply first
         return (f"no saving ({label}): residuals for the backward pass fell {base_saved:,} -> {saved:,} bytes but "
@@ -468,6 +500,7 @@ def explain_applied(
     temp_bytes: int | None = None,
     baseline_temp_bytes: int | None = None,
     whole_function: bool = False,
+    scan_layers: bool | None = None,
     _label: str | None = None,
     _name: str | None = None,
     **kwargs: Any,
@@ -489,6 +522,8 @@ def explain_applied(
       baseline_temp_bytes: the baseline's, likewise.
       whole_function: whether one checkpoint wraps the whole differentiated function (names
         that cause when memory did not fall).
+      scan_layers: whether the checkpoints run inside a scan over layers (``None``: unknown);
+        chooses the causes named when memory did not fall.
       **kwargs: keyword arguments of both functions.
 
     Returns:
@@ -521,10 +556,10 @@ def explain_applied(
         messages.append(f"error ({label}): applying the policy raised: {err}")
         return Explanation(label, name, 0, (), tuple(matches), found, messages=tuple(messages))
     excluded = frozenset(n for role, n in mentioned if role == EXCLUDE)
-    n_checkpoints, decisions = _decisions(jaxpr, excluded)
+    n_checkpoints, decisions = _decisions(jaxpr, excluded, tag_jaxpr if flat_base is not None else None)
     if n_checkpoints == 0:
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
-        messages.append(f"no checkpoint ({label}): the traced function contains no checkpoint; {why}")
+        messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
     if flat_base is not None:
         saved = _memory.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
@@ -538,7 +573,7 @@ def explain_applied(
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
         line = _no_saving_line(label, recomputed, temp_bytes, baseline_temp_bytes, saved, base_saved,
-                               whole_function and n_checkpoints == 1)
+                               whole_function and n_checkpoints == 1, scan_layers)
         if line:
             messages.append(line)
     return Explanation(label, name, n_checkpoints, tuple(decisions), tuple(matches), found, saved, base_saved,

@@ -487,7 +487,14 @@ def assert_remat_exact(
         raise ValueError(
             f"argnums={argnums!r} must be positions of positional arguments, 0 to {len(args) - 1} "
             f"({len(args)} given)" if args else f"argnums={argnums!r} given, but the call has no positional arguments")
-    label = policy.spec if isinstance(policy, Policy) and policy.spec else repr(policy) if not isinstance(policy, str) else policy
+    if isinstance(policy, str):
+        label = policy
+    elif isinstance(policy, Policy) and policy.spec:
+        label = policy.spec
+    elif policy is None and decorate is not None:
+        label = f"decorate={getattr(decorate, '__qualname__', decorate)}"
+    else:
+        label = repr(policy)
     if decorate is None:
         chosen = registry.resolve(policy)
         label = chosen.spec or label

@@ -43,6 +43,7 @@ from flax import nnx
 
 from jremat import memory as jmem
 from jremat import registry
+from jremat.explain import Explanation, explain_applied
 from policies.auto import parse_budget
 from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
 from models import preset as model_preset
@@ -234,6 +235,7 @@ class PolicyMemory:
       analytic_peak_bytes: :func:`analytic_peak_bytes`.
       notes: caveats (backend, truthfulness checks).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
+      explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
     """
 
     policy: str
@@ -257,11 +259,14 @@ class PolicyMemory:
     analytic_peak_bytes: int
     notes: tuple[str, ...] = ()
     live_peak_bytes: int | None = None
+    explanation: Explanation | None = None
 
     def to_json(self, baseline: "PolicyMemory | None" = None) -> dict:
         """A JSON-ready dict of every field, plus ratios to ``baseline`` when given."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "explanation"}
         out["notes"] = list(self.notes)
+        if self.explanation is not None:
+            out["explain"] = self.explanation.to_json()
         if baseline is not None:
             out["peak_ratio_vs_none"] = _ratio(self.peak_bytes, baseline.peak_bytes)
             out["temp_ratio_vs_none"] = _ratio(self.temp_bytes, baseline.temp_bytes)
@@ -454,6 +459,36 @@ def policy_memory(
     )
 
 
+def explain_step(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    temp_bytes: int | None = None,
+    baseline_temp_bytes: int | None = None,
+) -> Explanation:
+    """What ``model_cfg``'s policy does to the step (:func:`jremat.explain.explain_applied`); nothing runs.
+
+    Reads every checkpoint of the traced loss (per layer, inside the layer scan) with its own
+    policy, checks the names the policy mentions against the model's tags, and, given both temp
+    figures, says when the compiled temp did not fall although the policy recomputes.
+
+    Args:
+      model_cfg: the model, with the policy in ``remat_policy``.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      temp_bytes: the step's compiled temp bytes under the policy, if measured.
+      baseline_temp_bytes: the same under ``none``.
+    """
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    return explain_applied(
+        loss, *args, policy=model_cfg.remat_policy, baseline=baseline, compile=False, param_argnums=(0,),
+        temp_bytes=temp_bytes, baseline_temp_bytes=baseline_temp_bytes, scan_layers=model_cfg.scan_layers,
+        _name="the gradient step",
+    )
+
+
 def config_for_spec(
     base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
 ):
@@ -483,12 +518,14 @@ def compare_policies(
     *,
     compile: bool = True,
     memory_budget: str | None = None,
+    explain: bool = False,
 ) -> list[PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
     ``none`` is measured too (first; returned as a row only if asked for) so that every row can
     be compared with it. A row whose temp memory did not follow its saved residuals gets a note
-    naming the likely cause (:func:`jremat.memory.diagnose_remat`).
+    naming the likely cause (:func:`jremat.memory.diagnose_remat`). With ``explain`` every row also
+    gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
 
     Returns:
       ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
@@ -500,6 +537,7 @@ def compare_policies(
         registry.resolve(spec)
     baseline_flops = _step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
     rows = {}
+    configs = {}
     wanted = list(dict.fromkeys(policies))
     order = wanted if "none" in wanted else ["none", *wanted]
     for spec in order:
@@ -509,10 +547,14 @@ def compare_policies(
             label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
             row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
         rows[spec] = row
+        configs[spec] = cfg
     base = rows["none"]
     out = []
     for spec in wanted:
         row = rows[spec]
+        if explain:
+            row = dataclasses.replace(row, explanation=explain_step(
+                configs[spec], batch_size, seq_len, temp_bytes=row.temp_bytes, baseline_temp_bytes=base.temp_bytes))
         if spec != "none" and row.temp_bytes is not None and base.temp_bytes is not None:
             note = jmem.diagnose_remat(
                 row.temp_bytes, base.temp_bytes, row.saved_bytes, base.saved_bytes, scan_layers=base_cfg.scan_layers
@@ -587,6 +629,12 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
             seen.add(key)
             lines.append(f"note [{r.policy}]: {n}" if "saved residuals fell" in n else f"note: {n}")
     return "\n".join(lines)
+
+
+def format_explanations(rows: Sequence[PolicyMemory]) -> str:
+    """The explain section: per policy, its decisions, the names it matched and any problem, one line each."""
+    parts = [r.explanation.text() for r in rows if r.explanation is not None]
+    return "\n".join(["", "explain (what each policy did to the step; jremat.explain):", *parts]) if parts else ""
 
 
 def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
@@ -759,7 +807,8 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         config.model_config(spec)
     try:
         return compare_policies(
-            base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget
+            base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget,
+            explain=True,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -787,6 +836,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps([r.to_json(base) for r in rows], indent=2))
         else:
             print(format_table(rows, base))
+            explained = format_explanations(rows)
+            if explained:
+                print(explained)
         if config.plot:
             write_plot(rows, config.plot)
     except UsageError as err:

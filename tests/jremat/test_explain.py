@@ -38,8 +38,8 @@ def test_typo_name_is_one_line_listing_the_names_found():
     report = jremat.explain(mlp, "names:save=mlp_in+mlp_act", *ARGS, compile=False)
     unmatched = [m for m in report.messages if m.startswith("unmatched name")]
     assert unmatched == [
-        "unmatched name (names:save=mlp_in+mlp_act): save name 'mlp_act' matched nothing; "
-        "the traced function tags mlp_in, mlp_out"
+        ("unmatched name (names:save=mlp_in+mlp_act): save name 'mlp_act' matched nothing; "
+        "the traced function tags mlp_in, mlp_out")
     ]
     assert unmatched[0] in report.text().splitlines()
     by_name = {m.name: m for m in report.names}
@@ -88,7 +88,7 @@ def test_exclude_by_name_and_json():
 def test_policies_that_do_nothing_or_cannot_apply_say_so():
     none = jremat.explain(mlp, "none", *ARGS, compile=False)
     assert none.checkpoints == 0 and none.messages == (
-        "no checkpoint (none): the traced function contains no checkpoint; the policy keeps every value",)
+        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value",)
     nested = jremat.explain(mlp, "nested", *ARGS, compile=False)
     (line,) = nested.messages
     assert line.startswith("error (nested): applying the policy raised:") and "single function" in line

@@ -1,0 +1,40 @@
+"""The explain section of ``python -m train.memory``: text after the table, an ``explain`` object per JSON row."""
+
+import json
+
+import train.memory as tm
+from models import preset
+
+
+def test_explain_section_reports_decisions_and_names_per_policy():
+    cfg = preset("tiny", remat_policy="none")
+    rows, _ = tm.compare_policies(cfg, 2, ["names:save=q+mlp_act", "full"], compile=False, explain=True)
+    names, full = (r.explanation for r in rows)
+    # The names policy saves exactly its two tags, once per layer, inside the layer scan.
+    (save,) = [d for d in names.decisions if d.decision == "save"]
+    assert save.names == ("q", "mlp_act") and save.count == 2 and save.iterations == cfg.n_layers
+    assert save.where.startswith("inside scan(length=2)")
+    assert [(m.name, m.count) for m in names.names] == [("q", 2), ("mlp_act", 2)]
+    # The model's own checkpoints (LayerNorm, softmax, GELU) are not counted as the policy's.
+    assert names.checkpoints == full.checkpoints == 1
+    assert full.count("save") == 0 and full.count("recompute") > 0
+    text = tm.format_explanations(rows)
+    assert "policy 'names:save=q+mlp_act' on the gradient step: 1 checkpoint" in text
+    assert "  name save 'mlp_act': 2 values" in text
+    row = json.loads(json.dumps(rows[0].to_json()))
+    assert row["explain"]["names"] == [
+        {"role": "save", "name": "q", "count": 2, "bytes": 2 * 2 * 16 * 32 * 4},
+        {"role": "save", "name": "mlp_act", "count": 2, "bytes": 2 * 2 * 16 * 64 * 4},
+    ]
+
+
+def test_cli_prints_the_explain_section_and_json(capsys):
+    argv = ["--preset", "tiny", "--batch-size", "2", "--layers", "1", "--policy", "none"]
+    assert tm.main(argv + ["--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["explain"]["checkpoints"] == 0 and row["explain"]["messages"] == [
+        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value"]
+    assert tm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "explain (what each policy did to the step; jremat.explain):" in out
+    assert "policy 'none' on the gradient step: 0 checkpoints" in out
