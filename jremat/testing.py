@@ -328,7 +328,7 @@ class _Call:
 
 
 def _cotangent(out):
-    """A fixed cotangent for ``out``: 1 for scalars, fixed normal draws for arrays, float0 for ints."""
+    """A constant cotangent for ``out``: 1 for scalars, seeded normal draws for arrays, float0 for ints."""
     leaves, treedef = jax.tree.flatten(out)
     cts = []
     for i, leaf in enumerate(leaves):
@@ -441,7 +441,7 @@ def assert_remat_exact(
 
     ``fn(*args, **kwargs)`` runs twice, as written and rematerialized (by default
     ``jremat.policy(policy)(fn)``), each inside ``jax.jit`` and under ``jax.vjp`` with the same
-    fixed cotangent (1 for a scalar output, fixed normal draws otherwise). Compared, in order:
+    constant cotangent (1 for a scalar output, seeded normal draws otherwise). Compared, in order:
     the outputs, the state of every NNX object among the arguments after the call (RNG
     counters, batch statistics), and the gradients with respect to ``argnums``.
 
@@ -483,6 +483,8 @@ def assert_remat_exact(
     if rtol < 0 or atol < 0:
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r}, atol={atol!r}")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if isinstance(fn, nnx.Module) and not args and argnums == 0:
+        nums = ()  # a module called without positional arguments: its parameters alone
     if any(not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < len(args) for n in nums):
         raise ValueError(
             f"argnums={argnums!r} must be positions of positional arguments, 0 to {len(args) - 1} "
