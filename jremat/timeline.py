@@ -187,11 +187,11 @@ class MemoryTimeline:
             where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
         lines = [f"peak {_fmt(self.peak_bytes)} at {where}; compiled peak {_fmt(self.compiled_peak_bytes)}"
                  + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")]
-        header = f"  {'bytes':>10}  {'kind':<16} {'name':<28} {'shape':<22} {'live':>11}  source"
+        header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"
         lines += [header, "  " + "-" * (len(header) - 2)]
         for b in self.top_buffers[:top]:
             shape = b.shape.split("{")[0]
-            lines.append(f"  {_fmt(b.size_bytes):>10}  {b.kind:<16} {b.name[:28]:<28} {shape[:22]:<22} "
+            lines.append(f"  {_fmt(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
                          f"{b.start_position:>5}-{b.end_position:<5}  {b.source}")
         return "\n".join(lines)
 
@@ -445,7 +445,14 @@ def _origin(instruction: str, index: int | None, hlo: _Hlo, depth: int = 0) -> s
             return _origin(hlo.operands[root][index], None, hlo, depth + 1)
         return instruction
     if opcode == "parameter" and index is not None:
-        caller = hlo.body_of.get(hlo.computation.get(instruction))
+        body = hlo.computation.get(instruction)
+        caller = hlo.body_of.get(body)
+        # A loop-carried value holds what the body stores at that index (else its initial value).
+        root = hlo.root.get(body) if caller else None
+        if root and hlo.opcode.get(root) == "tuple" and index < len(hlo.operands.get(root, [])):
+            stored = _origin(hlo.operands[root][index], None, hlo, depth + 1)
+            if hlo.op_name.get(stored) and stored != instruction:
+                return stored
         init = hlo.operands.get(caller, [None])[0] if caller else None
         if init and hlo.opcode.get(init) == "tuple" and index < len(hlo.operands[init]):
             return _origin(hlo.operands[init][index], None, hlo, depth + 1)

@@ -75,15 +75,15 @@ def format_timelines(rows: Sequence, top: int = TOP_BUFFERS) -> str:
         parts.append(f"timeline [{row.policy}]: " + row.timeline.table(top))
         parts.extend(f"  note: {n}" for n in row.timeline.notes[1:])
     if parts:
-        parts.append(f"timeline model: {rows[0].timeline.notes[0]}" if rows[0].timeline is not None else "")
+        parts.append(f"timeline {rows[0].timeline.notes[0]}" if rows[0].timeline is not None else "")
     return "\n".join(p for p in parts if p)
 
 
 def _table_lines(timeline: jtl.MemoryTimeline, top: int) -> list[str]:
-    lines = [f"{'MiB':>8}  {'kind':<16} {'name':<26} {'shape':<20} source"]
+    lines = [f"{'MiB':>8}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>9}  source"]
     for b in timeline.top_buffers[:top]:
-        lines.append(f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:26]:<26} {b.shape.split('{')[0][:20]:<20} "
-                     f"{b.source}")
+        lines.append(f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "
+                     f"{b.start_position:>4}-{b.end_position:<4}  {b.source}")
     return lines
 
 
