@@ -2,7 +2,7 @@
 
 :func:`memory_timeline` compiles a function once with XLA's dump options set for that compile
 only (``xla_dump_to`` in ``compiler_options``, a temporary folder, removed afterwards) and reads
-three files XLA writes for the optimized module:
+three files XLA writes for the optimized module (parsed by :mod:`jremat.xla_dump`):
 
 * ``*buffer-assignment.txt``: every allocation (parameter, output, preallocated temp ...) and the
   logical buffers (HLO values) placed in it, with size and offset;
@@ -59,6 +59,13 @@ import numpy as np
 
 from jremat import memory as _memory
 from jremat import xla_flags as _xla_flags
+from jremat.xla_dump import (
+    Hlo,
+    Value,
+    parse_buffer_assignment,
+    parse_hlo,
+    parse_live_range,
+)
 
 #: Buffer kinds (see the module docstring).
 ARGUMENT = "argument"
@@ -70,17 +77,6 @@ OUTPUT = "output"
 OTHER = "other"
 BUFFER_KINDS = (ARGUMENT, FORWARD, FORWARD_RESIDUAL, RECOMPUTATION, GRADIENT, OUTPUT, OTHER)
 
-_ALLOC_RE = re.compile(r"^allocation (\d+): size (\d+), (.*):$")
-_VALUE_RE = re.compile(r"^ value: <(\d+) (\S+?)(\{[\d,]*\})?( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
-_SEQ_RE = re.compile(r"^    (\d+):(\S+)$")
-_RANGE_RE = re.compile(r"^    (\S+?)(\{[\d,]*\}):(\d+)-(\d+)$")
-_INSTR_RE = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) ([a-z][\w-]*)\(")
-_COMP_RE = re.compile(r"^(?:ENTRY )?%(\S+) ")
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
-_FRAME_ID_RE = re.compile(r"stack_frame_id=(\d+)")
-_WHILE_RE = re.compile(r"condition=%([\w.\-]+), body=%([\w.\-]+)")
-_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLS_RE = re.compile(r"(?:to_apply|calls|true_computation|false_computation|branch_computations)=\{?%([\w.\-]+)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,212 +201,6 @@ def _fmt(n) -> str:
     return f"{int(n)} B"
 
 
-# ---------------------------------------------------------------------------------------------
-# Parsing XLA's dumps
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Value:
-    key: str  # name{index}, as the live-range dump spells it
-    instruction: str
-    size: int
-    offset: int
-    shape: str
-    allocation: int
-
-
-@dataclasses.dataclass
-class _Allocation:
-    index: int
-    size: int
-    kind: str  # parameter, output, temp, constant, thread-local, other
-    values: list
-
-
-def parse_buffer_assignment(text: str) -> list[_Allocation]:
-    """Allocations and their values from XLA's ``*buffer-assignment.txt``.
-
-    Raises:
-      ValueError: if the text has no ``BufferAssignment:`` section.
-    """
-    if "BufferAssignment:" not in text:
-        raise ValueError("not an XLA buffer-assignment dump: no 'BufferAssignment:' section")
-    allocations: list[_Allocation] = []
-    started = False
-    for line in text.splitlines():
-        if line.startswith("BufferAssignment:"):
-            started = True
-            continue
-        if not started:
-            continue
-        m = _ALLOC_RE.match(line)
-        if m:
-            attrs = m.group(3)
-            if attrs.startswith("parameter "):
-                kind = "parameter"
-            elif "preallocated-temp" in attrs:
-                kind = "temp"
-            elif "live-out" in attrs or attrs.startswith("output shape"):
-                kind = "output"
-            elif "constant" in attrs:
-                kind = "constant"
-            elif "thread-local" in attrs:
-                kind = "thread-local"
-            else:
-                kind = "other"
-            allocations.append(_Allocation(int(m.group(1)), int(m.group(2)), kind, []))
-            continue
-        m = _VALUE_RE.match(line)
-        if m and allocations:
-            name, index = m.group(2), m.group(3) or "{}"
-            alloc = allocations[-1]
-            alloc.values.append(_Value(name + index, name, int(m.group(5)), int(m.group(6)), m.group(7), alloc.index))
-            continue
-        if allocations and not line.startswith(" "):
-            break  # the per-value and summary sections that follow
-    return allocations
-
-
-def parse_live_range(text: str) -> tuple[list[str], dict[str, tuple[int, int]]]:
-    """The flattened schedule and value live ranges from XLA's ``*live-range.txt``.
-
-    Returns:
-      ``(sequence, ranges)``: ``sequence[t]`` is the instruction at position ``t``; ``ranges``
-      maps ``name{index}`` to its inclusive ``(start, end)`` positions.
-
-    Raises:
-      ValueError: if the text has no ``HloLiveRange`` header.
-    """
-    if not text.startswith("HloLiveRange"):
-        raise ValueError("not an XLA live-range dump: it does not start with 'HloLiveRange'")
-    sequence: list[str] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    section = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped == "InstructionSequence:":
-            section = "seq"
-            continue
-        if stripped == "BufferLiveRange:":
-            section = "range"
-            continue
-        if line.startswith("  ") and not line.startswith("    "):
-            section = None
-            continue
-        if section == "seq":
-            m = _SEQ_RE.match(line)
-            if m:
-                sequence.append(m.group(2))
-        elif section == "range":
-            m = _RANGE_RE.match(line)
-            if m:
-                ranges[m.group(1) + m.group(2)] = (int(m.group(3)), int(m.group(4)))
-    return sequence, ranges
-
-
-@dataclasses.dataclass
-class _Hlo:
-    op_name: dict  # instruction -> op_name
-    source: dict  # instruction -> tuple of (file, line), innermost first
-    computation: dict  # instruction -> computation
-    called: dict  # computation -> computations it calls (control flow and others)
-    whiles: dict  # while instruction -> (condition, body, trip count or None, op_name)
-    entry: str | None
-    operands: dict  # instruction -> operand instructions
-    shape: dict  # instruction -> HLO shape text
-    opcode: dict  # instruction -> opcode
-    root: dict  # computation -> its ROOT instruction
-    body_of: dict  # loop body computation -> the while instruction that runs it
-
-
-def _stack_tables(text: str):
-    files, functions, locations, frames = {}, {}, {}, {}
-    section = None
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            continue
-        if not line or line.startswith(("HloModule", "%", "ENTRY")):
-            if line.startswith(("%", "ENTRY")):
-                break
-            section = None if not line else section
-            continue
-        parts = line.split(" ", 1)
-        if len(parts) != 2 or not parts[0].isdigit():
-            continue
-        key, rest = int(parts[0]), parts[1]
-        if section == "FileNames":
-            files[key] = rest.strip('"')
-        elif section == "FunctionNames":
-            functions[key] = rest.strip('"')
-        elif section == "FileLocations":
-            f = re.search(r"file_name_id=(\d+)", rest)
-            ln = re.search(r"\bline=(\d+)", rest)
-            if f and ln:
-                locations[key] = (files.get(int(f.group(1)), "?"), int(ln.group(1)))
-        elif section == "StackFrames":
-            loc = re.search(r"file_location_id=(\d+)", rest)
-            parent = re.search(r"parent_frame_id=(\d+)", rest)
-            if loc:
-                frames[key] = (int(loc.group(1)), int(parent.group(1)) if parent else 0)
-    return locations, frames
-
-
-def _frame_chain(frame_id: int, locations, frames) -> tuple:
-    chain, seen = [], set()
-    while frame_id in frames and frame_id not in seen:
-        seen.add(frame_id)
-        loc, parent = frames[frame_id]
-        if loc in locations:
-            chain.append(locations[loc])
-        frame_id = parent - 1  # the text prints a frame's parent as its id + 1 (1: no parent)
-    return tuple(chain)
-
-
-def parse_hlo(text: str) -> _Hlo:
-    """Instruction metadata, computations and while loops of a scheduled HLO module's text."""
-    locations, frames = _stack_tables(text)
-    hlo = _Hlo({}, {}, {}, collections.defaultdict(set), {}, None, {}, {}, {}, {}, {})
-    current = None
-    for line in text.splitlines():
-        if line.startswith(("%", "ENTRY")) and line.rstrip().endswith("{"):
-            m = _COMP_RE.match(line)
-            current = m.group(1) if m else None
-            if line.startswith("ENTRY"):
-                hlo.entry = current
-            continue
-        m = _INSTR_RE.match(line)
-        if not m or current is None:
-            continue
-        name, opcode = m.group(1), m.group(3)
-        hlo.computation[name] = current
-        hlo.shape[name], hlo.opcode[name] = m.group(2), opcode
-        args = line[m.end():].split(")", 1)[0]
-        hlo.operands[name] = re.findall(r"%([\w.\-]+)", args)
-        if line.lstrip().startswith("ROOT "):
-            hlo.root[current] = name
-        op = _OP_NAME_RE.search(line)
-        hlo.op_name[name] = op.group(1).replace("\\'", "'") if op else ""
-        fid = _FRAME_ID_RE.search(line)
-        hlo.source[name] = _frame_chain(int(fid.group(1)), locations, frames) if fid else ()
-        if opcode == "while":
-            w = _WHILE_RE.search(line)
-            if w:
-                trip = _TRIP_RE.search(line)
-                hlo.whiles[name] = (w.group(1), w.group(2), int(trip.group(1)) if trip else None, hlo.op_name[name])
-                hlo.body_of[w.group(2)] = name
-                hlo.called[current].update((w.group(1), w.group(2)))
-        for c in _CALLS_RE.findall(line):
-            hlo.called[current].add(c)
-    return hlo
-
-
-# ---------------------------------------------------------------------------------------------
-# Building the timeline
-# ---------------------------------------------------------------------------------------------
-
-
 def _kind(op_name: str) -> str:
     if "rematted_computation" in op_name:
         return RECOMPUTATION
@@ -432,7 +222,7 @@ def _elements(shape: str) -> int:
     return int(np.prod(dims)) if dims else 1
 
 
-def _origin(instruction: str, index: int | None, hlo: _Hlo, depth: int = 0) -> str:
+def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> str:
     """The instruction whose metadata best names a value: looks through loop outputs (to what the
     body stored), in-place updates (to the update), copies, bitcasts and XLA-made fusions."""
     if depth > 8:
@@ -474,7 +264,7 @@ def _origin(instruction: str, index: int | None, hlo: _Hlo, depth: int = 0) -> s
     return instruction
 
 
-def _name_for(instruction: str, hlo: _Hlo, tags: dict) -> str:
+def _name_for(instruction: str, hlo: Hlo, tags: dict) -> str:
     for loc in hlo.source.get(instruction, ()):
         if loc in tags:
             return "|".join(sorted(tags[loc]))
@@ -532,7 +322,7 @@ def build_timeline(
     live = np.zeros(n + 1, dtype=np.int64)  # difference array for whole-allocation spans
     argument_bytes = output_bytes = temp_bytes = unmodelled = 0
     spans: list[tuple] = []  # (start, end, value, bytes, reserved-only) for the buffers at the peak
-    temp_values: list[tuple[int, int, _Value]] = []
+    temp_values: list[tuple[int, int, Value]] = []
     missing_ranges = 0
     for alloc in allocations:
         if alloc.kind in ("constant", "thread-local"):
@@ -638,7 +428,7 @@ def _temp_occupancy(values: list, n: int) -> np.ndarray:
     return out
 
 
-def _loop_spans(hlo: _Hlo, position: dict) -> tuple[LoopSpan, ...]:
+def _loop_spans(hlo: Hlo, position: dict) -> tuple[LoopSpan, ...]:
     out = []
     for name, (cond, body, trip, op_name) in hlo.whiles.items():
         if hlo.computation.get(name) != hlo.entry or name not in position:
@@ -653,7 +443,7 @@ def _loop_spans(hlo: _Hlo, position: dict) -> tuple[LoopSpan, ...]:
 _SETUP_OPS = frozenset({"broadcast", "constant", "parameter", "copy", "bitcast", "tuple", "get-tuple-element"})
 
 
-def _backward_start(sequence: list, hlo: _Hlo, loops: Sequence[LoopSpan]) -> int:
+def _backward_start(sequence: list, hlo: Hlo, loops: Sequence[LoopSpan]) -> int:
     """The first position of the backward pass: the first instruction of a ``transpose(...)`` name
     stack that computes something (gradient accumulators are zeroed early) after every top-level
     forward loop."""
@@ -667,7 +457,7 @@ def _backward_start(sequence: list, hlo: _Hlo, loops: Sequence[LoopSpan]) -> int
     return len(sequence)
 
 
-def _buffers_at(t: int, spans: list, allocations, hlo: _Hlo, tags: dict, backward_start: int, top: int):
+def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int):
     kinds = {a.index: a.kind for a in allocations}
     groups: dict = {}
     for s, e, v, size, reserved in spans:
@@ -809,5 +599,5 @@ def memory_timeline(
 
 __all__: Sequence[str] = (
     "BUFFER_KINDS", "LoopSpan", "MemoryTimeline", "TimelineBuffer", "build_timeline",
-    "checkpoint_name_locations", "memory_timeline", "parse_buffer_assignment", "parse_hlo", "parse_live_range",
+    "checkpoint_name_locations", "memory_timeline",
 )
