@@ -7,7 +7,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jremat
 from jremat import timeline as jtl
-from jremat import xla_dump
 
 LAYERS, BATCH, WIDTH = 3, 64, 128
 
@@ -74,10 +73,8 @@ def test_bad_input_is_named():
         jremat.memory_timeline(3)
     with pytest.raises(ValueError, match="top must be a positive integer"):
         jremat.memory_timeline(jnp.sin, 1.0, top=0)
-    with pytest.raises(ValueError, match="not an XLA buffer-assignment dump"):
-        xla_dump.parse_buffer_assignment("HloModule m")
     with pytest.raises(ValueError, match="not an XLA live-range dump"):
-        xla_dump.parse_live_range("BufferAssignment:")
+        jtl.build_timeline(BUFFERS, "BufferAssignment:", HLO)
 
 
 BUFFERS = """BufferAssignment:
