@@ -19,11 +19,13 @@ from jremat.memory import (
     program_flops,
     saved_residuals_report,
 )
+from jremat.timeline import MemoryTimeline, memory_timeline
 
 __all__ = [
     "CallbackPolicy",
     "GRANULARITIES",
     "MemoryReport",
+    "MemoryTimeline",
     "NoRemat",
     "Param",
     "Plan",
@@ -44,6 +46,7 @@ __all__ = [
     "live_memory",
     "load_module",
     "memory_report",
+    "memory_timeline",
     "names",
     "policy",
     "program_flops",
