@@ -4,12 +4,12 @@ from jremat import names
 from jremat.policy import CallbackPolicy, NoRemat, Plan, PlanPolicy, Policy
 from jremat.program import Program, trace_program
 from jremat.registry import Param, available, describe, load_module, register, resolve
-from jremat.remat import GRANULARITIES, RematConfig, checkpoint, remat_at, run_layers
+from jremat.remat import GRANULARITIES, RematConfig, remat_at, run_layers
 from jremat.rng import dropout, layer_keys, site_key
 from jremat.xla_flags import compiler_options, jit
 # The decorator shadows the ``jremat.policy`` submodule attribute on purpose (``@jremat.policy``);
 # import the submodule's names with ``from jremat.policy import ...``.
-from jremat.decorator import custom_policy, policy
+from jremat.decorator import checkpoint, custom_policy, policy
 # Likewise ``jremat.explain`` is the function; import the module's names with ``from jremat.explain import ...``.
 from jremat.explain import Explanation, explain
 from jremat.memory import (
@@ -21,12 +21,14 @@ from jremat.memory import (
     program_flops,
     saved_residuals_report,
 )
+from jremat.timeline import MemoryTimeline, memory_timeline
 
 __all__ = [
     "CallbackPolicy",
     "Explanation",
     "GRANULARITIES",
     "MemoryReport",
+    "MemoryTimeline",
     "NoRemat",
     "Param",
     "Plan",
@@ -48,6 +50,7 @@ __all__ = [
     "live_memory",
     "load_module",
     "memory_report",
+    "memory_timeline",
     "names",
     "policy",
     "program_flops",

@@ -70,35 +70,55 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
 
     Works on:
 
-    1. a plain function of pytrees of arrays;
-    2. a Flax NNX module class (its ``methods`` run rematerialized; state updates such as RNG
-       counters are written back) or an NNX method (``self`` is an ``nnx.Module``);
-    3. a Flax Linen module class or method: variables and RNG streams are lifted like
-       ``nn.remat`` does, so ``self.make_rng('dropout')`` draws the same bits when recomputed.
+    1. a plain function of pytrees (``staticmethod`` and ``classmethod`` objects included);
+    2. a Flax NNX module class (its ``methods`` run rematerialized) or an NNX method. Every NNX
+       graph node anywhere in the arguments (modules, ``nnx.Rngs`` passed at call time,
+       variables, shared references) behaves as undecorated: state updates such as RNG
+       counters are written back, through NNX's own ``split_inputs`` / ``merge_inputs``;
+    3. a Flax Linen module class or method (``nn.compact`` or ``setup``-style): variables and
+       RNG streams are lifted like ``nn.remat`` does, so ``self.make_rng('dropout')`` draws the
+       same bits when recomputed.
+
+    With ``prevent_cse=True`` (the default) the checkpoint is tied to its cotangent
+    (:mod:`jremat.tie`), so it saves memory in unrolled code too.
 
     Args:
       spec: a spec string (``"every_k:k=4"``, ``"every_k"``) or a :class:`Policy`.
       methods: for module classes, the methods to rematerialize.
-      prevent_cse: as in ``jax.checkpoint``; ``False`` is safe (and faster) inside ``lax.scan``.
+      prevent_cse: as in ``jax.checkpoint``; ``False`` only inside a ``lax.scan`` of more than one step.
       **keys: policy keys given separately (``k=4``).
 
     Returns:
       A decorator; it returns a rematerialized function, or a subclass of the module class.
 
     Raises:
-      ValueError: on a bad spec (at decoration time), or when the target is not callable.
+      ValueError: at decoration time, on a bad spec, a stack-level policy (``nested``), a
+        target that is not callable, or a method name the class does not have.
     """
     chosen = registry.resolve(spec, **keys)
+    if chosen.stack_level:
+        raise ValueError(_stack_level_message(chosen))
+    if isinstance(methods, str) or not all(isinstance(m, str) for m in tuple(methods)) or not tuple(methods):
+        raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
     methods = tuple(methods)
 
     def decorate(target):
         from flax import linen, nnx
 
-        if isinstance(target, type) and issubclass(target, linen.Module):
-            return _linen(target, chosen, prevent_cse, methods)
-        if _is_linen_method(target):
-            return _linen(target, chosen, prevent_cse, methods)
-        if isinstance(target, type) and issubclass(target, nnx.Module):
+        if isinstance(target, staticmethod):
+            return staticmethod(_function(target.__func__, chosen, prevent_cse))
+        if isinstance(target, classmethod):
+            return classmethod(_function(target.__func__, chosen, prevent_cse))
+        if isinstance(target, type) and issubclass(target, (linen.Module, nnx.Module)):
+            missing = [m for m in methods if not callable(getattr(target, m, None))]
+            if missing:
+                found = sorted(n for n in dir(target) if not n.startswith("_") and callable(getattr(target, n, None)))
+                raise ValueError(
+                    f"@jremat.policy: {target.__name__} has no method {', '.join(map(repr, missing))}; "
+                    f"its methods: __call__, {', '.join(found)}"
+                )
+            if issubclass(target, linen.Module):
+                return _linen(target, chosen, prevent_cse, methods)
             attrs = {m: _function(getattr(target, m), chosen, prevent_cse) for m in methods}
             attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
             return type(target.__name__, (target,), attrs)
@@ -109,39 +129,70 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
     return decorate
 
 
-def _is_linen_method(fn) -> bool:
-    """Whether ``fn`` is a Linen method being defined in a class body (``nn.compact`` marks it).
+def checkpoint(fn: Callable, policy: "str | Policy" = "full", *, prevent_cse: bool = True, **keys) -> Callable:
+    """Rematerialize ``fn`` under a policy: ``jremat.checkpoint(f, "every_k:k=4")``.
 
-    Other Linen methods are detected when called (their first argument is a ``linen.Module``)
-    and rejected with a message, since they can only be lifted at class-definition time.
+    The same as ``jremat.policy(policy, prevent_cse=prevent_cse, **keys)(fn)``: non-array
+    arguments are static, NNX graph nodes and Linen modules are lifted, and the checkpoint is
+    tied to its cotangent where it may sit in straight-line code.
+
+    Args:
+      fn: a function, an NNX/Linen method or module class.
+      policy: a spec string or :class:`Policy`.
+      prevent_cse: as in ``jax.checkpoint``; ``False`` only inside a ``lax.scan`` of more than one step.
+      **keys: policy keys given separately, e.g. ``k=4``.
+
+    Returns:
+      The rematerialized function (same signature as ``fn``).
+
+    Raises:
+      ValueError: as :func:`policy`.
     """
-    return callable(fn) and getattr(fn, "compact", False)
+    return _policy_decorator(policy, prevent_cse=prevent_cse, **keys)(fn)
+
+
+_policy_decorator = policy
+
+
+def _stack_level_message(chosen: Policy) -> str:
+    from jremat.remat import stack_level_error
+
+    return stack_level_error(chosen)
+
+
+def _has_graph_node(tree) -> bool:
+    from flax.nnx import graph
+
+    return any(graph.is_graph_node(leaf) for leaf in jax.tree.leaves(tree, is_leaf=graph.is_graph_node))
+
+
+_NNX_CONTEXT = "jremat"
 
 
 def _function(fn: Callable, chosen: Policy, prevent_cse: bool) -> Callable:
-    """Rematerialize a function; if its first argument is an NNX module, lift the module's state."""
+    """Rematerialize a function; NNX graph nodes in its arguments and Linen ``self`` are lifted."""
+    linen_lifted: list[Callable] = []
 
     @functools.wraps(fn)
     def rematerialized(*args, **kwargs):
-        from flax import linen, nnx
+        from flax import linen
+        from flax.nnx.transforms import general
 
         if args and isinstance(args[0], linen.Module):
-            raise ValueError(
-                "@jremat.policy on a Linen method must decorate the method inside the class body "
-                "of a linen.Module (it is lifted there), or decorate the class itself"
-            )
-        if args and isinstance(args[0], nnx.Module):
-            module, rest = args[0], args[1:]
-            graphdef, state = nnx.split(module)
+            if not linen_lifted:  # a Linen method: lifted like nn.remat, on its first call
+                linen_lifted.append(_linen(fn, chosen, prevent_cse, ("__call__",)))
+            return linen_lifted[0](*args, **kwargs)
+        if _has_graph_node((args, kwargs)):
 
-            def pure(state, *a, **kw):
-                inner = nnx.merge(graphdef, state)
-                out = fn(inner, *a, **kw)
-                return out, nnx.state(inner)
+            def merged(args_kwargs):
+                a, kw = args_kwargs
+                return fn(*a, **kw)
 
-            out, new_state = call_rematerialized(pure, chosen, (state, *rest), kwargs, prevent_cse=prevent_cse)
-            nnx.update(module, new_state)
-            return out
+            def checkpointed(pure_args_kwargs):
+                inner = general.merge_inputs(merged, ctxtag=_NNX_CONTEXT)
+                return call_rematerialized(inner, chosen, (pure_args_kwargs,), {}, prevent_cse=prevent_cse)
+
+            return general.split_inputs(checkpointed, ctxtag=_NNX_CONTEXT)((args, kwargs))
         return call_rematerialized(fn, chosen, args, kwargs, prevent_cse=prevent_cse)
 
     return rematerialized
@@ -187,10 +238,7 @@ class _FunctionPlan(PlanPolicy):
         self.plan_fn = plan_fn
 
     def plan(self, program: Program) -> Plan:
-        chosen = self.plan_fn(program)
-        if not isinstance(chosen, Plan):
-            raise ValueError(f"custom plan policy {self.spec!r} returned {chosen!r}, not a jremat.Plan")
-        return chosen
+        return self.plan_fn(program)
 
 
 def custom_policy(name: str, *, doc: str | None = None, kind: str = "callback"):
@@ -239,4 +287,4 @@ def custom_policy(name: str, *, doc: str | None = None, kind: str = "callback"):
     return decorator
 
 
-__all__ = ["call_rematerialized", "custom_policy", "policy"]
+__all__ = ["call_rematerialized", "checkpoint", "custom_policy", "policy"]

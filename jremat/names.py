@@ -1,9 +1,14 @@
 """The one place where intermediate-tensor names are defined.
 
-Models tag tensors with these names through :func:`jax.ad_checkpoint.checkpoint_name`;
-policies such as ``names`` and ``selective`` refer to them. Keeping them in one module
-means a typo is an import error, not a silently ignored policy.
+The reference model tags its tensors with these names through
+:func:`jax.ad_checkpoint.checkpoint_name`, and ``selective`` finds the attention core by them.
+The name-based policies (``names``, ``names_except``, ``offload``) accept any tag the traced
+function uses, a user's own names included; a name that matches no tag is an error listing the
+tags found (:func:`require_found`).
 """
+
+import contextlib
+import contextvars
 
 BLOCK_INPUT = "block_input"
 LN1_OUT = "ln1_out"
@@ -43,23 +48,67 @@ ALL_NAMES: tuple[str, ...] = (
 ATTENTION_CORE: tuple[str, ...] = (ATTN_SCORES, ATTN_PROBS)
 
 
-def validate_names(names, *, what: str = "tensor name") -> tuple[str, ...]:
-    """Check that every entry of ``names`` is a known tensor name.
+_DEFERRED: contextvars.ContextVar = contextvars.ContextVar("jremat_deferred_name_checks", default=None)
 
-    Args:
-      names: iterable of strings.
-      what: how the names are described in the error message.
 
-    Returns:
-      The names as a tuple, in the order given.
+@contextlib.contextmanager
+def deferred_name_checks():
+    """Check tag names over a group of checkpoints instead of each one.
+
+    A layer stack checkpointed per sublayer applies one policy to the attention and the MLP
+    sublayer; a name tagged in only one of them is valid. Inside this context,
+    :func:`check_found` records what each checkpoint wanted and found, and on exit a name is
+    an error only if no checkpoint of the group tags it.
 
     Raises:
-      ValueError: if a name is not in :data:`ALL_NAMES`; the message lists the valid names.
+      ValueError: on exit, for a name no checkpoint in the group tags.
     """
-    names = tuple(names)
-    unknown = [n for n in names if n not in ALL_NAMES]
-    if unknown:
+    records: list = []
+    token = _DEFERRED.set(records)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+    found_by_request: dict = {}
+    for wanted, found, policy, key in records:
+        found_by_request.setdefault((wanted, policy, key), set()).update(found)
+    for (wanted, policy, key), found in found_by_request.items():
+        require_found(wanted, found, policy=policy, key=key)
+
+
+def check_found(wanted, found, *, policy: str, key: str) -> None:
+    """:func:`require_found` now, or at the end of the enclosing :func:`deferred_name_checks`."""
+    records = _DEFERRED.get()
+    if records is None:
+        require_found(wanted, found, policy=policy, key=key)
+    else:
+        records.append((tuple(wanted), frozenset(found), policy, key))
+
+
+def require_found(wanted, found, *, policy: str, key: str) -> tuple[str, ...]:
+    """Check that every tag in ``wanted`` is among the ``checkpoint_name`` tags ``found``.
+
+    Any tag a traced function uses is valid, not only the names above: a policy may refer to a
+    user's own tensor names.
+
+    Args:
+      wanted: the tags a policy refers to.
+      found: the tags present in the traced function.
+      policy: the policy's name, for the message.
+      key: the spec key that listed the tags (``save``, ``exclude``, ``names``).
+
+    Returns:
+      ``wanted`` as a tuple.
+
+    Raises:
+      ValueError: if a tag matched nothing; the message lists the tags found.
+    """
+    wanted = tuple(wanted)
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        listed = ", ".join(sorted(found)) if found else "none (tag values with jax.ad_checkpoint.checkpoint_name)"
         raise ValueError(
-            f"unknown {what} {', '.join(map(repr, unknown))}; valid names: {', '.join(ALL_NAMES)}"
+            f"policy {policy!r}: {key}= names {', '.join(map(repr, missing))}, which the checkpointed function "
+            f"does not tag; tags it has: {listed}"
         )
-    return names
+    return wanted

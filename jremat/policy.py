@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 
 from jremat import program as _program
+from jremat import tie as _tie
 
 _tag_counter = itertools.count()
 
@@ -45,15 +46,37 @@ class Policy(abc.ABC):
     """
 
     spec: str = ""
+    #: True for policies of a whole layer stack (``nested``), which cannot wrap one function.
+    stack_level: bool = False
 
-    @abc.abstractmethod
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.
 
+        With ``prevent_cse=True`` the checkpoint is also tied to its cotangent
+        (:mod:`jremat.tie`), so that XLA cannot merge the recomputation back into the forward
+        pass of straight-line code.
+
         Args:
-          fn: a function of pytrees of arrays.
-          prevent_cse: passed to ``jax.checkpoint``; ``False`` is safe (and faster) under scan.
+          fn: a function of positional pytrees of arrays.
+          prevent_cse: as in ``jax.checkpoint``: ``True`` where the checkpoint may sit in
+            straight-line code, ``False`` inside a ``lax.scan`` of more than one step.
         """
+        return _tie.wrap(self.checkpoint(fn, prevent_cse=prevent_cse), fn, prevent_cse=prevent_cse)
+
+    @abc.abstractmethod
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        """Return ``fn`` checkpointed under this policy, untied (``fn`` itself if nothing is recomputed).
+
+        Args:
+          fn: a function of positional pytrees of arrays.
+          prevent_cse: passed to ``jax.checkpoint``.
+        """
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and bool(self.spec) and self.spec == other.spec
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.spec or id(self)))
 
     def __repr__(self) -> str:
         return f"<jremat policy {self.spec!r}>"
@@ -62,7 +85,7 @@ class Policy(abc.ABC):
 class NoRemat(Policy):
     """Keep every intermediate; no rematerialization at all."""
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         return fn
 
 
@@ -76,7 +99,7 @@ class CallbackPolicy(Policy):
     def __init__(self, callback: Callable):
         self.callback = callback
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         return jax.checkpoint(fn, policy=self.callback, prevent_cse=prevent_cse)
 
 
@@ -94,11 +117,11 @@ class PlanPolicy(Policy):
     def plan(self, program: _program.Program) -> Plan:
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         @functools.wraps(fn)
         def rematerialized(*args, **kwargs):
             prog = _program.trace_program(fn, *args, **kwargs)
-            chosen = self.plan(prog)
+            chosen = check_plan(self.plan(prog), prog, self.spec or type(self).__name__)
             prefix = f"jremat{next(_tag_counter)}"
             tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
             save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]
@@ -124,6 +147,29 @@ class PlanPolicy(Policy):
             return jax.tree.unflatten(prog.out_tree, outs)
 
         return rematerialized
+
+
+def check_plan(plan: Plan, program: _program.Program, policy_name: str) -> Plan:
+    """Check that ``plan`` names equations of ``program`` with outputs, each at most once.
+
+    Raises:
+      ValueError: if ``plan`` is not a :class:`Plan`, or an index is not an equation index of
+        ``program``, or an equation is both saved and offloaded.
+    """
+    if not isinstance(plan, Plan):
+        raise ValueError(f"policy {policy_name!r} returned {plan!r}, not a jremat.Plan")
+    n_ops = len(program.ops)
+    for kind, indices in (("save", plan.save), ("offload", plan.offload)):
+        bad = sorted(i for i in indices if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_ops)
+        if bad:
+            raise ValueError(
+                f"policy {policy_name!r}: Plan.{kind} holds {bad[:5]}, which are not equation indices of the "
+                f"traced program; valid indices are 0..{n_ops - 1} (jremat.Op.index)"
+            )
+    both = sorted(plan.save & plan.offload)
+    if both:
+        raise ValueError(f"policy {policy_name!r}: equations {both[:5]} are both saved and offloaded; choose one")
+    return plan
 
 
 def require_host_memory(kind: str = "pinned_host") -> None:

@@ -12,10 +12,14 @@ Op classification (used by every policy that counts or prices ops):
 
 * *shape-only* ops (:data:`SHAPE_ONLY_PRIMITIVES`: reshape, broadcast, convert, transpose,
   squeeze, expand_dims, copy, name tags, ...) move or relabel data without arithmetic.
-* *RNG-derived* values depend on a PRNG key and on nothing but constants (dropout masks,
-  random bits). They are never saved: they are regenerated from the threaded key.
-* *constant-derived* values depend on no input at all (causal masks from ``iota``).
-* Every other equation is a *compute op*. Compute ops are numbered from 0 in program order.
+* *RNG-derived* values depend on a PRNG key (typed, or legacy ``uint32`` bits turned into a
+  key by ``random_wrap``) and on no floating-point input: dropout masks, uniform draws, NNX
+  ``Rngs`` counters and the keys folded from them. They are never saved: they are regenerated
+  from the key.
+* *constant-derived* values depend on no floating-point input at all (causal masks from
+  ``iota``, integer positions); they are not numbered either.
+* Every other equation with outputs is a *compute op*. Compute ops are numbered from 0 in
+  program order.
 """
 
 from __future__ import annotations
@@ -241,8 +245,19 @@ def _eval_inlined(jaxpr, consts, args):
     return [_read(env, v) for v in jaxpr.outvars]
 
 
+def _is_float(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and not is_key(aval) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+#: Primitives that make a PRNG key from raw bits (legacy ``uint32[2]`` keys, seeds).
+KEY_MAKING_PRIMITIVES = frozenset({"random_wrap", "random_seed"})
+
+
 def _classify(jaxpr) -> tuple[Op, ...]:
-    data_dep: dict = {v: not is_key(v.aval) for v in jaxpr.invars}
+    # "Data" is floating-point input: a value that depends on none (only on keys, counters,
+    # integer ids or constants) is never a compute op, and if a key went into it, it is random.
+    data_dep: dict = {v: _is_float(v.aval) for v in jaxpr.invars}
     key_dep: dict = {v: is_key(v.aval) for v in jaxpr.invars}
     consumer_name: dict = {}
     for eqn in jaxpr.eqns:
@@ -252,15 +267,22 @@ def _classify(jaxpr) -> tuple[Op, ...]:
     compute_index = 0
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        name = eqn.primitive.name
         has_data = any(data_dep.get(v, False) for v in ins)
-        has_key = any(key_dep.get(v, False) for v in ins) or any(is_key(v.aval) for v in ins)
+        has_key = (
+            name in KEY_MAKING_PRIMITIVES
+            or any(key_dep.get(v, False) for v in ins)
+            or any(is_key(v.aval) for v in ins)
+        )
         for v in eqn.outvars:
             data_dep[v] = has_data
             key_dep[v] = has_key
-        name = eqn.primitive.name
         rng_derived = has_key and not has_data
-        counted = has_data and name not in SHAPE_ONLY_PRIMITIVES and not any(
-            is_key(v.aval) for v in eqn.outvars
+        counted = (
+            has_data
+            and bool(eqn.outvars)
+            and name not in SHAPE_ONLY_PRIMITIVES
+            and not any(is_key(v.aval) for v in eqn.outvars)
         )
         if name == "name":
             tensor_name = eqn.params["name"]
@@ -310,6 +332,35 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
     out_tree = jax.tree.structure(out_shape)
     flat = inline_calls(closed, flat_args)
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
+
+
+def _nested_jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _nested_jaxprs(item)
+
+
+def jaxpr_tags(jaxpr) -> frozenset[str]:
+    """Every ``checkpoint_name`` tag in ``jaxpr`` and the jaxprs nested in it (scan, cond, calls)."""
+    found = set()
+    stack = [jaxpr]
+    while stack:
+        current = stack.pop()
+        for eqn in current.eqns:
+            if eqn.primitive.name == "name":
+                found.add(eqn.params["name"])
+            for value in eqn.params.values():
+                stack.extend(_nested_jaxprs(value))
+    return frozenset(found)
+
+
+def traced_tags(fn: Callable, *args, **kwargs) -> frozenset[str]:
+    """The ``checkpoint_name`` tags used anywhere in ``fn(*args, **kwargs)`` (traced, not run)."""
+    return jaxpr_tags(jax.make_jaxpr(lambda a, kw: fn(*a, **kw))(args, kwargs).jaxpr)
 
 
 def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:

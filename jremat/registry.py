@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import numbers
 import re
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ class Param:
       help: one line for ``--help`` and docs.
       min: lower bound for numbers (inclusive).
       parse: optional custom parser ``str -> value`` raising ``ValueError``.
+      format: optional writer ``value -> str`` for values :attr:`parse` returns, so that the
+        canonical spec reads back to the same value.
     """
 
     kind: str
@@ -41,6 +44,7 @@ class Param:
     help: str
     min: float | None = None
     parse: Callable[[str], Any] | None = None
+    format: Callable[[Any], str] | None = None
 
 
 REQUIRED = object()
@@ -161,11 +165,48 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, values
 
 
-def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
+def _as_text(policy: str, key: str, param: Param, value: Any) -> str:
+    """Write a value given as a Python object the way a spec string would give it."""
     where = f"policy {policy!r}: {key}"
-    if not isinstance(raw, str):
-        value = raw
-    elif param.parse is not None:
+    if isinstance(value, str):
+        return value
+    if param.kind == "bool":
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        raise ValueError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be {_KIND_WORDS.get(param.kind, 'a ' + param.kind)}, got {value!r}")
+    if param.kind == "names":
+        if isinstance(value, (list, tuple)) and all(isinstance(n, str) and n and "+" not in n for n in value):
+            return "+".join(value)
+        raise ValueError(f"{where} must be names (strings without '+'), got {value!r}")
+    if param.format is not None:
+        try:
+            return param.format(value)
+        except (TypeError, AttributeError, ValueError):
+            pass
+    if param.kind in ("int", "float") and isinstance(value, numbers.Real):
+        return str(value)
+    if param.kind == "spec" and hasattr(value, "spec"):
+        return value.spec.replace(",", ";")
+    raise ValueError(f"{where} must be {_KIND_WORDS.get(param.kind, 'a ' + param.kind)}, got {value!r}")
+
+
+_KIND_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "names": "names joined by '+'",
+    "spec": "a policy spec",
+    "str": "a string",
+}
+
+
+def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
+    """Parse one key's value; typed values are written as text first and parsed the same way."""
+    where = f"policy {policy!r}: {key}"
+    raw = _as_text(policy, key, param, raw)
+    if param.parse is not None:
         value = param.parse(raw)
     elif param.kind == "int":
         try:
@@ -188,8 +229,6 @@ def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
             raise ValueError(f"{where} must list at least one name joined by '+', got {raw!r}")
     else:
         value = raw
-    if param.kind == "names" and isinstance(value, (list, tuple)):
-        value = tuple(value)
     if param.min is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
         if value < param.min:
             raise ValueError(f"{where} must be >= {param.min:g}, got {raw!r}")
@@ -234,14 +273,24 @@ def resolve(spec: "str | Policy", **overrides: Any) -> Policy:
         else:
             kwargs[key] = param.default
     policy = entry.factory(**kwargs)
-    policy.spec = canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values})
+    policy.spec = canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
     return policy
 
 
-def canonical_spec(name: str, values: dict[str, Any]) -> str:
-    """Write ``name`` and typed ``values`` back as a spec string."""
+def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] | None = None) -> str:
+    """Write ``name`` and parsed ``values`` back as a spec string that resolves to the same policy.
 
-    def fmt(v):
+    Args:
+      name: the policy name.
+      values: parsed key values.
+      params: the policy's :class:`Param` table, whose ``format`` writes custom values.
+    """
+    params = params or {}
+
+    def fmt(key, v):
+        param = params.get(key)
+        if param is not None and param.format is not None:
+            return param.format(v)
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, (tuple, list)):
@@ -250,4 +299,4 @@ def canonical_spec(name: str, values: dict[str, Any]) -> str:
 
     if not values:
         return name
-    return name + ":" + ",".join(f"{k}={fmt(v)}" for k, v in values.items())
+    return name + ":" + ",".join(f"{k}={fmt(k, v)}" for k, v in values.items())

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jremat import registry
-from jremat.policy import NoRemat, Policy
+from jremat import names, registry
+from jremat.policy import CallbackPolicy, Policy
 
 GRANULARITIES = ("none", "block", "sublayer")
 
@@ -157,6 +157,14 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
     return tuple(groups)
 
 
+def stack_level_error(policy: Policy) -> str:
+    """The message for a stack-level policy used on a single function."""
+    return (
+        f"policy {policy.spec or 'nested'!r} checkpoints a stack of layers; use it as the layer "
+        "stack's policy (jremat.RematConfig / run_layers, --remat-policy), not on a single function"
+    )
+
+
 class NestedLayers(Policy):
     """Nested (√n) checkpointing of a layer stack (Chen et al. 2016; Haliax's ``nested``).
 
@@ -194,29 +202,10 @@ class NestedLayers(Policy):
             )
         return int(self.block)
 
-    def wrap(self, fn, *, prevent_cse=True):
-        raise ValueError(
-            f"policy {self.spec or 'nested'!r} checkpoints a stack of layers; use it as the layer "
-            "stack's policy (jremat.RematConfig / run_layers, --remat-policy), not on a single function"
-        )
+    stack_level = True
 
-
-def checkpoint(fn: Callable, policy: "str | Policy" = "full", *, prevent_cse: bool = True, **keys) -> Callable:
-    """Rematerialize ``fn`` under a policy: ``jremat.checkpoint(f, "every_k:k=4")``.
-
-    Args:
-      fn: a function of pytrees of arrays.
-      policy: a spec string or :class:`Policy`.
-      prevent_cse: as in ``jax.checkpoint``; use ``False`` inside ``lax.scan``.
-      **keys: policy keys given separately, e.g. ``k=4``.
-
-    Returns:
-      The checkpointed function, with the same signature as ``fn``.
-
-    Raises:
-      ValueError: on a bad policy spec.
-    """
-    return registry.resolve(policy, **keys).wrap(fn, prevent_cse=prevent_cse)
+    def checkpoint(self, fn, *, prevent_cse=True):
+        raise ValueError(stack_level_error(self))
 
 
 def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy | None" = None) -> Callable:
@@ -237,55 +226,25 @@ def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy |
         return fn
     chosen = policy if policy is not None else config.resolved_policy()
     # Inside scan every iteration is its own computation, so CSE across layers cannot undo remat.
-    wrapped = chosen.wrap(fn, prevent_cse=not config.scan_layers)
-    if wrapped is fn or config.scan_layers:
-        return wrapped  # a length-1 scan, which XLA flattens, is tied in run_layers instead
-    return recompute_after_cotangent(wrapped)
+    return chosen.wrap(fn, prevent_cse=not config.scan_layers)
 
 
-def recompute_after_cotangent(fn: Callable) -> Callable:
-    """Make the recomputation in ``fn``'s backward pass depend on its output cotangent.
+class _StraightLine(Policy):
+    """``policy`` for a layer that runs as straight-line code although the stack is scanned.
 
-    In an unrolled program (or a length-1 scan, which XLA flattens) the recomputed forward of a
-    layer has the same inputs as the original forward, so XLA merges the two
-    (common-subexpression elimination) or schedules the recomputation early, and the remat
-    saves nothing. ``jax.checkpoint`` guards against
-    this with ``optimization_barrier``, but XLA:CPU removes those barriers before CSE
-    (measured with JAX 0.10.2: an 8-layer unrolled chain kept 192 MiB of temp memory with
-    ``jax.checkpoint`` vs 136 MiB without). Here every saved float residual gets
-    ``+ 0 * isnan(c)``, where ``c`` is one element of the incoming cotangent: exact
-    (``isnan`` is 0 or 1, so the added term is exactly zero), but not foldable by XLA (float
-    ``x * 0`` is not simplified), so recomputation can neither be merged with the forward
-    nor run before this layer's backward. The same chain then needs 104 MiB.
-
-    Args:
-      fn: a function (usually already checkpointed) of pytrees of arrays, returning a pytree.
-
-    Returns:
-      A function with the same values and gradients (up to float rounding where XLA fuses the
-      recomputation differently from the forward pass).
+    XLA turns a ``lax.scan`` of one step into straight-line code, so that layer's checkpoints
+    are built with ``prevent_cse=True`` and get the cotangent tie (:mod:`jremat.tie`).
     """
 
-    @jax.custom_vjp
-    def tied(*args):
-        return fn(*args)
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.spec = policy.spec
 
-    def tied_fwd(*args):
-        return jax.vjp(fn, *args)
+    def checkpoint(self, fn, *, prevent_cse=True):
+        return self.policy.checkpoint(fn, prevent_cse=True)
 
-    def tied_bwd(vjp_fn, cotangent):
-        residuals, treedef = jax.tree.flatten(vjp_fn)
-        float_leaves = [c for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.floating)]
-        if float_leaves:
-            probe = jnp.isnan(float_leaves[0].reshape(-1)[0])
-            residuals = [
-                r + jnp.zeros((), r.dtype) * probe.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r
-                for r in residuals
-            ]
-        return jax.tree.unflatten(treedef, residuals)(cotangent)
-
-    tied.defvjp(tied_fwd, tied_bwd)
-    return tied
+    def wrap(self, fn, *, prevent_cse=True):
+        return self.policy.wrap(fn, prevent_cse=True)
 
 
 def run_layers(
@@ -316,6 +275,11 @@ def run_layers(
     Raises:
       ValueError: if the layer groups or nested block size do not fit the number of layers.
     """
+    with names.deferred_name_checks():  # a sublayer need not tag every name the policy lists
+        return _run_layers(make_layer_fn, stacked_params, x, keys, config)
+
+
+def _run_layers(make_layer_fn, stacked_params, x, keys, config):
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
     policy = config.resolved_policy()
     if isinstance(policy, NestedLayers):
@@ -324,34 +288,27 @@ def run_layers(
         return _run_nested(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config, policy.group_size(n_layers))
     groups = config.layer_groups(n_layers)
 
-    def remats(group_policy: Policy) -> bool:
-        return config.granularity != "none" and not isinstance(group_policy, NoRemat)
+    def layer_fn(group_policy: Policy, count: int) -> Callable:
+        if config.scan_layers and count == 1:
+            group_policy = _StraightLine(group_policy)
+        return make_layer_fn(group_policy)
 
     if len(groups) == 1:
-        return _run_stack(make_layer_fn(groups[0][1]), stacked_params, x, keys, config.scan_layers, remats(groups[0][1]))
+        return _run_stack(layer_fn(groups[0][1], n_layers), stacked_params, x, keys, config.scan_layers)
     sizes = tuple(count for count, _ in groups)
     param_parts = jax.tree.map(lambda a: jax.lax.split(a, sizes, axis=0), stacked_params)
     start = 0
     for g, (count, group_policy) in enumerate(groups):
         params_g = jax.tree.map(lambda parts: parts[g], param_parts, is_leaf=lambda t: isinstance(t, list))
         keys_g = None if keys is None else keys[start : start + count]
-        x = _run_stack(make_layer_fn(group_policy), params_g, x, keys_g, config.scan_layers, remats(group_policy))
+        x = _run_stack(layer_fn(group_policy, count), params_g, x, keys_g, config.scan_layers)
         start += count
     return x
 
 
-def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, scan: bool,
-               checkpointed: bool = False) -> jax.Array:
-    """Run ``layer_fn`` over the leading layer axis of ``stacked_params`` (scan or unrolled).
-
-    ``checkpointed`` says ``layer_fn`` contains a checkpoint: a length-1 scan of it is tied to
-    its cotangent, because XLA turns such a scan into straight-line code and would merge the
-    recomputation with the forward pass (measured on the 1-layer needle model). Longer scans
-    need no tie, which would cost an extra pass over every saved residual.
-    """
+def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, scan: bool) -> jax.Array:
+    """Run ``layer_fn`` over the leading layer axis of ``stacked_params`` (scan or unrolled)."""
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
-    if scan and n_layers == 1 and checkpointed:
-        layer_fn = recompute_after_cotangent(layer_fn)
     if scan:
         def body(carry, layer_inputs):
             params_i, key_i = layer_inputs
@@ -372,7 +329,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
     """Outer loop over groups of ``size`` layers, each group one checkpoint around an inner loop."""
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
     n_groups = n_layers // size
-    save_inputs_only = jax.checkpoint_policies.nothing_saveable
+    save_inputs_only = CallbackPolicy(jax.checkpoint_policies.nothing_saveable)
 
     def group_fn(params_g, x, keys_g):
         return _run_stack(layer_fn, params_g, x, keys_g, config.scan_layers)
@@ -380,7 +337,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
     if config.scan_layers:
         grouped = jax.tree.map(lambda a: a.reshape((n_groups, size) + a.shape[1:]), stacked_params)
         grouped_keys = None if keys is None else keys.reshape((n_groups, size) + keys.shape[1:])
-        checkpointed = jax.checkpoint(group_fn, policy=save_inputs_only, prevent_cse=False)
+        checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=n_groups == 1)
 
         def body(carry, group_inputs):
             params_g, keys_g = group_inputs
@@ -388,7 +345,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
 
         x, _ = jax.lax.scan(body, x, (grouped, grouped_keys))
         return x
-    checkpointed = recompute_after_cotangent(jax.checkpoint(group_fn, policy=save_inputs_only))
+    checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=True)
     parts = jax.tree.map(lambda a: jax.lax.split(a, (size,) * n_groups, axis=0), stacked_params)
     for g in range(n_groups):
         params_g = jax.tree.map(lambda p: p[g], parts, is_leaf=lambda t: isinstance(t, list))
@@ -426,7 +383,8 @@ def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunk
         shape = a.shape[:axis] + (n_chunks, length // n_chunks) + a.shape[axis + 1 :]
         return jnp.moveaxis(a.reshape(shape), axis, 0)
 
-    chunk_fn = recompute_after_cotangent(jax.checkpoint(fn, prevent_cse=False))
+    # A scan of one chunk is straight-line code: only then does the checkpoint need the tie.
+    chunk_fn = CallbackPolicy(jax.checkpoint_policies.nothing_saveable).wrap(fn, prevent_cse=n_chunks == 1)
 
     def body(total, chunk):
         return total + chunk_fn(params, *chunk), None

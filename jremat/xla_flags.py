@@ -1,25 +1,13 @@
-"""XLA options that decide whether remat's savings survive compilation, and what we measured.
+"""XLA options that decide whether remat's savings survive compilation.
 
-**Loop-invariant code motion on XLA:CPU (jremat turns it off).** XLA:CPU computes bf16 dots in
-f32, so the backward loop of a ``lax.scan`` over layers converts every bf16 residual slice it
-reads to f32. The ``while-loop-invariant-code-motion`` pass then rewrites that as one convert
-of the whole stacked ``[n_layers, ...]`` residual, hoisted out of the loop, so the backward pass
-holds every saved residual a second time in f32. Measured (JAX 0.10.2, gpt2-small shapes, batch
-8 x 1024, bf16, gradient step without optimizer, compile-only): compiled peak ``none`` 20.87 -> 13.43 GiB,
-``every_k:k=4`` 17.23 -> 10.49, ``dots`` 13.30 -> 8.91, ``selective`` 9.80 -> 7.12 and ``full``
-6.58 -> 5.39 GiB with the pass off. Step time on the f32 ``small`` preset was unchanged within
-noise (0.98-1.03x). :func:`compiler_options` returns the option for the CPU backend and
-:func:`jit` applies it; :func:`jremat.memory_report` compiles with it by default.
+* Loop-invariant code motion on XLA:CPU hoists an f32 copy of every scan-stacked bf16 residual
+  out of the backward loop; :func:`compiler_options` turns the pass off on CPU and :func:`jit`
+  applies it. :func:`jremat.memory_report` compiles this way by default.
+* The concurrency-optimized scheduler stays on: turning it off (:data:`CPU_SCHEDULER_FLAG`) helps
+  plain ``jax.checkpoint`` in unrolled code but hurts the cotangent tie (:mod:`jremat.tie`). The
+  memory report names the flag when it finds it set.
 
-**The concurrency-optimized scheduler (jremat leaves it on).** In an unrolled program XLA:CPU
-strips ``jax.checkpoint``'s optimization barriers and merges the recomputation with the forward
-pass, so remat saves nothing (8-layer unrolled chain: 256 MiB temp with and without remat).
-Turning off the concurrency-optimized scheduler with :data:`CPU_SCHEDULER_FLAG` recovers part of
-that (248 -> 136 MiB), but :func:`jremat.remat.recompute_after_cotangent`, which jremat applies to
-every unrolled checkpointed layer (and to a length-1 scan, which XLA flattens), does better and
-is hurt by the flag: on the 8-layer ``small`` model, unrolled full remat keeps 39.2 MB of temp
-memory with default flags and 54.9 MB with the flag (no remat: 71.8 MB). The memory report
-names the flag when it finds it set.
+Measurements for both: docs/xla-notes.md.
 """
 
 from __future__ import annotations

@@ -68,24 +68,33 @@ class Budget:
 def parse_budget(text: str) -> Budget:
     """Parse a budget string.
 
+    A number with a unit is a size (``6GiB``, ``1.5GB``: whole bytes). A number without a unit
+    is a fraction of the no-remat memory when it is at most 1 (``0.5``, ``1``, ``1.0``: all of
+    it) and a byte count when it is a whole number above 1 (``1000000``).
+
     Raises:
-      ValueError: if it is not a positive size with a known unit or a fraction in ``(0, 1]``.
+      ValueError: if it is not a positive size with a known unit, a fraction in ``(0, 1]`` or a
+        whole number of bytes.
     """
     match = _BUDGET_RE.match(str(text))
     units = "B, KB, MB, GB, KiB, MiB, GiB, TiB"
+    form = (
+        f"a size like 6GiB or 512MiB (units {units}), a whole number of bytes like 1000000, "
+        "or a fraction in (0, 1] of the no-remat memory like 0.5"
+    )
     if not match:
-        raise ValueError(
-            f"memory budget {text!r} is not a size like 6GiB, 512MiB, 1000000 (bytes; units {units}) "
-            "or a fraction in (0, 1] of the no-remat activation memory"
-        )
+        raise ValueError(f"memory budget {text!r} is not {form}")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _UNITS:
         raise ValueError(f"memory budget {text!r}: unknown unit {match.group(2)!r}; valid units: {units}")
     if number <= 0:
-        raise ValueError(f"memory budget {text!r} must be positive")
-    if not unit and number <= 1.0 and "." in match.group(1):
-        return Budget(bytes=None, fraction=number, text=str(text))
-    return Budget(bytes=int(number * _UNITS[unit]), fraction=None, text=str(text))
+        raise ValueError(f"memory budget {text!r} must be positive; expected {form}")
+    if not unit and number <= 1.0:
+        return Budget(bytes=None, fraction=number, text=str(text).strip())
+    size = number * _UNITS[unit]
+    if size != int(size):
+        raise ValueError(f"memory budget {text!r} is not a whole number of bytes; expected {form}")
+    return Budget(bytes=int(size), fraction=None, text=str(text).strip())
 
 
 class BudgetKnapsack(PlanPolicy):
@@ -114,7 +123,11 @@ class BudgetKnapsack(PlanPolicy):
     "while they fit in budget bytes (or that fraction of the no-remat residuals). In the CLIs "
     "(--policy auto --memory-budget B): pick which names to save and how many layers to remat so "
     "the compiled step's peak fits B, at the least recompute.",
-    params={"budget": Param("str", "0.5", "bytes (6GiB, 512MiB) or a fraction in (0, 1]", parse=parse_budget)},
+    params={
+        "budget": Param(
+            "str", "0.5", "a size (6GiB, 512MiB) or a fraction in (0, 1]", parse=parse_budget, format=lambda b: b.text
+        )
+    },
 )
 def auto_policy(budget) -> BudgetKnapsack:
     """Build the per-function ``auto`` policy."""

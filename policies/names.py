@@ -1,8 +1,9 @@
 """Name-based policies: ``names``, ``names_except`` and ``offload``.
 
-They refer to the tensor names a model tags with :func:`jax.ad_checkpoint.checkpoint_name`;
-every name must be one of :data:`jremat.names.ALL_NAMES` (a typo is an error, never a policy
-that silently saves nothing).
+They refer to the tensor names a model tags with :func:`jax.ad_checkpoint.checkpoint_name`:
+the reference model's (:mod:`jremat.names`) or a user's own. Every name must be tagged
+somewhere in the checkpointed function; one that matches nothing is an error listing the tags
+found (never a policy that silently saves nothing).
 
 * ``names:save=a+b`` saves exactly the values tagged ``a`` and ``b`` (JAX's
   ``save_only_these_names``) and recomputes everything else.
@@ -10,9 +11,10 @@ that silently saves nothing).
   ``save_anything_except_these_names`` is a stub that saves everything in JAX 0.10.2, so this
   is a :class:`jremat.PlanPolicy`: it tags every computed value of the traced program except
   the excluded ones *and every value that holds the same data* (connected to an excluded name
-  through shape-only ops such as reshape, transpose or convert, in either direction), so that
-  the unnamed producer of an excluded value (``q_proj(x)`` before its reshape to heads) is not
-  saved in its place.
+  through shape-only ops such as reshape, transpose or convert, in either direction), and
+  every unnamed value that exists only to compute excluded ones (the matmul before a bias add,
+  the scores before their mask) or is an elementwise function of excluded values alone, so
+  that no stand-in of the same size is saved in place of an excluded value.
 * ``offload:names=a+b[,save=c]`` moves the values tagged ``a`` and ``b`` to host memory
   (``pinned_host``) in the forward pass and brings them back for the backward pass, saves
   ``c`` on the device, and recomputes everything else (JAX's
@@ -22,25 +24,43 @@ that silently saves nothing).
 
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+from typing import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 
 from jax.extend import core as jcore
 
 from jremat import CallbackPolicy, Param, Plan, PlanPolicy, register
-from jremat.names import validate_names
+from jremat.names import check_found
 from jremat.policy import require_host_memory
-from jremat.program import SHAPE_ONLY_PRIMITIVES, Program
+from jremat.program import SHAPE_ONLY_PRIMITIVES, Program, traced_tags
 from jremat.registry import REQUIRED
+
+
+def _checked(fn: Callable, checkpointed: Callable, requirements) -> Callable:
+    """``checkpointed``, which first checks that the names in ``requirements`` are tagged in ``fn``."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        found = traced_tags(fn, *args, **kwargs)
+        for wanted, policy, key in requirements:
+            check_found(wanted, found, policy=policy, key=key)
+        return checkpointed(*args, **kwargs)
+
+    return call
 
 
 class SaveNames(CallbackPolicy):
     """Save exactly the values tagged with the given names; recompute everything else."""
 
     def __init__(self, save: Iterable[str]):
-        self.save = validate_names(save, what="tensor name in save=")
+        self.save = tuple(save)
         super().__init__(jax.checkpoint_policies.save_only_these_names(*self.save))
+
+    def checkpoint(self, fn, *, prevent_cse=True):
+        return _checked(fn, super().checkpoint(fn, prevent_cse=prevent_cse), [(self.save, "names", "save")])
 
 
 def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
@@ -73,7 +93,7 @@ def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
         i = stack.pop()
         neighbours = []
         if shape_only(i):  # its input is the same data
-            neighbours += [producer[v] for v in eqns[i].invars if v in producer]
+            neighbours += [producer[v] for v in eqns[i].invars if not isinstance(v, jcore.Literal) and v in producer]
         for v in eqns[i].outvars:  # shape-only consumers of its output are the same data
             neighbours += [j for j in consumers.get(v, ()) if shape_only(j)]
         for j in neighbours:
@@ -83,14 +103,75 @@ def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
     return frozenset(reached)
 
 
+def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
+    """Equations that would stand in for the excluded equations ``seeds`` if saved.
+
+    Grows :func:`same_data_closure` until nothing changes by adding (1) every unnamed equation
+    all of whose outputs are used only by excluded equations (it exists only to compute them:
+    the matmul before a bias add, the scores before their mask), never crossing a value tagged
+    with a name that is not excluded; and (2) every elementwise equation whose floating-point
+    inputs are all excluded (a scaled or masked copy of an excluded value).
+
+    Args:
+      program: the traced program.
+      seeds: equation indices to exclude.
+
+    Returns:
+      The excluded equation indices.
+    """
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    ops = program.ops
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    consumers: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(i)
+    program_outputs = {v for v in program.closed_jaxpr.jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    is_data = {v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in program.closed_jaxpr.jaxpr.invars}
+    for eqn in eqns:
+        depends = any(is_data.get(v, False) for v in eqn.invars if not isinstance(v, jcore.Literal))
+        for v in eqn.outvars:
+            is_data[v] = depends
+    seeds = frozenset(seeds)
+    excluded = set(same_data_closure(program, seeds))
+    changed = True
+    while changed:
+        changed = False
+        for i, eqn in enumerate(eqns):
+            if i in excluded or not eqn.outvars:
+                continue
+            op = ops[i]
+            named_elsewhere = op.tensor_name is not None and i not in seeds and op.primitive != "name"
+            only_feeds_excluded = (
+                not named_elsewhere
+                and op.tensor_name is None
+                and all(v not in program_outputs for v in eqn.outvars)
+                and all(consumers.get(v) and all(j in excluded for j in consumers[v]) for v in eqn.outvars)
+            )
+            data_inputs = [v for v in eqn.invars if not isinstance(v, jcore.Literal) and is_data.get(v, False)]
+            copy_of_excluded = (
+                op.is_elementwise
+                and op.tensor_name is None
+                and bool(data_inputs)
+                and all(v in producer and producer[v] in excluded for v in data_inputs)
+            )
+            if only_feeds_excluded or copy_of_excluded:
+                excluded |= same_data_closure(program, [i])
+                changed = True
+    return frozenset(excluded)
+
+
 class SaveAllExcept(PlanPolicy):
-    """Save every computed value except those tagged with the given names (and their aliases)."""
+    """Save every computed value except those tagged with the given names and their stand-ins."""
 
     def __init__(self, exclude: Iterable[str]):
-        self.exclude = validate_names(exclude, what="tensor name in exclude=")
+        self.exclude = tuple(exclude)
 
     def plan(self, program: Program) -> Plan:
-        excluded = same_data_closure(program, (op.index for op in program.ops_named(self.exclude)))
+        found = {op.tensor_name for op in program.ops if op.primitive == "name"}
+        check_found(self.exclude, found, policy="names_except", key="exclude")
+        excluded = stand_in_closure(program, (op.index for op in program.ops_named(self.exclude)))
         return Plan(
             save=frozenset(
                 op.index
@@ -107,8 +188,8 @@ class OffloadNames(CallbackPolicy):
     offload_dst = "pinned_host"
 
     def __init__(self, offload: Iterable[str], save: Iterable[str] = ()):
-        self.offload = validate_names(offload, what="tensor name in names=")
-        self.save = validate_names(save, what="tensor name in save=")
+        self.offload = tuple(offload)
+        self.save = tuple(save)
         both = [n for n in self.offload if n in self.save]
         if both:
             raise ValueError(
@@ -127,15 +208,16 @@ class OffloadNames(CallbackPolicy):
             )
         )
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         require_host_memory(self.offload_dst)  # the backend may differ from construction time
-        return super().wrap(fn, prevent_cse=prevent_cse)
+        requirements = [(self.offload, "offload", "names"), (self.save, "offload", "save")]
+        return _checked(fn, super().checkpoint(fn, prevent_cse=prevent_cse), requirements)
 
 
 @register(
     "names",
     doc="Save exactly the values tagged with the listed names (checkpoint_name); recompute everything else.",
-    params={"save": Param("names", REQUIRED, "tensor names to save, joined by '+' (see jremat.names)")},
+    params={"save": Param("names", REQUIRED, "checkpoint_name tags to save, joined by '+'")},
 )
 def names_policy(save: tuple[str, ...]) -> SaveNames:
     """Build the ``names`` policy."""
@@ -147,7 +229,7 @@ def names_policy(save: tuple[str, ...]) -> SaveNames:
     doc="Save every computed value except those tagged with the listed names and the values holding "
     "the same data (their reshapes, transposes and unnamed producers through shape-only ops); "
     "never saves dropout masks.",
-    params={"exclude": Param("names", REQUIRED, "tensor names not to save, joined by '+' (see jremat.names)")},
+    params={"exclude": Param("names", REQUIRED, "checkpoint_name tags not to save, joined by '+'")},
 )
 def names_except_policy(exclude: tuple[str, ...]) -> SaveAllExcept:
     """Build the ``names_except`` policy."""

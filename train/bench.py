@@ -113,17 +113,25 @@ MIB = 2**20
 class JaxCheckpointBaseline(jremat.Policy):
     """``jax.checkpoint(fn)`` with no policy (JAX's default: save only the inputs)."""
 
-    def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``jax.checkpoint(fn)``."""
         return jax.checkpoint(fn, prevent_cse=prevent_cse)
+
+    def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        """The peer as users write it: no cotangent tie."""
+        return self.checkpoint(fn, prevent_cse=prevent_cse)
 
 
 class NnxRematBaseline(jremat.Policy):
     """``flax.nnx.remat(fn)`` with Flax's default policy, around the function that merges the block."""
 
-    def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``nnx.remat(fn)``."""
         return nnx.remat(fn, prevent_cse=prevent_cse)
+
+    def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        """The peer as users write it: no cotangent tie."""
+        return self.checkpoint(fn, prevent_cse=prevent_cse)
 
 
 def register_baselines() -> None:
@@ -436,7 +444,7 @@ def needle_config(d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
     Unrolled, not under ``lax.scan``: XLA turns a scan of length 1 into straight-line code and
     then merges the recomputation with the forward pass, so remat saves nothing (measured with
     JAX 0.10.2 on XLA:CPU: identical temp bytes for ``none``, ``every_k:k=4`` and ``full``);
-    unrolled layers get :func:`jremat.remat.recompute_after_cotangent`, which prevents that.
+    unrolled layers get the cotangent tie (:mod:`jremat.tie`), which prevents that.
     """
     return model_preset("needle", d_ff=d_ff, remat_policy=policy, remat_granularity="block", scan_layers=False,
                         remat_head_chunks=0 if policy == "none" else head_chunks)

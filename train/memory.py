@@ -43,6 +43,7 @@ from flax import nnx
 
 from jremat import memory as jmem
 from jremat import registry
+from jremat import timeline as jtl
 from jremat.explain import Explanation, explain_applied
 from policies.auto import parse_budget
 from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
@@ -50,6 +51,7 @@ from models import preset as model_preset
 from models.config import DTYPES
 from models.gpt import Block, make_block_fn
 from train.config import OneLineErrorParser, UsageError
+from train import timeline_plot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +87,8 @@ class MemoryConfig:
       live: also run one step per policy, each in a fresh process, and report the device
         allocator's peak next to the compiled one (GPU/TPU; on CPU a note says why not).
       live_child: internal: measure the first policy's live peak here and print it as JSON.
+      timeline: write the memory timeline of every policy (live bytes over the compiled schedule,
+        peaks marked, top-10 buffers at each peak) to this PNG file and print the top-10 tables.
     """
 
     preset: str = "small"
@@ -107,8 +111,13 @@ class MemoryConfig:
     remat_head_chunks: int | None = None
     live: bool = False
     live_child: bool = False
+    timeline: str | None = None
 
     def __post_init__(self):
+        if self.timeline is not None:
+            problem = timeline_plot.png_path_problem(self.timeline)
+            if problem:
+                raise UsageError(f"--timeline {self.timeline!r}: {problem}")
         if self.preset not in PRESETS:
             raise UsageError(f"unknown preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
         if self.remat_head_chunks is not None:
@@ -236,6 +245,8 @@ class PolicyMemory:
       notes: caveats (backend, truthfulness checks).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
       explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
+      timeline: the :class:`jremat.timeline.MemoryTimeline` of the compiled step (``--timeline``),
+        or ``None``; JSON carries its summary, not the per-position curve.
     """
 
     policy: str
@@ -259,12 +270,15 @@ class PolicyMemory:
     analytic_peak_bytes: int
     notes: tuple[str, ...] = ()
     live_peak_bytes: int | None = None
+    timeline: jtl.MemoryTimeline | None = None
     explanation: Explanation | None = None
 
     def to_json(self, baseline: "PolicyMemory | None" = None) -> dict:
         """A JSON-ready dict of every field, plus ratios to ``baseline`` when given."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "explanation"}
+        out = dataclasses.asdict(dataclasses.replace(self, timeline=None, explanation=None))
+        out.pop("explanation")
         out["notes"] = list(self.notes)
+        out["timeline"] = timeline_plot.timeline_json(self.timeline) if self.timeline is not None else None
         if self.explanation is not None:
             out["explain"] = self.explanation.to_json()
         if baseline is not None:
@@ -399,6 +413,7 @@ def policy_memory(
     *,
     compile: bool = True,
     baseline_step_flops: float | None = None,
+    timeline: bool = False,
 ) -> PolicyMemory:
     """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
 
@@ -411,6 +426,8 @@ def policy_memory(
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
       compile: whether to compile for XLA's buffer assignment.
       baseline_step_flops: FLOPs of the same step under ``none`` (computed when omitted).
+      timeline: also read the compiled step's memory timeline (:func:`jremat.memory_timeline`);
+        the byte fields then come from that same compile. Needs ``compile``.
 
     Returns:
       A :class:`PolicyMemory`.
@@ -421,7 +438,12 @@ def policy_memory(
     seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
     grad_fn, args = step_program(model_cfg, batch_size, seq_len)
     notes = []
-    if compile:
+    step_timeline = None
+    if compile and timeline:
+        step_timeline = jtl.memory_timeline(grad_fn, *args)
+        report = step_timeline.report
+        notes.extend(report.notes)
+    elif compile:
         report = jmem.memory_report(grad_fn, *args)
         notes.extend(report.notes)
     else:
@@ -456,6 +478,7 @@ def policy_memory(
         recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
         analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
         notes=tuple(notes),
+        timeline=step_timeline,
     )
 
 
@@ -518,14 +541,16 @@ def compare_policies(
     *,
     compile: bool = True,
     memory_budget: str | None = None,
+    timeline: bool = False,
     explain: bool = False,
 ) -> list[PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
     ``none`` is measured too (first; returned as a row only if asked for) so that every row can
     be compared with it. A row whose temp memory did not follow its saved residuals gets a note
-    naming the likely cause (:func:`jremat.memory.diagnose_remat`). With ``explain`` every row also
-    gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
+    naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
+    :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
+    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
 
     Returns:
       ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
@@ -542,7 +567,8 @@ def compare_policies(
     order = wanted if "none" in wanted else ["none", *wanted]
     for spec in order:
         cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
-        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops)
+        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
+                            timeline=timeline and spec in wanted)
         if plan is not None:
             label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
             row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
@@ -767,6 +793,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--live", action="store_true",
                         help="also run one step per policy (fresh process each) and report the allocator's peak (GPU/TPU)")
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--timeline", default=None, metavar="PNG",
+                        help="write live bytes over the compiled schedule per policy (peaks marked, top-10 buffers "
+                             "at each peak) to this PNG file, and print the top-10 tables")
     return parser
 
 
@@ -808,6 +837,7 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
     try:
         return compare_policies(
             base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget,
+            timeline=config.timeline is not None,
             explain=True,
         )
     except ValueError as err:
@@ -841,6 +871,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(explained)
         if config.plot:
             write_plot(rows, config.plot)
+        if config.timeline:
+            if not config.json:
+                print(timeline_plot.format_timelines(rows))
+            try:
+                timeline_plot.write_timeline_png(rows, config.timeline)
+            except OSError as err:
+                raise UsageError(f"cannot write --timeline {config.timeline!r}: {err}") from None
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,11 +1,11 @@
-"""jremat.remat: the remat entry points and the unrolled-stack cotangent tie."""
+"""jremat.remat and jremat.tie: the remat entry points and the cotangent tie."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat.remat import recompute_after_cotangent
+from jremat.tie import tie_to_cotangent
 
 BATCH, WIDTH, LAYERS = 512, 256, 8
 
@@ -31,7 +31,7 @@ def chain_temp_bytes(layer_fn):
 
 def test_cotangent_tie_makes_unrolled_remat_save_memory():
     no_remat = chain_temp_bytes(layer)
-    tied = chain_temp_bytes(recompute_after_cotangent(jax.checkpoint(layer)))
+    tied = chain_temp_bytes(tie_to_cotangent(jax.checkpoint(layer)))
     # Measured: no remat keeps two activations per layer, the tie one (plus working buffers).
     assert tied <= 0.8 * no_remat, (tied, no_remat)
 
@@ -40,7 +40,7 @@ def test_cotangent_tie_keeps_gradients():
     ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / 16 for i in range(LAYERS)]
     x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
     expected = chain_grad(layer)(ws, x)
-    got = chain_grad(recompute_after_cotangent(jax.checkpoint(layer)))(ws, x)
+    got = chain_grad(tie_to_cotangent(jax.checkpoint(layer)))(ws, x)
     # Exact in real arithmetic; XLA may fuse the recomputed tanh differently (float rounding).
     for e, g in zip(expected, got):
         assert jnp.max(jnp.abs(e - g)) <= 1e-5 * jnp.max(jnp.abs(e))

@@ -49,7 +49,7 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
 
 @pytest.mark.parametrize("policy, max_fraction_of_none", [("full", 0.6), ("every_k:k=4", 0.75)])
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
-    """Unrolled stacks save memory too, thanks to recompute_after_cotangent (measured 0.55x and 0.66x)."""
+    """Unrolled stacks save memory too, thanks to the cotangent tie (jremat.tie) (measured 0.55x and 0.66x)."""
     cfg = small(n_layers=8, scan_layers=False)
     none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_size_in_bytes
     temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_size_in_bytes
@@ -67,11 +67,11 @@ def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
     ],
 )
 def test_cotangent_tie_only_where_xla_could_merge_recomputation(monkeypatch, n_layers, scan, policy, layer_policies, ties):
-    from jremat import remat as remat_module
+    from jremat import tie
 
     made = []
-    real = remat_module.recompute_after_cotangent
-    monkeypatch.setattr(remat_module, "recompute_after_cotangent", lambda fn: made.append(fn) or real(fn))
+    real = tie.tie_to_cotangent
+    monkeypatch.setattr(tie, "tie_to_cotangent", lambda fn: made.append(fn) or real(fn))
     cfg = preset("tiny", n_layers=n_layers, scan_layers=scan, remat_policy=policy, remat_layer_policies=layer_policies)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len), jnp.int32)

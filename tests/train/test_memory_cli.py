@@ -132,3 +132,75 @@ def test_model_argv_rebuilds_the_same_model():
                                      "--remat-head-chunks", "2", "--policy", "selective"])
     again = tm.parse_config(config.model_argv() + ["--policy", "selective"])
     assert again.model_config("selective") == config.model_config("selective")
+
+
+# --------------------------------------------------------------------------------------------
+# --timeline (one compile per policy: the timeline's compile also gives the row's figures)
+# --------------------------------------------------------------------------------------------
+
+TIMELINE_POLICIES = ("none", "full", "selective")
+
+
+@pytest.fixture(scope="module")
+def timeline_run(tmp_path_factory):
+    png = tmp_path_factory.mktemp("timeline") / "timeline.png"
+    argv = TIMELINE_ARGS + [a for p in TIMELINE_POLICIES for a in ("--policy", p)] + ["--timeline", str(png), "--json"]
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tm.main(argv)
+    return code, {r["policy"]: r for r in json.loads(out.getvalue())}, png
+
+
+TIMELINE_ARGS = TINY + ["--dropout", "0"]  # no dropout: a smaller program, a faster compile
+
+
+def _stacked_internal(buffers, n_layers, batch, seq_len, d_model):
+    """Forward residuals stacked over layers ([layers, batch, seq, ...]) that are not a block's input."""
+    out = []
+    for b in buffers:
+        dims = [int(d) for d in b["shape"].split("[", 1)[1].split("]", 1)[0].split(",") if d]
+        stacked = len(dims) >= 4 and dims[:3] == [n_layers, batch, seq_len]
+        if b["kind"] == "forward residual" and stacked and dims[3:] != [d_model]:
+            out.append(b)
+    return out
+
+
+def test_timeline_png_and_maximum_matches_the_compiled_peak(timeline_run):
+    code, rows, png = timeline_run
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(rows) == set(TIMELINE_POLICIES)
+    for row in rows.values():
+        tl = row["timeline"]
+        assert tl["compiled_peak_bytes"] == row["peak_bytes"]
+        assert abs(tl["peak_bytes"] - row["peak_bytes"]) <= 0.02 * row["peak_bytes"], row["policy"]
+        assert 0 <= tl["peak_position"] < tl["positions"] and len(tl["top_buffers"]) == 10
+        sizes = [b["size_bytes"] for b in tl["top_buffers"]]
+        assert sizes == sorted(sizes, reverse=True)
+
+
+def test_full_remat_peak_holds_no_internal_activation_of_earlier_layers(timeline_run):
+    _, rows, _ = timeline_run
+    shape = (2, 2, 16, 32)  # tiny: layers, batch, seq, d_model
+    # Without remat the backward loop holds every layer's internal activations (the check can fail) ...
+    assert _stacked_internal(rows["none"]["timeline"]["buffers_at_peak"], *shape)
+    # ... with full remat only the stacked block inputs are kept: not among the top buffers, nor anywhere.
+    assert _stacked_internal(rows["full"]["timeline"]["top_buffers"], *shape) == []
+    assert _stacked_internal(rows["full"]["timeline"]["buffers_at_peak"], *shape) == []
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("{tmp}/no/such/dir/t.png", "does not exist"),
+        ("{tmp}/t.svg", "must end in .png"),
+        ("{tmp}", "is a directory"),
+    ],
+)
+def test_bad_timeline_path_exits_2_before_compiling(path, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tm, "compare_policies", lambda *a, **k: pytest.fail("compiled despite a bad path"))
+    assert tm.main(TINY + ["--timeline", path.format(tmp=tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --timeline ") and message in err and "\n" not in err

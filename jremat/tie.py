@@ -1,0 +1,118 @@
+"""The cotangent tie: the one rule that keeps a checkpoint's recomputation where it belongs.
+
+In straight-line code (unrolled layers, a scan of length one, which XLA flattens) the
+recomputed forward of a checkpoint has the same inputs as the original forward, so XLA may merge
+the two or run the recomputation early, and the checkpoint then saves nothing
+(docs/xla-notes.md has the measurements). :func:`tie_to_cotangent` makes every value the
+recomputation starts from depend on the checkpoint's incoming cotangent, so the recomputation
+can run only in that checkpoint's backward step.
+
+The rule, applied by :meth:`jremat.Policy.wrap` and nowhere else: a checkpoint is tied when it
+is built with ``prevent_cse=True`` (it may sit in straight-line code, JAX's own meaning of the
+flag) and it recomputes something. Inside ``lax.scan`` of more than one step each iteration is
+its own computation and ``prevent_cse=False`` leaves it untied.
+
+The tie multiplies each saved floating-point value by ``1 + 0 * isnan(c)``, where ``c`` sums
+one element of each output cotangent: that factor is exactly ``1.0`` whatever ``c`` is, so values (signed
+zeros, infinities and NaNs included) are unchanged bit for bit, yet XLA cannot fold it away
+(float ``0 * x`` is not simplified). Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
+``jax.hessian``'s outer pass, ``jax.linearize``) recomputes nothing, so there the checkpoint
+runs untied.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jremat import _jax_compat
+
+
+def tie_to_cotangent(fn: Callable) -> Callable:
+    """Make the recomputation in ``fn``'s backward pass wait for its output cotangent.
+
+    Args:
+      fn: a (usually checkpointed) function of positional pytrees of arrays, returning a pytree.
+        It may close over values being differentiated (a shared weight).
+
+    Returns:
+      A function with the same values and gradients as ``fn``, bit for bit; under reverse-mode
+      differentiation its saved values pass through the tie described in this module's docstring.
+    """
+
+    @functools.wraps(fn)
+    def tied(*args):
+        if _jax_compat.forward_mode_active():
+            return fn(*args)
+        # custom_vjp cannot close over traced values: hoist them into explicit inputs.
+        converted, consts = jax.closure_convert(fn, *args)
+        return _tied_call(converted, tuple(consts), args)
+
+    return tied
+
+
+def _tied_call(converted: Callable, consts: tuple, args: tuple):
+    @jax.custom_vjp
+    def call(consts, args):
+        return converted(*args, *consts)
+
+    def call_fwd(consts, args):
+        return jax.vjp(lambda c, a: converted(*a, *c), consts, args)
+
+    def call_bwd(vjp_fn, cotangent):
+        residuals, treedef = jax.tree.flatten(vjp_fn)
+        float_cotangents = [c for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.floating)]
+        if float_cotangents:
+            # One element of every cotangent: some may be zeros that XLA folds (an output the
+            # loss does not use, such as state written back), never all of those that matter.
+            probe = jnp.isnan(sum(c.reshape(-1)[0].astype(jnp.float32) for c in float_cotangents))
+            residuals = [_times_exact_one(r, probe) for r in residuals]
+        return jax.tree.unflatten(treedef, residuals)(cotangent)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call(consts, args)
+
+
+def _times_exact_one(value, probe):
+    """``value`` exactly, but computed after the boolean ``probe``.
+
+    Floats: ``value * (1 + 0 * probe)``. Integers: ``value + (probe >> 1)``, and booleans:
+    ``value ^ (probe > 1)`` (``probe`` is 0 or 1, so both added terms are zero, which XLA does not
+    know). PRNG keys: their raw bits, tied as integers. Key and integer values matter because
+    random bits recomputed from an untied key would be computed once, in the forward pass, and
+    kept alive until the backward pass.
+    """
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return value
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        bits = _times_exact_one(jax.random.key_data(value), probe)
+        return jax.random.wrap_key_data(bits, impl=jax.random.key_impl(value))
+    if jnp.issubdtype(dtype, jnp.floating):
+        one = jnp.ones((), dtype) + jnp.zeros((), dtype) * probe.astype(dtype)
+        return value * one
+    if jnp.issubdtype(dtype, jnp.integer):
+        return value + (probe.astype(dtype) >> 1)
+    if dtype == jnp.bool_:
+        return value ^ (probe.astype(jnp.uint8) > 1)
+    return value
+
+
+def wrap(checkpointed: Callable, original: Callable, *, prevent_cse: bool) -> Callable:
+    """Apply the tie rule to a checkpoint built from ``original``.
+
+    Args:
+      checkpointed: the checkpointed function (``original`` itself when nothing is recomputed).
+      original: the function before checkpointing.
+      prevent_cse: ``True`` when the checkpoint may sit in straight-line code.
+
+    Returns:
+      ``checkpointed`` tied to its cotangent when ``prevent_cse`` and it differs from ``original``,
+      else ``checkpointed`` unchanged.
+    """
+    if checkpointed is original or not prevent_cse:
+        return checkpointed
+    return tie_to_cotangent(checkpointed)

@@ -1,0 +1,603 @@
+"""Memory timeline: live bytes over a compiled program's schedule, the peak, and what is live there.
+
+:func:`memory_timeline` compiles a function once with XLA's dump options set for that compile
+only (``xla_dump_to`` in ``compiler_options``, a temporary folder, removed afterwards) and reads
+three files XLA writes for the optimized module (parsed by :mod:`jremat.xla_dump`):
+
+* ``*buffer-assignment.txt``: every allocation (parameter, output, preallocated temp ...) and the
+  logical buffers (HLO values) placed in it, with size and offset;
+* ``*live-range.txt``: the flattened schedule (one position per instruction, loop bodies and
+  called computations inlined where they run) and each value's live range in positions;
+* ``*after_optimizations.txt``: the scheduled HLO, whose ``metadata`` gives each instruction's
+  JAX name stack (``op_name``) and Python stack frame.
+
+**What the curve models.** At schedule position ``t`` the live bytes are: every argument
+(parameter allocation) and every output allocation for the whole program (the runtime allocates
+both before the program starts); and the temp values live at ``t``, counted by the bytes of the preallocated temp block
+they occupy (values that share memory, like an in-place update and its operand, count once).
+The compiled peak of :func:`jremat.memory.memory_report` is ``argument + output - alias + temp``,
+where ``temp`` is the size of the temp block, i.e. the heap's high-water mark including
+fragmentation; the timeline's maximum is at most that, and :attr:`MemoryTimeline.agreement`
+says how close it came. Constants and thread-local scratch (``thread-local`` allocations:
+per-fusion scalars) are left out; :attr:`MemoryTimeline.notes` gives their bytes.
+
+**Loops.** A ``lax.scan`` over layers is one XLA ``while`` loop; its body is scheduled once, so
+the positions inside a loop span show one iteration, and a buffer live there is live in every
+iteration (the stacked per-layer residuals the loop reads are single allocations of all
+layers). :attr:`MemoryTimeline.loops` lists the spans of the top-level loops with their trip
+counts where XLA knows them.
+
+**Names.** Each buffer is named by the ``jax.ad_checkpoint.checkpoint_name`` tag of the value
+that produced it where the tag's source line is on the instruction's Python stack (tags do not
+survive into HLO themselves; :func:`memory_timeline` traces the function to map tag source lines
+to tags), else by its JAX name stack and innermost source line. Kinds: ``argument`` (an input
+of the program: parameters, optimizer state, data), ``forward`` (computed by the forward pass;
+``forward residual`` when it is still live once the backward pass has begun), ``recomputation``
+(JAX's ``rematted_computation``, or forward-pass math that runs after the backward pass has begun,
+such as a dropout mask drawn again from its key or a residual converted to another dtype),
+``gradient`` (the backward pass:
+cotangents and their working set), ``output`` (a result buffer with no live value at that
+position, or one written by an instruction without metadata), ``other`` (XLA-inserted values
+without metadata). A name is the place a value was computed: a tag whose line also casts a
+weight (``self.fc_in(x)`` casts the kernel to the compute dtype) names that cast too, and the
+source column tells the two apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from jremat import memory as _memory
+from jremat import xla_flags as _xla_flags
+from jremat.xla_dump import (
+    Hlo,
+    Value,
+    parse_buffer_assignment,
+    parse_hlo,
+    parse_live_range,
+)
+
+#: Buffer kinds (see the module docstring).
+ARGUMENT = "argument"
+FORWARD = "forward"
+FORWARD_RESIDUAL = "forward residual"
+RECOMPUTATION = "recomputation"
+GRADIENT = "gradient"
+OUTPUT = "output"
+OTHER = "other"
+BUFFER_KINDS = (ARGUMENT, FORWARD, FORWARD_RESIDUAL, RECOMPUTATION, GRADIENT, OUTPUT, OTHER)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Result types
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineBuffer:
+    """One buffer live at the timeline's peak.
+
+    Attributes:
+      name: ``checkpoint_name`` tag, or the JAX name stack's last parts, or the HLO instruction.
+      kind: one of :data:`BUFFER_KINDS`.
+      size_bytes: bytes the buffer occupies.
+      shape: HLO shape, e.g. ``bf16[2,16,32]{2,1,0}``.
+      instruction: the HLO instruction that defines it.
+      op_name: the JAX name stack of that instruction (``""`` when XLA left none).
+      source: innermost ``file:line`` of the instruction's Python stack (``""`` when unknown).
+      start_position: first schedule position at which it is live.
+      end_position: last schedule position at which it is live.
+    """
+
+    name: str
+    kind: str
+    size_bytes: int
+    shape: str
+    instruction: str
+    op_name: str
+    source: str
+    start_position: int
+    end_position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpan:
+    """A top-level ``while`` loop's span of schedule positions (its body is scheduled once).
+
+    Attributes:
+      instruction: the HLO ``while`` instruction.
+      start_position: first position of its condition or body.
+      end_position: the position of the ``while`` itself.
+      trip_count: iterations when XLA knows them, else ``None``.
+      op_name: the loop's JAX name stack (``jvp()/while`` is a forward scan, ``transpose(...)`` a
+        backward one).
+    """
+
+    instruction: str
+    start_position: int
+    end_position: int
+    trip_count: int | None
+    op_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTimeline:
+    """Live bytes over a compiled program's schedule (see the module docstring for the model).
+
+    Attributes:
+      live_bytes: live bytes at each schedule position ``0 .. len - 1``.
+      peak_position: the position of the maximum (the first one, on ties).
+      peak_bytes: ``max(live_bytes)``.
+      top_buffers: the buffers live at the peak, largest first (all, or as many as asked for).
+      loops: top-level ``while`` loop spans.
+      compiled_peak_bytes: :attr:`jremat.memory.MemoryReport.peak_bytes` of the same executable.
+      argument_bytes: bytes of the argument allocations (live throughout).
+      output_bytes: bytes of the output allocations that are not arguments.
+      temp_bytes: size of the preallocated temp block(s) (``0`` where none).
+      unmodelled_bytes: constants and thread-local scratch, not in :attr:`live_bytes`.
+      platform: the backend the program was compiled for.
+      notes: what was and was not modelled, and disagreements with the compiled peak.
+      report: the :class:`jremat.memory.MemoryReport` of the same executable (``None`` when built
+        from dump text without one).
+    """
+
+    live_bytes: tuple[int, ...]
+    peak_position: int
+    peak_bytes: int
+    top_buffers: tuple[TimelineBuffer, ...]
+    loops: tuple[LoopSpan, ...]
+    compiled_peak_bytes: int | None
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    unmodelled_bytes: int
+    platform: str
+    notes: tuple[str, ...] = ()
+    report: _memory.MemoryReport | None = None
+
+    @property
+    def agreement(self) -> float | None:
+        """``peak_bytes / compiled_peak_bytes`` (``None`` without a compiled peak)."""
+        return self.peak_bytes / self.compiled_peak_bytes if self.compiled_peak_bytes else None
+
+    def in_loop(self, position: int) -> LoopSpan | None:
+        """The top-level loop whose span contains ``position``, if any."""
+        return next((lp for lp in self.loops if lp.start_position <= position <= lp.end_position), None)
+
+    def table(self, top: int = 10) -> str:
+        """A text table of the ``top`` largest buffers at the peak, with a header line."""
+        loop = self.in_loop(self.peak_position)
+        where = f"position {self.peak_position} of {len(self.live_bytes)}"
+        if loop is not None:
+            where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
+        lines = [f"peak {_fmt(self.peak_bytes)} at {where}; compiled peak {_fmt(self.compiled_peak_bytes)}"
+                 + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")]
+        header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"
+        lines += [header, "  " + "-" * (len(header) - 2)]
+        for b in self.top_buffers[:top]:
+            shape = b.shape.split("{")[0]
+            lines.append(f"  {_fmt(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
+                         f"{b.start_position:>5}-{b.end_position:<5}  {b.source}")
+        return "\n".join(lines)
+
+
+def _fmt(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _kind(op_name: str) -> str:
+    if "rematted_computation" in op_name:
+        return RECOMPUTATION
+    if "transpose(" in op_name:
+        return GRADIENT
+    return FORWARD if op_name else OTHER
+
+
+def _short_op(op_name: str) -> str:
+    parts = [p for p in op_name.split("/") if p]
+    return "/".join(parts[-2:]) if parts else ""
+
+
+def _elements(shape: str) -> int:
+    m = re.match(r"^[a-z]\w*\[([\d,]*)\]", shape)
+    if not m:
+        return 0
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    return int(np.prod(dims)) if dims else 1
+
+
+def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> str:
+    """The instruction whose metadata best names a value: looks through loop outputs (to what the
+    body stored), in-place updates (to the update), copies, bitcasts and XLA-made fusions."""
+    if depth > 8:
+        return instruction
+    opcode = hlo.opcode.get(instruction, "")
+    operands = hlo.operands.get(instruction, [])
+    if opcode == "while" and index is not None and instruction in hlo.whiles:
+        root = hlo.root.get(hlo.whiles[instruction][1])
+        if root and hlo.opcode.get(root) == "tuple" and index < len(hlo.operands.get(root, [])):
+            return _origin(hlo.operands[root][index], None, hlo, depth + 1)
+        return instruction
+    if opcode == "parameter" and index is not None:
+        body = hlo.computation.get(instruction)
+        caller = hlo.body_of.get(body)
+        # A loop-carried value holds what the body stores at that index (else its initial value).
+        root = hlo.root.get(body) if caller else None
+        if root and hlo.opcode.get(root) == "tuple" and index < len(hlo.operands.get(root, [])):
+            stored = _origin(hlo.operands[root][index], None, hlo, depth + 1)
+            if hlo.op_name.get(stored) and stored != instruction:
+                return stored
+        init = hlo.operands.get(caller, [None])[0] if caller else None
+        if init and hlo.opcode.get(init) == "tuple" and index < len(hlo.operands[init]):
+            return _origin(hlo.operands[init][index], None, hlo, depth + 1)
+        if init and hlo.opcode.get(init) == "while":
+            return _origin(init, index, hlo, depth + 1)
+        return instruction
+    op_name = hlo.op_name.get(instruction, "")
+    if ("dynamic_update_slice" in op_name or opcode == "dynamic-update-slice"
+            or (opcode == "fusion" and not op_name and "dynamic-update-slice" in instruction)):
+        own = hlo.shape.get(instruction, "")
+        updates = [o for o in operands if _elements(hlo.shape.get(o, "")) > 1 and hlo.shape.get(o) != own]
+        if updates:
+            return _origin(max(updates, key=lambda o: _elements(hlo.shape[o])), None, hlo, depth + 1)
+    if operands and not op_name and opcode in ("copy", "bitcast", "fusion", "convert", "transpose"):
+        big = max(operands, key=lambda o: _elements(hlo.shape.get(o, "")))
+        found = _origin(big, None, hlo, depth + 1)
+        if hlo.op_name.get(found):
+            return found
+    return instruction
+
+
+def _name_for(instruction: str, hlo: Hlo, tags: dict) -> str:
+    for loc in hlo.source.get(instruction, ()):
+        if loc in tags:
+            return "|".join(sorted(tags[loc]))
+    return _short_op(hlo.op_name.get(instruction, "")) or instruction
+
+
+def _argument_name(instruction: str) -> str:
+    """``p__blocks____mlp____kernel___value.1`` (JAX's argument path, sanitized) -> ``p.blocks.mlp.kernel.value``."""
+    return re.sub(r"_{2,}", ".", re.sub(r"\.\d+$", "", instruction)).strip("._") or instruction
+
+
+def _reachable(comp: str, called: dict) -> set:
+    out, todo = set(), [comp]
+    while todo:
+        c = todo.pop()
+        if c in out:
+            continue
+        out.add(c)
+        todo.extend(called.get(c, ()))
+    return out
+
+
+def build_timeline(
+    buffer_assignment: str,
+    live_range: str,
+    hlo_text: str,
+    *,
+    tags: dict | None = None,
+    report: _memory.MemoryReport | None = None,
+    top: int | None = None,
+) -> MemoryTimeline:
+    """A :class:`MemoryTimeline` from the text of three XLA dump files of one compiled module.
+
+    Works on any backend's dump (``cpu_after_optimizations-...``, ``gpu_after_optimizations-...``).
+
+    Args:
+      buffer_assignment: text of ``*after_optimizations-buffer-assignment.txt``.
+      live_range: text of ``*after_optimizations-live-range.txt``.
+      hlo_text: text of ``*after_optimizations.txt`` (or ``compiled.as_text()``).
+      tags: ``(source file, line) -> {checkpoint_name tags}`` used to name buffers.
+      report: the compiled :class:`jremat.memory.MemoryReport` to compare the maximum with.
+      top: how many buffers at the peak to keep (``None``: all of them).
+
+    Raises:
+      ValueError: if a text is not the dump it should be, or the schedule is empty.
+    """
+    allocations = parse_buffer_assignment(buffer_assignment)
+    sequence, ranges = parse_live_range(live_range)
+    if not sequence:
+        raise ValueError("the live-range dump has an empty instruction sequence")
+    hlo = parse_hlo(hlo_text)
+    tags = tags or {}
+    n = len(sequence)
+    position = {name: t for t, name in enumerate(sequence)}
+    live = np.zeros(n + 1, dtype=np.int64)  # difference array for whole-allocation spans
+    argument_bytes = output_bytes = temp_bytes = unmodelled = 0
+    spans: list[tuple] = []  # (start, end, value, bytes, reserved-only) for the buffers at the peak
+    temp_values: list[tuple[int, int, Value]] = []
+    missing_ranges = 0
+    for alloc in allocations:
+        if alloc.kind in ("constant", "thread-local"):
+            unmodelled += alloc.size
+            continue
+        if alloc.kind == "parameter":
+            argument_bytes += alloc.size
+            live[0] += alloc.size
+            live[n] -= alloc.size
+            for v in alloc.values[:1]:
+                spans.append((0, n - 1, v, alloc.size, False))
+            continue
+        ranged = []
+        for v in alloc.values:
+            r = ranges.get(v.key)
+            if r is None:
+                missing_ranges += 1
+                continue
+            ranged.append((r[0], min(r[1], n - 1), v))
+        if alloc.kind == "temp":
+            temp_bytes += alloc.size
+            temp_values.extend(ranged)
+            continue
+        if alloc.kind == "output":
+            output_bytes += alloc.size
+            start, end = 0, n - 1  # the runtime allocates every result buffer before the program runs
+        elif ranged:
+            start, end = min(r[0] for r in ranged), max(r[1] for r in ranged)
+        else:
+            continue
+        live[start] += alloc.size
+        live[end + 1] -= alloc.size
+        spans.extend((s, e, v, alloc.size, False) for s, e, v in ranged)
+        if alloc.kind == "output" and ranged:  # reserved for the result even where no value is live
+            spans.append((0, n - 1, max(ranged, key=lambda r: r[0])[2], alloc.size, True))
+    live_bytes = np.cumsum(live[:n])
+    live_bytes += _temp_occupancy(temp_values, n)
+    peak_position = int(np.argmax(live_bytes))
+    peak_bytes = int(live_bytes[peak_position])
+    spans.extend((s, e, v, v.size, False) for s, e, v in temp_values)
+
+    loops = _loop_spans(hlo, position)
+    backward_start = _backward_start(sequence, hlo, loops)
+    top_buffers = _buffers_at(peak_position, spans, allocations, hlo, tags, backward_start, top)
+    compiled_peak = report.peak_bytes if report is not None and report.available else None
+    notes = [
+        ("modelled: argument and output buffers for the whole program, temp values while live (bytes of the "
+         "temp block they occupy)"),
+    ]
+    if unmodelled:
+        notes.append(f"not modelled: {_fmt(unmodelled)} of constants and thread-local scratch")
+    if missing_ranges:
+        notes.append(f"{missing_ranges} values of the buffer assignment had no live range in the dump and are left out")
+    if compiled_peak:
+        gap = compiled_peak - peak_bytes
+        if abs(gap) > 0.02 * compiled_peak:
+            notes.append(
+                f"timeline maximum {_fmt(peak_bytes)} is {100 * gap / compiled_peak:+.1f}% off the compiled peak "
+                f"{_fmt(compiled_peak)}: the compiled temp size is the heap's high-water mark, which includes "
+                "fragmentation between live temp values"
+            )
+    return MemoryTimeline(
+        live_bytes=tuple(int(x) for x in live_bytes),
+        peak_position=peak_position,
+        peak_bytes=peak_bytes,
+        top_buffers=top_buffers,
+        loops=loops,
+        compiled_peak_bytes=compiled_peak,
+        argument_bytes=argument_bytes,
+        output_bytes=output_bytes,
+        temp_bytes=temp_bytes,
+        unmodelled_bytes=unmodelled,
+        platform=report.platform if report is not None else "",
+        notes=tuple(notes),
+        report=report,
+    )
+
+
+def _temp_occupancy(values: list, n: int) -> np.ndarray:
+    """Bytes of the temp block occupied at each position: the union of live values' extents.
+
+    A sweep over positions with a live-value count per elementary segment of the block, so
+    memory stays linear in the number of values.
+    """
+    out = np.zeros(n, dtype=np.int64)
+    if not values:
+        return out
+    bounds = sorted({b for _, _, v in values for b in (v.offset, v.offset + v.size)})
+    index = {b: i for i, b in enumerate(bounds)}
+    seg_bytes = np.diff(np.asarray(bounds, dtype=np.int64))
+    count = np.zeros(len(seg_bytes), dtype=np.int32)
+    starts, ends = collections.defaultdict(list), collections.defaultdict(list)
+    for s, e, v in values:
+        extent = (index[v.offset], index[v.offset + v.size])
+        starts[s].append(extent)
+        ends[e + 1].append(extent)
+    for t in range(n):
+        for lo, hi in ends.get(t, ()):
+            count[lo:hi] -= 1
+        for lo, hi in starts.get(t, ()):
+            count[lo:hi] += 1
+        out[t] = seg_bytes[count > 0].sum()
+    return out
+
+
+def _loop_spans(hlo: Hlo, position: dict) -> tuple[LoopSpan, ...]:
+    out = []
+    for name, (cond, body, trip, op_name) in hlo.whiles.items():
+        if hlo.computation.get(name) != hlo.entry or name not in position:
+            continue
+        comps = _reachable(cond, hlo.called) | _reachable(body, hlo.called)
+        inside = [position[i] for i, c in hlo.computation.items() if c in comps and i in position]
+        start = min(inside) if inside else position[name]
+        out.append(LoopSpan(name, start, position[name], trip, op_name))
+    return tuple(sorted(out, key=lambda lp: lp.start_position))
+
+
+_SETUP_OPS = frozenset({"broadcast", "constant", "parameter", "copy", "bitcast", "tuple", "get-tuple-element"})
+
+
+def _backward_start(sequence: list, hlo: Hlo, loops: Sequence[LoopSpan]) -> int:
+    """The first position of the backward pass: the first instruction of a ``transpose(...)`` name
+    stack that computes something (gradient accumulators are zeroed early) after every top-level
+    forward loop."""
+    forward_end = max((lp.end_position for lp in loops if "transpose(" not in lp.op_name), default=-1)
+    for t, name in enumerate(sequence):
+        if t <= forward_end or "transpose(" not in hlo.op_name.get(name, ""):
+            continue
+        if hlo.opcode.get(name) in _SETUP_OPS or name.startswith("wrapped_broadcast"):
+            continue
+        return t
+    return len(sequence)
+
+
+def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int):
+    kinds = {a.index: a.kind for a in allocations}
+    groups: dict = {}
+    for s, e, v, size, reserved in spans:
+        if not s <= t <= e:
+            continue
+        key = (v.allocation, v.offset) if kinds[v.allocation] == "temp" else (v.allocation,)
+        groups.setdefault(key, []).append((s, e, v, size, reserved))
+    out = []
+    for members in groups.values():
+        live_members = [m for m in members if not m[4]]
+        reserved_only = not live_members
+        members = members if reserved_only else live_members
+        # Prefer the member with metadata (XLA copies and loop phis have none), then the largest.
+        s, e, v, size, _ = max(members, key=lambda m: (bool(hlo.op_name.get(m[2].instruction)), m[3], -m[0]))
+        alloc_kind = kinds[v.allocation]
+        index = re.findall(r"\d+", v.key[len(v.instruction):])
+        origin = _origin(v.instruction, int(index[0]) if index else None, hlo)
+        op_name = hlo.op_name.get(origin, "")
+        if alloc_kind == "parameter":
+            kind = ARGUMENT
+        else:
+            kind = _kind(op_name)
+            if kind == FORWARD and min(m[0] for m in members) >= backward_start:
+                kind = RECOMPUTATION  # forward math the backward pass does again (or re-casts)
+            elif kind == FORWARD and e >= backward_start:
+                kind = FORWARD_RESIDUAL
+            if reserved_only or (kind == OTHER and alloc_kind == "output"):
+                kind = OUTPUT
+        chain = hlo.source.get(origin, ())
+        source = f"{os.path.basename(chain[0][0])}:{chain[0][1]}" if chain else ""
+        out.append(TimelineBuffer(
+            name=_argument_name(v.instruction) if alloc_kind == "parameter" else _name_for(origin, hlo, tags),
+            kind=kind, size_bytes=max(m[3] for m in members), shape=v.shape, instruction=v.instruction,
+            op_name=op_name, source=source, start_position=min(m[0] for m in members),
+            end_position=max(m[1] for m in members),
+        ))
+    out.sort(key=lambda b: (-b.size_bytes, b.start_position))
+    return tuple(out if top is None else out[:top])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tags and the entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _user_location(source_info, skip_dirs: tuple) -> tuple | None:
+    traceback = getattr(source_info, "traceback", None)
+    frames = getattr(traceback, "frames", None) or ()
+    for frame in frames:
+        if not frame.file_name.startswith(skip_dirs):
+            return frame.file_name, frame.line_num
+    return None
+
+
+def checkpoint_name_locations(jaxpr) -> dict:
+    """``(file, line) -> {tags}`` of every ``checkpoint_name`` call in a (closed) jaxpr, nested ones included.
+
+    The location is the first stack frame outside JAX itself, which is where the model called
+    ``checkpoint_name``; the tag names whatever the compiled program computes on that line.
+    """
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
+    out: dict = collections.defaultdict(set)
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "name":
+                loc = _user_location(eqn.source_info, skip)
+                if loc is not None:
+                    out[loc].add(str(eqn.params.get("name")))
+            for sub in _subjaxprs(eqn):
+                walk(sub)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr))
+    return dict(out)
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _read_dump(folder: str, suffix: str) -> str:
+    found = sorted(glob.glob(os.path.join(folder, f"*after_optimizations{suffix}")))
+    if not found:
+        raise RuntimeError(
+            f"XLA wrote no *after_optimizations{suffix} for this compile (dump folder {folder}); the backend "
+            "may not honour per-compile dump options"
+        )
+    with open(found[-1]) as fh:
+        return fh.read()
+
+
+def memory_timeline(
+    fn: Callable, *args, compiler_options: dict | None = None, top: int | None = None, **kwargs
+) -> MemoryTimeline:
+    """Compile ``fn(*args, **kwargs)`` (nothing runs) and return its :class:`MemoryTimeline`.
+
+    The compile uses the same options as :func:`jremat.memory.memory_report` plus XLA's dump
+    options pointed at a temporary folder (removed afterwards), so the compiled peak it is
+    compared with is that of this very executable.
+
+    Args:
+      fn: a function of pytrees of arrays, jitted or not.
+      *args: arrays or :class:`jax.ShapeDtypeStruct`.
+      compiler_options: XLA options; ``None`` means :func:`jremat.xla_flags.compiler_options`.
+      top: how many of the largest buffers at the peak to keep (``None``: all of them).
+      **kwargs: keyword arguments of ``fn``.
+
+    Raises:
+      TypeError: if ``fn`` is not callable.
+      ValueError: if ``top`` is not a positive integer.
+      RuntimeError: if XLA wrote no buffer-assignment dump for the compile.
+    """
+    if not callable(fn):
+        raise TypeError(f"memory_timeline needs a callable, got {type(fn).__name__}")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+        raise ValueError(f"top must be a positive integer or None, got {top!r}")
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    traced = jitted.trace(*args, **kwargs)
+    tags = checkpoint_name_locations(traced.jaxpr)
+    options = dict(_xla_flags.compiler_options() if compiler_options is None else compiler_options)
+    folder = tempfile.mkdtemp(prefix="jremat-timeline-")
+    try:
+        options.update(xla_dump_to=folder, xla_dump_hlo_as_text=True)
+        compiled = traced.lower().compile(options)
+        report = _memory.compiled_memory_report(compiled)
+        return build_timeline(
+            _read_dump(folder, "-buffer-assignment.txt"),
+            _read_dump(folder, "-live-range.txt"),
+            _read_dump(folder, ".txt"),
+            tags=tags, report=report, top=top,
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+__all__: Sequence[str] = (
+    "BUFFER_KINDS", "LoopSpan", "MemoryTimeline", "TimelineBuffer", "build_timeline",
+    "checkpoint_name_locations", "memory_timeline",
+)
