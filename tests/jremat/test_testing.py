@@ -41,7 +41,7 @@ class FreshKeyOnRecompute(Policy):
 
     spec = "test_fresh_key"
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def checkpointed(*args):
             return fn(*args)
@@ -74,7 +74,7 @@ class Bf16Residuals(Policy):
 
     spec = "test_bf16_residuals"
 
-    def wrap(self, fn, *, prevent_cse=True):
+    def checkpoint(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def checkpointed(*args):
             return fn(*args)
