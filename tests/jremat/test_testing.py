@@ -94,15 +94,16 @@ class Bf16Residuals(Policy):
 
 
 def forgetful_decorate(fn, policy):
-    """Broken on purpose: remat of a pure function of the module's state, updated state dropped."""
+    """Broken on purpose: a hand-written jax.checkpoint of a pure function of the module's state,
+    which drops the updated state (the policy is ignored)."""
 
     def call(module, *args, **kwargs):
         graphdef, state = nnx.split(module)
 
-        def pure(state, *a, **kw):
-            return fn(nnx.merge(graphdef, state), *a, **kw)
+        def pure(state, *a):
+            return fn(nnx.merge(graphdef, state), *a, **kwargs)
 
-        return jremat.checkpoint(pure, policy)(state, *args, **kwargs)
+        return jax.checkpoint(pure)(state, *args)
 
     return call
 
