@@ -216,7 +216,9 @@ def test_policy_changing_a_saved_value_is_caught():
 
 @pytest.fixture(scope="module")
 def gpt_case():
-    cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5, remat_granularity="none", max_seq_len=8, d_ff=32)
+    # Layers unrolled: a whole-function plan policy (names_except) sees the tags only outside a scan.
+    cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5, remat_granularity="none", scan_layers=False,
+                 max_seq_len=8, d_ff=32)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, cfg.max_seq_len), 0, cfg.vocab_size)
     return model, tokens, jnp.roll(tokens, -1, axis=1), jax.random.key(2)
