@@ -7,6 +7,11 @@ registered remat policy is also a flag (``--k``, ``--skip-cheap``, ...) passed t
 Exit codes: 0 done; 2 bad input (message, nothing written is lost); 1 the loss became NaN/inf
 (the last good checkpoint is kept); 130 interrupted with Ctrl-C (a checkpoint was saved first
 when ``--ckpt-dir`` is set).
+
+Multi-process runs (``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM or
+Open MPI; ``python -m train.launch`` on one machine): every process runs the same command with
+``--mesh`` over all devices; process 0 alone prints and writes the metrics file; every process
+saves and restores its own checkpoint shards. See docs/multiprocess.md.
 """
 
 from __future__ import annotations
@@ -475,7 +480,10 @@ def start_distributed(cfg: TrainConfig) -> bool:
 
     Raises:
       UsageError: an inconsistent multi-process environment, one without ``--mesh``, an
-        unreachable coordinator, or mismatched process counts.
+        unreachable coordinator or a coordinator port already taken. Processes that do not all
+        connect within ``--init-timeout-s``, and a ``JAX_NUM_PROCESSES`` larger than the
+        coordinator's, end the process with a one-line error and exit code 2 (see
+        :func:`train.sharding.initialize_distributed`).
     """
     try:
         distributed = sharding_lib.distributed_config()

@@ -674,7 +674,7 @@ def _exit_with_message(message: str) -> None:
 
 
 def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: float = 300,
-                           on_timeout: Callable[[str], None] = _exit_with_message) -> bool:
+                           fail: Callable[[str], None] = _exit_with_message) -> bool:
     """Call ``jax.distributed.initialize`` if :func:`distributed_config` finds a multi-process run.
 
     Must run before any other JAX call in the process. On CPU, cross-process collectives use
@@ -683,23 +683,25 @@ def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: f
     connections; afterwards every process checks that the coordinator counts as many processes
     as its ``JAX_NUM_PROCESSES`` says.
 
-    Where not all processes reach the coordinator within ``timeout_s`` (one was not started,
-    or was started with a larger ``JAX_NUM_PROCESSES``), JAX itself would abort the process with
-    a fatal log; instead ``on_timeout(message)`` is called from a watchdog thread. It must end
-    the process; the default prints ``error: message`` to stderr and exits with code 2.
+    Two failures happen once JAX's distributed runtime is running, where an ordinary exit would
+    wait for (or be aborted by) the other processes: not all processes reaching the coordinator
+    within ``timeout_s`` (one was not started, or process 0 was given a larger
+    ``JAX_NUM_PROCESSES``; JAX itself would abort with a fatal log), and a ``JAX_NUM_PROCESSES``
+    larger than the coordinator's. For those ``fail(message)`` is called (from a watchdog thread
+    for the first); it must end the process. The default prints ``error: message`` to stderr and
+    exits at once with code 2.
 
     Args:
       env: the environment to read (default ``os.environ``).
       timeout_s: seconds to wait for the coordinator and for every process to connect.
-      on_timeout: called with a one-line message when the processes did not all connect in time.
+      fail: called with a one-line message on the two failures above; must not return.
 
     Returns:
       Whether it initialized (``False``: a single-process run, nothing done).
 
     Raises:
       ValueError: on an inconsistent environment (see :func:`distributed_config`).
-      DistributedSetupError: coordinator unreachable or its port taken, or a process count
-        that differs from the coordinator's.
+      DistributedSetupError: coordinator unreachable or its port taken (before JAX's runtime starts).
     """
     import threading
 
@@ -726,7 +728,7 @@ def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: f
 
     def watchdog():
         if not done.wait(timeout_s):
-            on_timeout(message)
+            fail(message)
 
     threading.Thread(target=watchdog, name="jremat-distributed-watchdog", daemon=True).start()
     try:
@@ -734,10 +736,8 @@ def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: f
     finally:
         done.set()
     if address is not None and jax.process_count() != config["num_processes"]:
-        raise DistributedSetupError(
-            f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but {where} runs "
-            f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES"
-        )
+        fail(f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but {where} runs "
+             f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES")
     return True
 
 

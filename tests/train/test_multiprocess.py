@@ -2,9 +2,11 @@
 
 The end-to-end checks start real processes (2 processes x 4 simulated CPU devices, coordinator
 on 127.0.0.1) once per module, all with bounded waits: the single-process 8-device reference,
-the 2-process run SIGKILLed after its step-2 checkpoint, and the two start-up failures run at
-the same time; then the 2-process resume. XLA's persistent compilation cache (in pytest's cache
-directory) lets the resume, and later sessions, reuse the compiled programs.
+the 2-process run SIGKILLed after its step-2 checkpoint, and three start-up failures
+(coordinator unreachable, process 0 without its peer, a process count larger than the
+coordinator's) and a 2-process run with a mesh of the wrong size run at the same time; then the 2-process resume. XLA's persistent compilation
+cache (in pytest's cache directory) lets process 0 of the resume, and later sessions, reuse
+compiled programs.
 """
 
 import json
@@ -24,6 +26,7 @@ from train.metrics import read_rows
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 STEPS, CKPT_EVERY, KILL_AT_CALL = 4, 2, 4  # killed before step 4: steps 1-3 done, checkpoint of step 2 complete
 RUN_TIMEOUT_S = 240  # each launch is bounded; the processes are killed past it
+FAILURE_TIMEOUT_S = 90  # the start-up failures end in seconds
 
 
 def _base_env(cache_dir):
@@ -76,6 +79,11 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
     launcher = [sys.executable, "-m", "train.launch", "--processes", "2", "--cpu-devices", "4",
                 "--timeout-s", str(RUN_TIMEOUT_S), "--grace-s", "30", "--"]
     started = time.perf_counter()
+    mismatch_port = launch.free_port()
+    # a coordinator (process 0 of 2, with its backend up) for a process that believes the run has 3
+    coordinator_script = ("import jax, time; jax.distributed.initialize("
+                          f"'127.0.0.1:{mismatch_port}', 2, 0, initialization_timeout=120); jax.devices(); time.sleep(120)")
+    coordinator = _popen([sys.executable, "-c", coordinator_script], env)
     procs = {
         "reference": _popen([sys.executable, "-m", "train.ptb",
                              *_train_flags(ptb_offline_dir, "--metrics-file", str(tmp / "ref.jsonl"))],
@@ -91,12 +99,19 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
         "alone": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "3")],
                         dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}", JAX_NUM_PROCESSES="2",
                              JAX_PROCESS_ID="0")),
+        "bad_mesh": _popen(launcher + [sys.executable, "-m", "train.ptb",
+                                       *_train_flags(ptb_offline_dir, "--mesh", "data=2,fsdp=2")], env),
+        "mismatch": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
+                           dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{mismatch_port}", JAX_NUM_PROCESSES="3",
+                                JAX_PROCESS_ID="1")),
     }
     out = {}
-    for name, proc in procs.items():
-        t0 = time.perf_counter()
-        out[name] = _finish(proc)
-        out[name + "_wait_s"] = time.perf_counter() - t0
+    try:
+        for name, proc in procs.items():
+            out[name] = _finish(proc, RUN_TIMEOUT_S if name in ("reference", "killed") else FAILURE_TIMEOUT_S)
+    finally:
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        coordinator.communicate()
     out["first_wave_s"] = time.perf_counter() - started
     with open(tmp / "mp.jsonl") as handle:
         out["killed_rows"] = handle.read()
@@ -170,6 +185,24 @@ def test_process_zero_without_its_peers_exits_2_with_one_line(runs):
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: not every process reached the coordinator at 127.0.0.1:")
     assert "within 3 s (this is process 0)" in lines[0] and "JAX_NUM_PROCESSES=2" in lines[0]
+
+
+def test_process_count_larger_than_the_coordinators_exits_2_with_one_line(runs):
+    code, _, err = runs["mismatch"]
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: JAX_NUM_PROCESSES=3 on this process, but the coordinator at 127.0.0.1:")
+    assert lines[0].endswith("runs 2 processes; give every process the same JAX_NUM_PROCESSES")
+
+
+def test_mesh_not_matching_the_devices_of_all_processes_exits_2(runs):
+    code, out, err = runs["bad_mesh"]
+    assert code == 2, err[-3000:]
+    message = ("error: --mesh: mesh data=2,fsdp=2 has 4 devices but 8 are available "
+               "(cpu, 2 processes with 4 each); the axis sizes must multiply to 8")
+    assert message in err.splitlines() and f"[process 1] {message}" in err.splitlines()
+    assert "Traceback" not in err and "train config" not in out
 
 
 # ----------------------------------------------------------------------------- without JAX processes
