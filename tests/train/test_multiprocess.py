@@ -124,8 +124,11 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
     out["reference_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "ref.jsonl")}
     out["mp_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "mp.jsonl")}
     out["ckpt"] = ckpt
+    killed = {r["step"]: r["loss"] for r in (json.loads(line) for line in out["killed_rows"].splitlines() if line.strip())}
+    diffs = [_rel(losses[s], out["reference_losses"][s]) for losses in (killed, out["mp_losses"]) for s in losses
+             if s in out["reference_losses"]]
     print(f"multi-process runs: first wave {out['first_wave_s']:.1f} s, resume {out['resume_s']:.1f} s, "
-          f"total {out['total_s']:.1f} s")
+          f"total {out['total_s']:.1f} s; max relative loss difference to one process {max(diffs, default=-1):.2e}")
     return out
 
 
