@@ -214,13 +214,15 @@ def parse_args(argv: Sequence[str]):
 
     Raises:
       UsageError: a malformed option, a missing or empty command, or an out-of-range value.
+      SystemExit: ``--help`` (code 0, after printing the help).
     """
     argv = list(argv)
-    if "--" not in argv:
+    split = argv.index("--") if "--" in argv else len(argv)
+    options = build_parser().parse_args(argv[:split])  # --help prints and exits here
+    if split == len(argv):
         raise UsageError("give the command to run after '--', e.g. python -m train.launch --processes 2 -- "
                          "python -m train.ptb --mesh data=2")
-    split = argv.index("--")
-    options, command = build_parser().parse_args(argv[:split]), argv[split + 1:]
+    command = argv[split + 1:]
     if not command:
         raise UsageError("the command after '--' is empty; give the program every process runs")
     if options.processes < 1:
@@ -243,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch = Launch(command, options.processes, cpu_devices=options.cpu_devices, port=options.port,
                         grace_s=options.grace_s)
         launch.start()
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

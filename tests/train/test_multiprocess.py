@@ -235,6 +235,13 @@ def test_launcher_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
     assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_launcher_help_names_every_flag(capsys):
+    assert launch.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--processes", "--cpu-devices", "--port", "--timeout-s", "--grace-s", "python -m train.ptb"):
+        assert flag in out
+
+
 def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd):
     script = ("import os, sys, time\n"
               "pid = int(os.environ['JAX_PROCESS_ID'])\n"
