@@ -238,7 +238,7 @@ def test_launcher_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
 def test_launcher_help_names_every_flag(capsys):
     assert launch.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--processes", "--cpu-devices", "--port", "--timeout-s", "--grace-s", "python -m train.ptb"):
+    for flag in ("--processes", "--cpu-devices", "--port", "--timeout-s", "--grace-s", "train.ptb --preset tiny"):
         assert flag in out
 
 
