@@ -379,11 +379,6 @@ def jaxpr_tags(jaxpr) -> frozenset[str]:
     return frozenset(found)
 
 
-def traced_tags(fn: Callable, *args, **kwargs) -> frozenset[str]:
-    """The ``checkpoint_name`` tags used anywhere in ``fn(*args, **kwargs)`` (traced, not run)."""
-    return jaxpr_tags(jax.make_jaxpr(lambda a, kw: fn(*a, **kw))(args, kwargs).jaxpr)
-
-
 def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:
     """Evaluate ``program`` with the outputs of equation ``i`` tagged as ``tags[i]``.
 
