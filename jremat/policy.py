@@ -122,6 +122,10 @@ class PlanPolicy(Policy):
         def rematerialized(*args, **kwargs):
             prog = _program.trace_program(fn, *args, **kwargs)
             chosen = check_plan(self.plan(prog), prog, self.spec or type(self).__name__)
+            # A value only side effects use (jax.debug.print's argument) is not a residual;
+            # tagging it would make JAX keep it for a backward pass that never reads it.
+            effects_only = _program.feeds_only_effects(prog)
+            chosen = Plan(save=chosen.save - effects_only, offload=chosen.offload - effects_only)
             prefix = f"jremat{next(_tag_counter)}"
             tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
             save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]

@@ -334,6 +334,27 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
 
 
+def feeds_only_effects(program: Program) -> frozenset[int]:
+    """Equations whose outputs are used only by side-effecting equations (``jax.debug.print``).
+
+    Such outputs are neither program outputs nor inputs of any computation the backward pass
+    could need.
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    consumers: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(eqn)
+    found = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        users = [u for v in eqn.outvars for u in consumers.get(v, ())]
+        if users and all(u.effects for u in users) and not any(v in outputs for v in eqn.outvars):
+            found.add(i)
+    return frozenset(found)
+
+
 def _nested_jaxprs(value):
     if hasattr(value, "eqns"):
         yield value
@@ -356,11 +377,6 @@ def jaxpr_tags(jaxpr) -> frozenset[str]:
             for value in eqn.params.values():
                 stack.extend(_nested_jaxprs(value))
     return frozenset(found)
-
-
-def traced_tags(fn: Callable, *args, **kwargs) -> frozenset[str]:
-    """The ``checkpoint_name`` tags used anywhere in ``fn(*args, **kwargs)`` (traced, not run)."""
-    return jaxpr_tags(jax.make_jaxpr(lambda a, kw: fn(*a, **kw))(args, kwargs).jaxpr)
 
 
 def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:

@@ -35,19 +35,27 @@ from jax.extend import core as jcore
 from jremat import CallbackPolicy, Param, Plan, PlanPolicy, register
 from jremat.names import check_found
 from jremat.policy import require_host_memory
-from jremat.program import SHAPE_ONLY_PRIMITIVES, Program, traced_tags
+from jremat.program import SHAPE_ONLY_PRIMITIVES, Program, evaluate_tagged, jaxpr_tags, trace_program
 from jremat.registry import REQUIRED
 
 
-def _checked(fn: Callable, checkpointed: Callable, requirements) -> Callable:
-    """``checkpointed``, which first checks that the names in ``requirements`` are tagged in ``fn``."""
+def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bool) -> Callable:
+    """``fn`` checkpointed under ``policy``'s callback, once its tags are checked against ``requirements``.
+
+    ``fn`` is traced once and the checkpoint evaluates that trace, so a function with Python
+    side effects (a Linen scope drawing RNG keys) runs exactly once per call.
+    """
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        found = traced_tags(fn, *args, **kwargs)
-        for wanted, policy, key in requirements:
-            check_found(wanted, found, policy=policy, key=key)
-        return checkpointed(*args, **kwargs)
+        program = trace_program(fn, *args, **kwargs)
+        found = jaxpr_tags(program.closed_jaxpr.jaxpr)
+        for wanted, name, key in requirements:
+            check_found(wanted, found, policy=name, key=key)
+        checkpointed = jax.checkpoint(
+            lambda *leaves: evaluate_tagged(program, {}, leaves), policy=policy.callback, prevent_cse=prevent_cse
+        )
+        return jax.tree.unflatten(program.out_tree, checkpointed(*jax.tree.leaves((args, kwargs))))
 
     return call
 
@@ -60,7 +68,7 @@ class SaveNames(CallbackPolicy):
         super().__init__(jax.checkpoint_policies.save_only_these_names(*self.save))
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        return _checked(fn, super().checkpoint(fn, prevent_cse=prevent_cse), [(self.save, "names", "save")])
+        return _checked(fn, self, [(self.save, "names", "save")], prevent_cse)
 
 
 def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
@@ -211,7 +219,7 @@ class OffloadNames(CallbackPolicy):
     def checkpoint(self, fn, *, prevent_cse=True):
         require_host_memory(self.offload_dst)  # the backend may differ from construction time
         requirements = [(self.offload, "offload", "names"), (self.save, "offload", "save")]
-        return _checked(fn, super().checkpoint(fn, prevent_cse=prevent_cse), requirements)
+        return _checked(fn, self, requirements, prevent_cse)
 
 
 @register(

@@ -79,6 +79,9 @@ class TrainConfig:
     memory_report: bool = _field(True, "print the compile-time memory report at start", action="bool")
     mesh: str | None = _field(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, e.g. data=4,fsdp=2 "
                                     "(sizes multiply to the device count; default: one device, no sharding)")
+    init_timeout_s: float = _field(
+        300.0, "multi-process runs: seconds to wait for the coordinator and for every process to connect", type=float
+    )
     memory_budget: str | None = _field(
         None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
     )
@@ -133,6 +136,8 @@ class TrainConfig:
         non_negative_int("ckpt_every", self.ckpt_every)
         positive_int("keep_checkpoints", self.keep_checkpoints)
         non_negative_int("remat_head_chunks", self.remat_head_chunks)
+        need(isinstance(self.init_timeout_s, (int, float)) and math.isfinite(self.init_timeout_s)
+             and self.init_timeout_s > 0, f"--init-timeout-s must be a positive number of seconds, got {self.init_timeout_s!r}")
         need(self.remat_head_chunks == 0 or self.seq_len % self.remat_head_chunks == 0,
              f"--remat-head-chunks {self.remat_head_chunks} does not divide --seq-len {self.seq_len}")
         need(self.granularity in jremat.GRANULARITIES,

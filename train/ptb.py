@@ -7,6 +7,11 @@ registered remat policy is also a flag (``--k``, ``--skip-cheap``, ...) passed t
 Exit codes: 0 done; 2 bad input (message, nothing written is lost); 1 the loss became NaN/inf
 (the last good checkpoint is kept); 130 interrupted with Ctrl-C (a checkpoint was saved first
 when ``--ckpt-dir`` is set).
+
+Multi-process runs (``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM or
+Open MPI; ``python -m train.launch`` on one machine): every process runs the same command with
+``--mesh`` over all devices; process 0 alone prints and writes the metrics file; every process
+saves and restores its own checkpoint shards. See docs/multiprocess.md.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from train.config import TRAJECTORY_FIELDS, TrainConfig, UsageError, config_fiel
 from train.metrics import MetricsFile
 
 EXIT_OK, EXIT_NONFINITE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+#: Multi-process runs: how long the processes wait for each other to finish compiling.
+COMPILE_BARRIER_TIMEOUT_S = 3600
 
 
 class NonFiniteLoss(RuntimeError):
@@ -290,6 +298,9 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     """
     from tqdm import tqdm
 
+    primary = sharding_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
+    if not primary:
+        log, progress = (lambda _line: None), False
     ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints) if cfg.ckpt_dir else None
     latest = ckpts.latest_step() if ckpts else None
     if cfg.resume and latest is None:
@@ -327,7 +338,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     else:
         graphdef, params = sharding_lib.init_params(model_cfg, cfg.seed, mesh)
         opt_state = sharding_lib.init_opt_state(tx, params, mesh)
-    base_key = jax.random.key(cfg.seed)
+    base_key = jax.random.key(cfg.seed) if mesh is None else sharding_lib.replicated_key(cfg.seed, mesh)
 
     start_step = 0
     if cfg.resume:
@@ -342,7 +353,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 f"micro-batch {start_step * cfg.accum}")
         log(f"resumed from {ckpts.path} at step {start_step}")
 
-    metrics = MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None) if cfg.metrics_file else None
+    metrics = (MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None)
+               if cfg.metrics_file and primary else None)
 
     def save(step):
         ckpts.save(step, pack_state(params, opt_state, base_key),
@@ -351,13 +363,14 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
         log(plan_table)
-    if cfg.memory_report:
+    if cfg.memory_report and primary:
         log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
         if mesh is not None:
             log(sharding_lib.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
     t_compile = time.perf_counter()
     train_step, eval_step = compiled_steps(model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh)
     log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
+    sharding_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
     result = RunResult(status="done", steps_done=start_step, losses={})
@@ -398,7 +411,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                     valid_loss = evaluate(eval_step, params, valid_batches, cfg.eval_batches, put)
                     row.update(valid_loss=valid_loss, valid_ppl=_perplexity(valid_loss))
                     result.valid_history.append((step, row["valid_ppl"]))
-                    bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")
+                    if primary:
+                        bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")
                 if metrics:
                     metrics.write(row)
                 bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{row['perplexity']:.1f}",
@@ -407,7 +421,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
                     last_saved = step
-                if interrupt.raised:
+                if sharding_lib.agree_any(interrupt.raised):  # every process stops after the same step
                     if ckpts and last_saved != step:
                         save(step)
                         last_saved = step
@@ -458,15 +472,43 @@ def _jsonable(value):
     return json.loads(json.dumps(value, default=list))
 
 
+def start_distributed(cfg: TrainConfig) -> bool:
+    """Join a multi-process run if the environment describes one (before anything starts the JAX backend).
+
+    Returns:
+      Whether ``jax.distributed`` was initialized.
+
+    Raises:
+      UsageError: an inconsistent multi-process environment, one without ``--mesh``, an
+        unreachable coordinator or a coordinator port already taken. Processes that do not all
+        connect within ``--init-timeout-s``, and a ``JAX_NUM_PROCESSES`` larger than the
+        coordinator's, end the process with a one-line error and exit code 2 (see
+        :func:`train.sharding.initialize_distributed`).
+    """
+    try:
+        distributed = sharding_lib.distributed_config()
+        if distributed is None:
+            return False
+        if cfg.mesh is None:
+            raise UsageError(
+                "this is one process of a multi-process run (JAX_NUM_PROCESSES, SLURM or Open MPI environment) "
+                "but --mesh is not given; pass --mesh over the devices of all processes, e.g. "
+                "--mesh data=4,fsdp=2 for 2 processes with 4 devices each"
+            )
+        return sharding_lib.initialize_distributed(timeout_s=cfg.init_timeout_s)
+    except sharding_lib.DistributedSetupError as err:
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        if isinstance(err, UsageError):
+            raise
+        raise UsageError(f"multi-host environment: {err}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI entry point; returns the exit code (see the module docstring)."""
     try:
         cfg = parse_config(argv)
-        if cfg.mesh is not None:  # multi-host: before anything starts the JAX backend
-            try:
-                sharding_lib.initialize_distributed()
-            except ValueError as err:
-                raise UsageError(f"multi-host environment: {err}") from None
+        start_distributed(cfg)
         result = train(cfg)
     except SystemExit as exit_:  # argparse: --help or a malformed flag (message already printed)
         return int(exit_.code or 0)
@@ -477,10 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.status == "nonfinite":
-        print(f"error: {result.message}", file=sys.stderr)
+        if sharding_lib.is_primary():
+            print(f"error: {result.message}", file=sys.stderr)
         return EXIT_NONFINITE
     if result.status == "interrupted":
-        print(result.message, file=sys.stderr)
+        if sharding_lib.is_primary():
+            print(result.message, file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK
 

@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -159,7 +160,8 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
       devices: the devices to lay out (default: ``jax.devices()``, every device of every process).
 
     Raises:
-      ValueError: on an unknown axis, or if the sizes do not multiply to the number of devices.
+      ValueError: on an unknown axis, or if the sizes do not multiply to the number of devices
+        (the message names the platform and, in a multi-process run, the processes).
     """
     unknown = [a for a in sizes if a not in MESH_AXES]
     if unknown:
@@ -168,9 +170,13 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
     shape = tuple(int(sizes.get(a, 1)) for a in MESH_AXES)
     if math.prod(shape) != len(devices):
         spec = ",".join(f"{a}={s}" for a, s in zip(MESH_AXES, shape) if s > 1) or "all sizes 1"
+        where = devices[0].platform
+        processes = len({d.process_index for d in devices})
+        if processes > 1:
+            where += f", {processes} processes with {len(devices) // processes} each"
         raise ValueError(
             f"mesh {spec} has {math.prod(shape)} devices but {len(devices)} are available "
-            f"({devices[0].platform}); the axis sizes must multiply to {len(devices)}"
+            f"({where}); the axis sizes must multiply to {len(devices)}"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
@@ -313,6 +319,16 @@ def state_shardings(tree: Any, mesh: Mesh) -> Any:
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of a value every device holds whole (the loss, the dropout key)."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def replicated_key(seed: int, mesh: Mesh) -> jax.Array:
+    """``jax.random.key(seed)`` held whole by every device of ``mesh`` (of every process).
+
+    A global array, so that orbax can save it in a multi-process run (a key on one local
+    device is not serializable there) and the sharded steps take it as it is.
+    """
+    data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    return jax.random.wrap_key_data(jax.make_array_from_callback(data.shape, replicated(mesh), lambda index: data[index]))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -581,16 +597,180 @@ def distributed_config(env: Mapping[str, str] | None = None) -> dict[str, Any] |
     return None
 
 
-def initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
+class DistributedSetupError(ValueError):
+    """A multi-process run cannot start: coordinator unreachable, port taken, or inconsistent process counts."""
+
+
+#: Seconds between connection attempts while waiting for the coordinator.
+_POLL_INTERVAL_S = 0.2
+
+#: Extra seconds JAX's own initialization deadline gets beyond ``timeout_s``, so that the
+#: watchdog of :func:`initialize_distributed` (a clear one-line message) fires before JAX
+#: aborts the process (a fatal C++ log with a stack trace).
+_JAX_DEADLINE_GRACE_S = 15
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until a TCP connection to the coordinator at ``address`` (``host:port``) succeeds.
+
+    Args:
+      address: ``JAX_COORDINATOR_ADDRESS``, the host and port of process 0.
+      timeout_s: how long to keep trying.
+
+    Raises:
+      DistributedSetupError: if no connection succeeded within ``timeout_s``; the message names
+        the address, the timeout and the last connection error.
+    """
+    import socket
+    import time
+
+    host, port = _split_address(address)
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            last = err.strerror or type(err).__name__
+        if time.monotonic() >= deadline:
+            raise DistributedSetupError(
+                f"could not reach the coordinator at {address} within {timeout_s:g} s ({last}); start process 0 "
+                "with the same JAX_COORDINATOR_ADDRESS, check that HOST:PORT names its host and an open port, "
+                "or allow longer with --init-timeout-s"
+            )
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def check_coordinator_port(address: str) -> None:
+    """Check that process 0 can open the coordinator's port (it listens there on every interface).
+
+    Raises:
+      DistributedSetupError: if the port cannot be bound (typically: already in use).
+    """
+    import socket
+
+    _, port = _split_address(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            raise DistributedSetupError(
+                f"process 0 cannot open the coordinator port {port} of JAX_COORDINATOR_ADDRESS={address} "
+                f"({err.strerror or err}); choose a free port"
+            ) from None
+
+
+def _exit_with_message(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(2)
+
+
+def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: float = 300,
+                           fail: Callable[[str], None] = _exit_with_message) -> bool:
     """Call ``jax.distributed.initialize`` if :func:`distributed_config` finds a multi-process run.
 
-    Must run before any other JAX call in the process. Returns whether it initialized.
+    Must run before any other JAX call in the process. On CPU, cross-process collectives use
+    gloo. With the explicit variables, process 0 first checks that it can open the coordinator
+    port and every other process waits (at most ``timeout_s``) until the coordinator accepts
+    connections; afterwards every process checks that the coordinator counts as many processes
+    as its ``JAX_NUM_PROCESSES`` says.
+
+    Two failures happen once JAX's distributed runtime is running, where an ordinary exit would
+    wait for (or be aborted by) the other processes: not all processes reaching the coordinator
+    within ``timeout_s`` (one was not started, or process 0 was given a larger
+    ``JAX_NUM_PROCESSES``; JAX itself would abort with a fatal log), and a ``JAX_NUM_PROCESSES``
+    larger than the coordinator's. For those ``fail(message)`` is called (from a watchdog thread
+    for the first); it must end the process. The default prints ``error: message`` to stderr and
+    exits at once with code 2.
+
+    Args:
+      env: the environment to read (default ``os.environ``).
+      timeout_s: seconds to wait for the coordinator and for every process to connect.
+      fail: called with a one-line message on the two failures above; must not return.
+
+    Returns:
+      Whether it initialized (``False``: a single-process run, nothing done).
 
     Raises:
       ValueError: on an inconsistent environment (see :func:`distributed_config`).
+      DistributedSetupError: coordinator unreachable or its port taken (before JAX's runtime starts).
     """
+    import threading
+
     config = distributed_config(env)
     if config is None:
         return False
-    jax.distributed.initialize(**config)
+    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = config.get("coordinator_address")
+    if address is not None:
+        if config["process_id"] == 0:
+            check_coordinator_port(address)
+        else:
+            wait_for_coordinator(address, timeout_s)
+    where = f"the coordinator at {address}" if address else "the coordinator found in the scheduler's environment"
+    expected = f"JAX_NUM_PROCESSES={config['num_processes']}" if address else "the scheduler's task count"
+    this = f" (this is process {config['process_id']})" if address else ""
+    message = (
+        f"not every process reached {where} within {timeout_s:g} s{this}; start all {expected} processes, "
+        "each with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES and its own JAX_PROCESS_ID, "
+        "or allow longer with --init-timeout-s"
+    )
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(timeout_s):
+            fail(message)
+
+    threading.Thread(target=watchdog, name="jremat-distributed-watchdog", daemon=True).start()
+    try:
+        jax.distributed.initialize(**config, initialization_timeout=math.ceil(timeout_s) + _JAX_DEADLINE_GRACE_S)
+    finally:
+        done.set()
+    if address is not None and jax.process_count() != config["num_processes"]:
+        fail(f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but {where} runs "
+             f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES")
     return True
+
+
+def is_primary() -> bool:
+    """Whether this is process 0 (the one that prints, writes metrics and shows progress)."""
+    return jax.process_index() == 0
+
+
+def wait_for_all_processes(name: str, timeout_s: float) -> None:
+    """Block until every process reaches the barrier ``name`` (nothing to do in a single process).
+
+    A barrier of the coordination service (through orbax's multihost helpers), so it waits up to
+    ``timeout_s``; used after compiling, where processes may finish far apart: the first CPU
+    collective otherwise gives up when a peer is more than about 30 s late (gloo's connection
+    timeout). Every process must call it with the same unique ``name``.
+
+    Raises:
+      jax.errors.JaxRuntimeError: if some process did not arrive within ``timeout_s``.
+    """
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    multihost.get_barrier_sync_fn()(key=name, timeout_ms=int(timeout_s * 1000))
+
+
+def agree_any(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (a small all-gather; the flag itself on one process).
+
+    Every process must call it at the same point of the program.
+    """
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))

@@ -1,0 +1,294 @@
+"""Multi-process training on one machine: train.launch, jax.distributed over gloo, sharded checkpoints.
+
+The end-to-end checks start real processes (2 processes x 4 simulated CPU devices, coordinator
+on 127.0.0.1) once per module, all with bounded waits: the single-process 8-device reference,
+the 2-process run SIGKILLed after its step-2 checkpoint, and three start-up failures
+(coordinator unreachable, process 0 without its peer, a process count larger than the
+coordinator's) and a 2-process run with a mesh of the wrong size run at the same time; then the 2-process resume. XLA's persistent compilation
+cache (in pytest's cache directory) lets process 0 of the resume, and later sessions, reuse
+compiled programs.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train import launch, ptb
+from train import sharding as sh
+from train.metrics import read_rows
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+STEPS, CKPT_EVERY, KILL_AT_CALL = 4, 2, 4  # killed before step 4: steps 1-3 done, checkpoint of step 2 complete
+RUN_TIMEOUT_S = 240  # each launch is bounded; the processes are killed past it
+FAILURE_TIMEOUT_S = 90  # the start-up failures end in seconds
+
+
+def _base_env(cache_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
+    env.update(
+        XLA_FLAGS="--xla_backend_optimization_level=0",
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _train_flags(ptb_offline_dir, *extra):
+    return ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--dropout", "0.3",
+            "--eval-every", "0", "--eval-batches", "1", "--no-memory-report", "--data-dir", ptb_offline_dir,
+            "--mesh", "data=4,fsdp=2", *extra]
+
+
+def _popen(cmd, env):
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc, timeout_s=RUN_TIMEOUT_S):
+    """``(returncode, stdout, stderr)``; kills the process group if it runs past ``timeout_s``."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args} ran past {timeout_s} s; killed. stderr tail:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _closed_port():
+    """A local port with nothing listening on it."""
+    return launch.free_port()
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, ptb_offline_dir):
+    """Every multi-process run of this module, its outputs, metrics and wall times."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    cache = request.config.cache.mkdir("jremat-xla-cache") if request.config.cache else tmp / "xla-cache"
+    env = _base_env(cache)
+    ckpt = tmp / "ck"
+    launcher = [sys.executable, "-m", "train.launch", "--processes", "2", "--cpu-devices", "4",
+                "--timeout-s", str(RUN_TIMEOUT_S), "--grace-s", "30", "--"]
+    started = time.perf_counter()
+    mismatch_port = launch.free_port()
+    # a coordinator (process 0 of 2, with its backend up) for a process that believes the run has 3
+    coordinator_script = ("import jax, time; jax.distributed.initialize("
+                          f"'127.0.0.1:{mismatch_port}', 2, 0, initialization_timeout=120); jax.devices(); time.sleep(120)")
+    coordinator = _popen([sys.executable, "-c", coordinator_script], env)
+    procs = {
+        "reference": _popen([sys.executable, "-m", "train.ptb",
+                             *_train_flags(ptb_offline_dir, "--metrics-file", str(tmp / "ref.jsonl"))],
+                            dict(env, XLA_FLAGS=env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8")),
+        "killed": _popen(launcher + [sys.executable, "-m", "tests.train.multiprocess_child", str(KILL_AT_CALL), "--",
+                                     *_train_flags(ptb_offline_dir, "--ckpt-dir", str(ckpt), "--ckpt-every",
+                                                   str(CKPT_EVERY), "--metrics-file", str(tmp / "mp.jsonl"))], env),
+        # process 1 of 2 whose coordinator never starts
+        "unreachable": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "2")],
+                              dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_closed_port()}", JAX_NUM_PROCESSES="2",
+                                   JAX_PROCESS_ID="1")),
+        # process 0 of 2 whose process 1 never comes
+        "alone": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "3")],
+                        dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}", JAX_NUM_PROCESSES="2",
+                             JAX_PROCESS_ID="0")),
+        "bad_mesh": _popen(launcher + [sys.executable, "-m", "train.ptb",
+                                       *_train_flags(ptb_offline_dir, "--mesh", "data=2,fsdp=2")], env),
+        "mismatch": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
+                           dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{mismatch_port}", JAX_NUM_PROCESSES="3",
+                                JAX_PROCESS_ID="1")),
+    }
+    out = {}
+    try:
+        for name, proc in procs.items():
+            out[name] = _finish(proc, RUN_TIMEOUT_S if name in ("reference", "killed") else FAILURE_TIMEOUT_S)
+    finally:
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        coordinator.communicate()
+    out["first_wave_s"] = time.perf_counter() - started
+    with open(tmp / "mp.jsonl") as handle:
+        out["killed_rows"] = handle.read()
+    t0 = time.perf_counter()
+    out["resumed"] = _finish(_popen(launcher + [sys.executable, "-m", "train.ptb", *_train_flags(
+        ptb_offline_dir, "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY), "--metrics-file",
+        str(tmp / "mp.jsonl"), "--resume")], env))
+    out["resume_s"] = time.perf_counter() - t0
+    out["total_s"] = time.perf_counter() - started
+    out["reference_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "ref.jsonl")}
+    out["mp_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "mp.jsonl")}
+    out["ckpt"] = ckpt
+    killed = {r["step"]: r["loss"] for r in (json.loads(line) for line in out["killed_rows"].splitlines() if line.strip())}
+    diffs = [_rel(losses[s], out["reference_losses"][s]) for losses in (killed, out["mp_losses"]) for s in losses
+             if s in out["reference_losses"]]
+    print(f"multi-process runs: first wave {out['first_wave_s']:.1f} s, resume {out['resume_s']:.1f} s, "
+          f"total {out['total_s']:.1f} s; max relative loss difference to one process {max(diffs, default=-1):.2e}")
+    return out
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def test_two_processes_match_one_process_with_eight_devices_and_print_once(runs):
+    code, _, err = runs["reference"]
+    assert code == 0, err[-3000:]
+    code, out, err = runs["killed"]
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    assert "error: process 0 was killed by signal 9" in err
+    ref = runs["reference_losses"]
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    killed_rows = [r for r in runs["killed_rows"].splitlines() if r.strip()]
+    assert len(killed_rows) == KILL_AT_CALL - 1  # process 0 alone writes the metrics file: one row per step
+    for row in map(json.loads, killed_rows):
+        assert _rel(row["loss"], ref[row["step"]]) <= 1e-5, (row, ref)
+    # process 0 prints the run; process 1 only what native libraries write (gloo's connection lines)
+    assert out.count("train config:") == 1
+    others = [line for line in (out + err).splitlines() if line.startswith("[process 1]")]
+    assert all("[Gloo]" in line for line in others), others
+
+
+def test_checkpoints_are_written_by_every_process(runs):
+    state = runs["ckpt"] / str(CKPT_EVERY) / "state"
+    for pid in (0, 1):
+        shard_dir = state / f"ocdbt.process_{pid}"
+        assert shard_dir.is_dir() and any((shard_dir / "d").iterdir()), sorted(os.listdir(state))
+
+
+def test_kill_and_resume_gives_the_uninterrupted_losses(runs):
+    code, out, err = runs["resumed"]
+    assert code == 0, err[-3000:]
+    assert f"resumed from {runs['ckpt']} at step {CKPT_EVERY}" in out
+    ref, mp = runs["reference_losses"], runs["mp_losses"]
+    assert sorted(mp) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert _rel(mp[step], ref[step]) <= 1e-5, (step, mp[step], ref[step])
+    assert out.count("summary") == 1
+
+
+def test_unreachable_coordinator_exits_2_with_one_line_naming_the_address(runs):
+    code, out, err = runs["unreachable"]
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: could not reach the coordinator at 127.0.0.1:") and "within 2 s" in lines[0]
+    assert out == ""
+
+
+def test_process_zero_without_its_peers_exits_2_with_one_line(runs):
+    code, _, err = runs["alone"]
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: not every process reached the coordinator at 127.0.0.1:")
+    assert "within 3 s (this is process 0)" in lines[0] and "JAX_NUM_PROCESSES=2" in lines[0]
+
+
+def test_process_count_larger_than_the_coordinators_exits_2_with_one_line(runs):
+    code, _, err = runs["mismatch"]
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: JAX_NUM_PROCESSES=3 on this process, but the coordinator at 127.0.0.1:")
+    assert lines[0].endswith("runs 2 processes; give every process the same JAX_NUM_PROCESSES")
+
+
+def test_mesh_not_matching_the_devices_of_all_processes_exits_2(runs):
+    code, out, err = runs["bad_mesh"]
+    assert code == 2, err[-3000:]
+    message = ("error: --mesh: mesh data=2,fsdp=2 has 4 devices but 8 are available "
+               "(cpu, 2 processes with 4 each); the axis sizes must multiply to 8")
+    assert message in err.splitlines() and f"[process 1] {message}" in err.splitlines()
+    assert "Traceback" not in err and "train config" not in out
+
+
+# ----------------------------------------------------------------------------- without JAX processes
+
+
+def test_process_env_sets_the_coordinator_and_replaces_the_device_count():
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", "A": "1"}
+    env = launch.process_env(base, 1, 2, 1234, cpu_devices=4)
+    assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+    assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"], env["A"]) == ("2", "1", "cpu", "1")
+    assert env["XLA_FLAGS"].split() == ["--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=4"]
+    assert "JAX_PLATFORMS" not in launch.process_env({}, 0, 1, 1)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--processes", "2"], "give the command to run after '--'"),
+    (["--processes", "2", "--"], "the command after '--' is empty"),
+    (["--processes", "0", "--", "true"], "--processes must be a positive integer, got 0"),
+    (["--processes", "2", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be a positive integer"),
+    (["--processes", "2", "--port", "70000", "--", "true"], "--port must be between 1 and 65535"),
+    (["--processes", "two", "--", "true"], "argument --processes: invalid int value: 'two'"),
+    (["--processes", "1", "--", "/no/such/program"], "cannot start '/no/such/program'"),
+])
+def test_launcher_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_launcher_help_names_every_flag(capsys):
+    assert launch.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--processes", "--cpu-devices", "--port", "--timeout-s", "--grace-s", "train.ptb --preset tiny"):
+        assert flag in out
+
+
+def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd):
+    script = ("import os, sys, time\n"
+              "pid = int(os.environ['JAX_PROCESS_ID'])\n"
+              "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
+              "sys.stdout.flush()\n"
+              "sys.exit(3) if pid == 1 else time.sleep(60)\n")
+    t0 = time.perf_counter()
+    code = launch.main(["--processes", "3", "--grace-s", "0.2", "--", sys.executable, "-c", script])
+    elapsed_s = time.perf_counter() - t0
+    out, err = capfd.readouterr()
+    assert code == 3 and elapsed_s < 30
+    assert "error: process 1 exited with code 3; stopped the 2 still running" in err
+    assert "[process 1] hello from 1 of 3 127.0.0.1:" in out and "[process 2] hello from 2 of 3" in out
+    assert any(line.startswith("hello from 0 of 3") for line in out.splitlines())
+
+
+def test_launcher_timeout_stops_everything():
+    launch_ = launch.Launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, grace_s=0.1)
+    launch_.start()
+    code, message = launch_.wait(timeout_s=0.5)
+    assert code == launch.EXIT_TIMEOUT and "did not finish within 0.5 s" in message
+    assert all(p.poll() is not None for p in launch_.procs)
+
+
+def test_wait_for_coordinator_times_out_naming_the_address():
+    port = _closed_port()
+    with pytest.raises(sh.DistributedSetupError, match=rf"could not reach the coordinator at 127.0.0.1:{port} "
+                                                       r"within 0.3 s"):
+        sh.wait_for_coordinator(f"127.0.0.1:{port}", 0.3)
+
+
+def test_coordinator_port_in_use_is_refused():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(sh.DistributedSetupError, match=f"cannot open the coordinator port {port}"):
+            sh.check_coordinator_port(f"127.0.0.1:{port}")
+
+
+def test_multi_process_environment_needs_a_mesh(monkeypatch, capsys, ptb_offline_dir):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    flags = [f for f in _train_flags(ptb_offline_dir) if f not in ("--mesh", "data=4,fsdp=2")]
+    assert ptb.main(flags) == 2
+    err = capsys.readouterr().err
+    assert "one process of a multi-process run" in err and "--mesh is not given" in err
+    assert ptb.main(flags + ["--init-timeout-s", "0"]) == 2
+    assert "--init-timeout-s must be a positive number of seconds, got 0.0" in capsys.readouterr().err
