@@ -35,7 +35,7 @@ def tie_to_cotangent(fn: Callable) -> Callable:
     """Make the recomputation in ``fn``'s backward pass wait for its output cotangent.
 
     Args:
-      fn: a (usually checkpointed) function of positional pytrees of arrays, returning a pytree.
+      fn: a (usually checkpointed) function of pytrees of arrays, returning a pytree.
         It may close over values being differentiated (a shared weight).
 
     Returns:
@@ -44,12 +44,13 @@ def tie_to_cotangent(fn: Callable) -> Callable:
     """
 
     @functools.wraps(fn)
-    def tied(*args):
+    def tied(*args, **kwargs):
         if _jax_compat.forward_mode_active():
-            return fn(*args)
-        # custom_vjp cannot close over traced values: hoist them into explicit inputs.
-        converted, consts = jax.closure_convert(fn, *args)
-        return _tied_call(converted, tuple(consts), args)
+            return fn(*args, **kwargs)
+        # custom_vjp takes neither keyword arguments nor traced values it closes over: pass
+        # both as explicit inputs.
+        converted, consts = jax.closure_convert(lambda a, kw: fn(*a, **kw), args, kwargs)
+        return _tied_call(converted, tuple(consts), (args, kwargs))
 
     return tied
 
