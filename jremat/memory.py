@@ -31,13 +31,9 @@ from typing import Callable, Iterable, Sequence
 import jax
 from jax.extend import core as jcore
 
+from jremat import _jax_compat
 from jremat import program as _program
 from jremat import xla_flags as _xla_flags
-
-try:  # file:line (function) of an equation, as jax's own saved_residuals prints it
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - private module moved
-    _source_info = None
 
 #: How ``MemoryReport.peak_bytes`` was obtained.
 PEAK_FROM_BACKEND = "backend peak_memory_in_bytes"
@@ -353,10 +349,10 @@ class ResidualsReport:
 
 
 def _summarize_source(eqn) -> str:
-    if _source_info is None:  # pragma: no cover
+    if _jax_compat.source_summarize is None:  # pragma: no cover
         return "unknown"
     try:
-        return _source_info.summarize(eqn.source_info) or "inside a JAX library function"
+        return _jax_compat.source_summarize(eqn.source_info) or "inside a JAX library function"
     except Exception:  # noqa: BLE001 - best effort, never fail a report over a line number
         return "unknown"
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jremat import engine as _engine
 from jremat import registry
 from jremat.policy import NoRemat, Policy
 
@@ -380,7 +381,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
     if config.scan_layers:
         grouped = jax.tree.map(lambda a: a.reshape((n_groups, size) + a.shape[1:]), stacked_params)
         grouped_keys = None if keys is None else keys.reshape((n_groups, size) + keys.shape[1:])
-        checkpointed = jax.checkpoint(group_fn, policy=save_inputs_only, prevent_cse=False)
+        checkpointed = _engine.checkpoint(group_fn, callback=save_inputs_only, prevent_cse=False)
 
         def body(carry, group_inputs):
             params_g, keys_g = group_inputs
@@ -388,7 +389,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
 
         x, _ = jax.lax.scan(body, x, (grouped, grouped_keys))
         return x
-    checkpointed = recompute_after_cotangent(jax.checkpoint(group_fn, policy=save_inputs_only))
+    checkpointed = recompute_after_cotangent(_engine.checkpoint(group_fn, callback=save_inputs_only))
     parts = jax.tree.map(lambda a: jax.lax.split(a, (size,) * n_groups, axis=0), stacked_params)
     for g in range(n_groups):
         params_g = jax.tree.map(lambda p: p[g], parts, is_leaf=lambda t: isinstance(t, list))
@@ -426,7 +427,7 @@ def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunk
         shape = a.shape[:axis] + (n_chunks, length // n_chunks) + a.shape[axis + 1 :]
         return jnp.moveaxis(a.reshape(shape), axis, 0)
 
-    chunk_fn = recompute_after_cotangent(jax.checkpoint(fn, prevent_cse=False))
+    chunk_fn = recompute_after_cotangent(_engine.checkpoint(fn, prevent_cse=False))
 
     def body(total, chunk):
         return total + chunk_fn(params, *chunk), None
