@@ -177,7 +177,7 @@ def _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, 
 
 
 def _remat3_names(fn, save_names, offload: Mapping[str, tuple[str, str]], args, kwargs):
-    policy = jax.checkpoint_policies.save_only_these_names(*save_names)
+    policy = jax.checkpoint_policies.save_only_these_names(*save_names) if save_names else None
     if not offload:
         return jax.checkpoint(fn, policy=policy)(*args, **kwargs)
     from jremat import program as _program

@@ -50,8 +50,10 @@ RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 #: Primitives that return their input unchanged; a residual is looked through them.
 IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
 
-#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``).
-PLAN_TAG_RE = re.compile(r"^jremat\d+/\d+(\.\d+)?$")
+#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``), and
+#: that :func:`jremat.engine.checkpoint` gives the values a callback keeps under jax_remat3
+#: (``jremat_cb2/5``).
+PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
 
 _LOOP_PRIMITIVES = ("scan",)
 
