@@ -27,6 +27,8 @@ PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     ("jax._src.ad_checkpoint", "saved_residuals"): "listing the residuals jax.vjp keeps (tests and reports)",
     ("jax._src.source_info_util", "register_exclusion"): "attributing saved values to the user's source "
     "lines rather than to jremat's own wrappers",
+    ("jax._src.ad_checkpoint", "CheckpointName"): "reading checkpoint_name tags in jaxprs traced under "
+    "jax_remat3 (saved-residual reports)",
     ("jax._src.config", "remat3"): "switching between JAX's remat engines (the jax_remat3 flag)",
     ("jax._src.ad_checkpoint", "custom_remat"): "offloading residuals to host memory under jax_remat3 "
     "(used only while JAX does not export jax.custom_remat)",
@@ -78,6 +80,21 @@ def exclude_from_tracebacks(path: str) -> None:
     register = _optional("jax._src.source_info_util", "register_exclusion")
     if register is not None:
         register(path)
+
+
+def remat3_tag_name(eqn) -> str | None:
+    """The name of a ``checkpoint_name`` equation traced under jax_remat3, else ``None``.
+
+    Under remat3 a tag is a ``call_hi_primitive`` equation whose ``_prim`` is JAX's private
+    ``CheckpointName``; ``None`` on a JAX without it (no remat3 tags can exist there).
+    """
+    prim = eqn.params.get("_prim") if eqn.primitive.name == "call_hi_primitive" else None
+    if prim is None:
+        return None
+    checkpoint_name_type = _optional("jax._src.ad_checkpoint", "CheckpointName")
+    if checkpoint_name_type is None or not isinstance(prim, checkpoint_name_type):
+        return None
+    return prim.params["name"]
 
 
 def saved_residuals(fn: Callable, *args, **kwargs) -> list:
@@ -138,6 +155,7 @@ __all__ = [
     "private",
     "remat3_enabled",
     "remat3_flag_exists",
+    "remat3_tag_name",
     "saved_residuals",
     "source_current_name_stack",
     "source_summarize",

@@ -297,6 +297,16 @@ def offload_function(src: str, dst: str) -> Callable:
 # ---------------------------------------------------------------------------------------------
 
 
+def tag_name(eqn) -> str | None:
+    """The tensor name of a ``checkpoint_name`` equation under either engine, else ``None``.
+
+    A classic tag is a ``name`` equation; a remat3 tag is a ``call_hi_primitive`` equation.
+    """
+    if eqn.primitive.name == NAME_PRIMITIVE:
+        return eqn.params["name"]
+    return _jax_compat.remat3_tag_name(eqn)
+
+
 def translates(eqn) -> bool:
     """Whether ``eqn`` is a classic ``checkpoint_name`` / ``jax.checkpoint`` equation that must be
     re-emitted for remat3 when re-bound (true only while remat3 is active)."""
@@ -358,5 +368,6 @@ __all__ = [
     "checkpoint",
     "natively_understood",
     "offload_function",
+    "tag_name",
     "translates",
 ]

@@ -32,6 +32,7 @@ import jax
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
+from jremat import engine as _engine
 from jremat import program as _program
 from jremat import xla_flags as _xla_flags
 
@@ -364,6 +365,11 @@ def _dtype_name(aval) -> str:
     return str(dtype) if dtype is not None else "token"
 
 
+def _primitive_name(eqn) -> str:
+    """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
+    return "name" if _engine.tag_name(eqn) is not None else eqn.primitive.name
+
+
 def _vjp_residual_jaxpr(fn, args, kwargs):
     leaves, in_tree = jax.tree.flatten((args, kwargs))
 
@@ -513,10 +519,10 @@ def saved_residuals_report(
 
     def canonical(v):
         names = []
-        while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in IDENTITY_PRIMITIVES:
+        while not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES:
             eqn = producer[v]
-            if eqn.primitive.name == "name":
-                names.append(eqn.params["name"])
+            if _primitive_name(eqn) == "name":
+                names.append(_engine.tag_name(eqn))
             v = eqn.invars[0]
         return v, names
 
@@ -529,9 +535,9 @@ def saved_residuals_report(
                     if id(eqn) in seen:
                         continue
                     seen.add(id(eqn))
-                    prim = eqn.primitive.name
+                    prim = _primitive_name(eqn)
                     if prim == "name":
-                        found.append(eqn.params["name"])
+                        found.append(_engine.tag_name(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
             user = [n for n in found if not PLAN_TAG_RE.match(n)]
