@@ -63,7 +63,7 @@ def _flag_value():
 
 
 def active_engine() -> str:
-    """The engine ``jax.checkpoint`` uses right now: :data:`CLASSIC` or :data:`REMAT3`.
+    """The engine ``jax.checkpoint`` uses under the current ``jax_remat3`` value: :data:`CLASSIC` or :data:`REMAT3`.
 
     Found by tracing ``jax.checkpoint(sin)`` once per value of the ``jax_remat3`` flag and
     looking at the primitive it binds (``remat2`` for the classic engine).
