@@ -31,13 +31,10 @@ from typing import Callable, Iterable, Sequence
 import jax
 from jax.extend import core as jcore
 
+from jremat import _jax_compat
+from jremat import engine as _engine
 from jremat import program as _program
 from jremat import xla_flags as _xla_flags
-
-try:  # file:line (function) of an equation, as jax's own saved_residuals prints it
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - private module moved
-    _source_info = None
 
 #: How ``MemoryReport.peak_bytes`` was obtained.
 PEAK_FROM_BACKEND = "backend peak_memory_in_bytes"
@@ -54,8 +51,10 @@ RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 #: Primitives that return their input unchanged; a residual is looked through them.
 IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
 
-#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``).
-PLAN_TAG_RE = re.compile(r"^jremat\d+/\d+(\.\d+)?$")
+#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``), and
+#: that :func:`jremat.engine.checkpoint` gives the values a callback keeps under jax_remat3
+#: (``jremat_cb2/5``).
+PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
 
 _LOOP_PRIMITIVES = ("scan",)
 
@@ -353,10 +352,10 @@ class ResidualsReport:
 
 
 def _summarize_source(eqn) -> str:
-    if _source_info is None:  # pragma: no cover
+    if _jax_compat.source_summarize is None:  # pragma: no cover
         return "unknown"
     try:
-        return _source_info.summarize(eqn.source_info) or "inside a JAX library function"
+        return _jax_compat.source_summarize(eqn.source_info) or "inside a JAX library function"
     except Exception:  # noqa: BLE001 - best effort, never fail a report over a line number
         return "unknown"
 
@@ -364,6 +363,11 @@ def _summarize_source(eqn) -> str:
 def _dtype_name(aval) -> str:
     dtype = getattr(aval, "dtype", None)
     return str(dtype) if dtype is not None else "token"
+
+
+def _primitive_name(eqn) -> str:
+    """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
+    return "name" if _engine.tag_name(eqn) is not None else eqn.primitive.name
 
 
 def _vjp_residual_jaxpr(fn, args, kwargs):
@@ -515,10 +519,10 @@ def saved_residuals_report(
 
     def canonical(v):
         names = []
-        while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in IDENTITY_PRIMITIVES:
+        while not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES:
             eqn = producer[v]
-            if eqn.primitive.name == "name":
-                names.append(eqn.params["name"])
+            if _primitive_name(eqn) == "name":
+                names.append(_engine.tag_name(eqn))
             v = eqn.invars[0]
         return v, names
 
@@ -531,9 +535,9 @@ def saved_residuals_report(
                     if id(eqn) in seen:
                         continue
                     seen.add(id(eqn))
-                    prim = eqn.primitive.name
+                    prim = _primitive_name(eqn)
                     if prim == "name":
-                        found.append(eqn.params["name"])
+                        found.append(_engine.tag_name(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
             user = [n for n in found if not PLAN_TAG_RE.match(n)]

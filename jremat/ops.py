@@ -9,13 +9,13 @@ surrounding remat policy saves or recomputes like any other.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
+from jremat import engine as _engine
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+
+@_engine.checkpoint
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last axis with statistics in float32; output in ``x.dtype``.
 
@@ -36,13 +36,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return (y * scale32 + bias32).astype(x.dtype)
 
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+@_engine.checkpoint
 def gelu(x: jax.Array) -> jax.Array:
     """tanh-approximate GELU (as in GPT-2); keeps only its input for the backward pass."""
     return jax.nn.gelu(x, approximate=True)
 
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+@_engine.checkpoint
 def softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis computed in float32, output in ``x.dtype``; keeps only its input."""
     return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)

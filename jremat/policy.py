@@ -19,6 +19,7 @@ from typing import Callable
 
 import jax
 
+from jremat import engine as _engine
 from jremat import program as _program
 from jremat import tie as _tie
 
@@ -100,7 +101,7 @@ class CallbackPolicy(Policy):
         self.callback = callback
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        return jax.checkpoint(fn, policy=self.callback, prevent_cse=prevent_cse)
+        return _engine.checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
 
 
 class PlanPolicy(Policy):
@@ -134,17 +135,12 @@ class PlanPolicy(Policy):
             ]
             if offload_names:
                 require_host_memory(self.offload_dst)
-                callback = jax.checkpoint_policies.save_and_offload_only_these_names(
-                    names_which_can_be_saved=save_names,
-                    names_which_can_be_offloaded=offload_names,
-                    offload_src=self.offload_src,
-                    offload_dst=self.offload_dst,
-                )
-            else:
-                callback = jax.checkpoint_policies.save_only_these_names(*save_names)
-            tagged = jax.checkpoint(
+            tagged = _engine.checkpoint(
                 lambda *leaves: _program.evaluate_tagged(prog, tags, leaves),
-                policy=callback,
+                save_names=save_names,
+                offload_names=offload_names,
+                offload_src=self.offload_src,
+                offload_dst=self.offload_dst,
                 prevent_cse=prevent_cse,
             )
             outs = tagged(*jax.tree.leaves((args, kwargs)))

@@ -33,10 +33,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-try:  # keeps user source lines on re-bound equations, for the saved-residuals report
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - private module moved
-    _source_info = None
+from jremat import _jax_compat
+from jremat import engine as _engine
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -198,13 +196,15 @@ def _read(env, v):
 
 
 def _bind(eqn, invals):
+    if _engine.translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
+        return _engine.bind_translated(eqn, invals)
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     subfuns = ()
     if isinstance(bind_params, tuple):  # JAX < 0.8 returned (subfuns, params)
         subfuns, bind_params = bind_params
-    if _source_info is not None:
-        name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-        with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
+        name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
+        with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     else:  # pragma: no cover
         outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
@@ -328,9 +328,12 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
         a, kw = jax.tree.unflatten(in_tree, leaves)
         return fn(*a, **kw)
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+    # Traced with the classic primitives (``name``, ``remat2``) under either remat engine, so
+    # that policies see the same program; re-binding re-emits them for the active engine.
+    with _jax_compat.classic_remat_context():
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        flat = inline_calls(closed, flat_args)
     out_tree = jax.tree.structure(out_shape)
-    flat = inline_calls(closed, flat_args)
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jax.extend import core as jcore
 
-from jremat import CallbackPolicy, Param, Plan, PlanPolicy, register
+from jremat import CallbackPolicy, Param, Plan, PlanPolicy, engine, register
 from jremat.names import check_found
 from jremat.policy import require_host_memory
 from jremat.program import SHAPE_ONLY_PRIMITIVES, Program, evaluate_tagged, jaxpr_tags, trace_program
@@ -52,8 +52,8 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
         found = jaxpr_tags(program.closed_jaxpr.jaxpr)
         for wanted, name, key in requirements:
             check_found(wanted, found, policy=name, key=key)
-        checkpointed = jax.checkpoint(
-            lambda *leaves: evaluate_tagged(program, {}, leaves), policy=policy.callback, prevent_cse=prevent_cse
+        checkpointed = engine.checkpoint(
+            lambda *leaves: evaluate_tagged(program, {}, leaves), callback=policy.callback, prevent_cse=prevent_cse
         )
         return jax.tree.unflatten(program.out_tree, checkpointed(*jax.tree.leaves((args, kwargs))))
 

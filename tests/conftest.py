@@ -12,9 +12,8 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals  # noqa: E402
-
 import jremat  # noqa: E402
+from jremat._jax_compat import saved_residuals as _jax_saved_residuals  # noqa: E402
 from models import GPT, cross_entropy_loss, preset  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")

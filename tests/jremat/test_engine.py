@@ -1,0 +1,173 @@
+"""jremat.engine: each policy keeps the same values under JAX's classic engine and jax_remat3."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import Offloadable, checkpoint_name
+
+import jremat
+from jremat import engine
+from tests.conftest import saved_residuals
+
+
+@pytest.fixture(params=[engine.CLASSIC, engine.REMAT3])
+def remat_engine(request):
+    """Run the test under one engine, then restore the flag."""
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", request.param == engine.REMAT3)
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
+def under(engine_name, fn):
+    """``fn()`` with the ``jax_remat3`` flag set for ``engine_name``, the flag restored after."""
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", engine_name == engine.REMAT3)
+    try:
+        return fn()
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
+def chain(w, x):
+    for _ in range(3):
+        x = jnp.sin(x @ w)
+    return jnp.sum(x)
+
+
+def named(x):
+    a = checkpoint_name(jnp.sin(x), "q")
+    b = checkpoint_name(jnp.sin(a), "k")
+    return jnp.sum(jnp.sin(checkpoint_name(jnp.sin(b), "v")))
+
+
+def shapes_kept(fn, *args):
+    """Sorted ``(shape, dtype, memory space)`` of every residual (descriptions differ by engine)."""
+    return sorted(str(aval) for aval, _ in saved_residuals(fn, *args))
+
+
+def test_active_engine_follows_the_flag(remat_engine):
+    assert engine.active_engine() == remat_engine
+
+
+def test_jit_cache_does_not_leak_between_engines():
+    step = jax.jit(jax.grad(engine.checkpoint(jnp.sin)))
+    prims = {
+        name: under(name, lambda: {e.primitive.name for e in jax.make_jaxpr(step)(1.0).eqns[0].params["jaxpr"].eqns})
+        for name in engine.ENGINES
+    }
+    assert prims[engine.CLASSIC] != prims[engine.REMAT3]
+    assert "remat2" not in prims[engine.REMAT3] and "remat2" in prims[engine.CLASSIC] | {"remat2"}
+
+
+def test_decorated_at_import_follows_the_engine_at_call_time():
+    from jremat import ops
+
+    kinds = {
+        name: under(name, lambda: [e.primitive.name for e in jax.make_jaxpr(ops.gelu)(jnp.ones(3)).eqns])
+        for name in engine.ENGINES
+    }
+    assert kinds[engine.CLASSIC] == ["remat2"]
+    assert kinds[engine.REMAT3] != ["remat2"]
+
+
+def test_user_callback_decides_under_both_engines(remat_engine):
+    """remat3 never calls a callback; jremat asks it per equation and saves what it keeps."""
+    def keep_sin(prim, *avals, **params):
+        return prim.name == "sin"
+
+    w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
+    kept = shapes_kept(lambda w: engine.checkpoint(chain, callback=keep_sin)(w, x), w)
+    nothing = shapes_kept(lambda w: engine.checkpoint(chain)(w, x), w)
+    assert len(kept) == len(nothing) + 2  # the two sines feeding matmuls
+    grad = jax.grad(engine.checkpoint(chain, callback=keep_sin))(w, x)
+    assert float(jnp.max(jnp.abs(grad - jax.grad(chain)(w, x)))) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.save_only_these_names("k"),
+        jax.checkpoint_policies.save_any_names_but_these("k"),
+    ],
+    ids=["dots", "dots_no_batch", "nothing", "only_k", "all_names_but_k"],
+)
+def test_jax_policies_keep_the_same_values_under_both_engines(callback):
+    w, x = jnp.eye(4) * 0.5, jnp.ones((2, 4))
+
+    def fn(w):
+        return chain(w, named(x @ w) * x)
+
+    kept = {name: under(name, lambda: shapes_kept(engine.checkpoint(fn, callback=callback), w)) for name in engine.ENGINES}
+    assert kept[engine.CLASSIC] == kept[engine.REMAT3]
+    grads = {name: under(name, lambda: jax.grad(engine.checkpoint(fn, callback=callback))(w)) for name in engine.ENGINES}
+    assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])
+
+
+def test_everything_saveable_is_not_a_full_remat_under_remat3():
+    """remat3 itself saves nothing but names under everything_saveable; jremat tags every
+    equation. The classic engine keeps the linearized values (cos) where remat3 keeps the primal
+    ones (sin), so the sets have the same activations, not the same producers."""
+    w, x = jnp.eye(4) * 0.5, jnp.ones((2, 4))
+    callback = jax.checkpoint_policies.everything_saveable
+
+    def activations(name):
+        kept = under(name, lambda: shapes_kept(lambda w: engine.checkpoint(chain, callback=callback)(w, x), w))
+        return [k for k in kept if k == "float32[2,4]"]
+
+    assert len(activations(engine.REMAT3)) == len(activations(engine.CLASSIC)) >= 3
+    native = under(engine.REMAT3, lambda: shapes_kept(lambda w: jax.checkpoint(chain, policy=callback)(w, x), w))
+    assert len([k for k in native if k == "float32[2,4]"]) < len(activations(engine.REMAT3))
+
+
+def attention_like(x):
+    q, k, v = (checkpoint_name(jnp.sin(x * c), n) for c, n in ((1.0, "q"), (2.0, "k"), (3.0, "v")))
+    probs = jnp.exp(jnp.sin(q * k))
+    return jnp.sum(jnp.sin(checkpoint_name(probs * v, "attn_context")))
+
+
+def test_offload_goes_to_host_under_both_engines(remat_engine):
+    x = jnp.linspace(0.1, 1.0, 24).reshape(4, 6)
+    fn = engine.checkpoint(named, save_names=["v"], offload_names=["q"])
+    host = [aval for aval, _ in saved_residuals(fn, x) if "host" in str(aval)]
+    assert [a.shape for a in host] == [(4, 6)]
+    assert jnp.array_equal(jax.grad(fn)(x), jax.grad(named)(x))
+
+
+def test_offload_decision_of_a_callback_goes_to_host(remat_engine):
+    def offload_sin(prim, *avals, **params):
+        return Offloadable("device", "pinned_host") if prim.name == "sin" else False
+
+    x = jnp.linspace(0.1, 1.0, 6)
+    fn = engine.checkpoint(lambda x: jnp.sum(jnp.sin(jnp.sin(x))), callback=offload_sin)
+    assert [a.shape for a, _ in saved_residuals(fn, x) if "host" in str(a)] == [(6,)]
+
+
+def test_offload_to_an_unknown_memory_kind_under_remat3_is_an_error():
+    fn = engine.checkpoint(named, offload_names=["q"], offload_dst="unpinned_host")
+    with pytest.raises(ValueError, match="under jax_remat3.*'unpinned_host'.*valid: device, pinned_host"):
+        under(engine.REMAT3, lambda: jax.grad(fn)(jnp.ones(3)))
+
+
+def test_checkpoint_argument_errors():
+    with pytest.raises(ValueError, match="not both"):
+        engine.checkpoint(named, save_names=["q"], callback=jax.checkpoint_policies.nothing_saveable)
+    with pytest.raises(ValueError, match="both to save and to offload"):
+        engine.checkpoint(named, save_names=["q"], offload_names=["q"])
+
+
+@pytest.mark.parametrize(
+    "spec", ["selective", "every_k:k=2", "names_except:exclude=k", "names:save=q+v", "offload:names=q,save=v"]
+)
+def test_policies_keep_the_same_values_under_both_engines(spec):
+    x = jnp.linspace(0.1, 1.0, 24).reshape(4, 6)
+    kept = {name: under(name, lambda: shapes_kept(jremat.checkpoint(attention_like, spec), x)) for name in engine.ENGINES}
+    assert kept[engine.CLASSIC] == kept[engine.REMAT3]
+    assert len(kept[engine.CLASSIC]) > 1  # more than the input: the comparison can fail
+    grads = {name: under(name, lambda: jax.grad(jremat.checkpoint(attention_like, spec))(x)) for name in engine.ENGINES}
+    assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])

@@ -1,0 +1,44 @@
+"""jremat's only contact with JAX's private modules: every symbol it needs is present."""
+
+import os
+import pathlib
+
+import pytest
+
+from jremat import _jax_compat
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), sorted(_jax_compat.PRIVATE_SYMBOLS), ids=lambda v: v.replace("jax._src.", "")
+)
+def test_private_symbol_present(module, name):
+    """Fails with MissingJaxInternal (symbol, purpose, JAX version) when a JAX release drops it."""
+    assert _jax_compat.private(module, name) is not None
+
+
+def test_missing_private_symbol_error_names_symbol_purpose_and_version(monkeypatch):
+    key = ("jax._src.ad_checkpoint", "no_such_symbol_for_jremat")
+    monkeypatch.setitem(_jax_compat.PRIVATE_SYMBOLS, key, "a test of the error message")
+    with pytest.raises(_jax_compat.MissingJaxInternal, match=r"jax\._src\.ad_checkpoint\.no_such_symbol_for_jremat "
+                       r"for a test of the error message, but JAX \d"):
+        _jax_compat.private(*key)
+    with pytest.raises(KeyError):  # an unlisted private symbol cannot be loaded
+        _jax_compat.private("jax._src.core", "Tracer")
+
+
+def test_jax_src_imported_only_by_the_compat_module():
+    offenders = []
+    for folder in ("jremat", "policies", "train", "models", "tests"):
+        for dirpath, _, files in os.walk(ROOT / folder):
+            for file in files:
+                path = pathlib.Path(dirpath) / file
+                exempt = path.name in ("_jax_compat.py", "test_jax_compat.py")
+                if file.endswith(".py") and not exempt and "jax._src" in path.read_text():
+                    offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"jax._src used outside jremat/_jax_compat.py: {offenders}"
+
+
+def test_custom_remat_available():
+    assert callable(_jax_compat.custom_remat())
