@@ -143,17 +143,17 @@ class Explanation:
         lines = [(f"policy {self.policy!r} on {self.function}: {self.checkpoints} checkpoint"
                  f"{'' if self.checkpoints == 1 else 's'}")]
         for d in self.decisions:
-            per = f" per iteration, x{d.iterations} = {_fmt_bytes(d.total_bytes)}" if d.iterations > 1 else ""
+            per = f" per iteration, x{d.iterations} = {_memory.format_bytes(d.total_bytes)}" if d.iterations > 1 else ""
             tagged = f"  [names: {', '.join(d.names)}]" if d.names else ""
-            lines.append(f"  {d.decision:<9} {d.count:>5} values {_fmt_bytes(d.bytes):>11}{per}  {d.where}{tagged}")
+            lines.append(f"  {d.decision:<9} {d.count:>5} values {_memory.format_bytes(d.bytes):>11}{per}  {d.where}{tagged}")
         for m in self.names:
-            lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_fmt_bytes(m.bytes)}")
+            lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
         if self.saved_bytes is not None:
-            lines.append(f"  residuals for the backward pass: {_fmt_bytes(self.baseline_saved_bytes)} without remat, "
-                         f"{_fmt_bytes(self.saved_bytes)} with the policy")
+            lines.append(f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
+                         f"{_memory.format_bytes(self.saved_bytes)} with the policy")
         if self.temp_bytes is not None:
-            lines.append(f"  compiled temp of the gradient: {_fmt_bytes(self.baseline_temp_bytes)} without remat, "
-                         f"{_fmt_bytes(self.temp_bytes)} with the policy")
+            lines.append(f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
+                         f"{_memory.format_bytes(self.temp_bytes)} with the policy")
         lines.extend(self.messages)
         return "\n".join(lines)
 
@@ -169,29 +169,9 @@ class Explanation:
         return out
 
 
-def _fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading a trace
 # ---------------------------------------------------------------------------------------------
-
-
-def _sub_jaxprs(eqn) -> list:
-    subs = []
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, jcore.ClosedJaxpr):
-                subs.append(sub.jaxpr)
-            elif isinstance(sub, jcore.Jaxpr):
-                subs.append(sub)
-    return subs
 
 
 def _scope(eqn) -> str:
@@ -216,7 +196,7 @@ def _tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
         if eqn.primitive.name == "name":
             found.append((eqn.params["name"], _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
         inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-        for sub in _sub_jaxprs(eqn):
+        for sub in _program.nested_jaxprs(eqn):
             found.extend(_tags(sub, inner))
     return found
 
@@ -268,7 +248,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
         if prim in _CHECKPOINT_PRIMITIVES:
             visit(e, scopes)  # a checkpoint of its own; its outputs are decided here too
         else:
-            subs = _sub_jaxprs(e)
+            subs = _program.nested_jaxprs(e)
             if subs:
                 inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
                 for sub in subs:
@@ -316,7 +296,7 @@ def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
                 visit(eqn, scopes)
                 continue
             inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-            for sub in _sub_jaxprs(eqn):
+            for sub in _program.nested_jaxprs(eqn):
                 walk(sub, inner)
 
     walk(jaxpr, ())

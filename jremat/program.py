@@ -358,14 +358,16 @@ def feeds_only_effects(program: Program) -> frozenset[int]:
     return frozenset(found)
 
 
-def _nested_jaxprs(value):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _nested_jaxprs(item)
+def nested_jaxprs(eqn) -> list:
+    """Every jaxpr in an equation's parameters (scan and while bodies, cond branches, calls)."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jcore.Jaxpr):
+                found.append(item)
+    return found
 
 
 def jaxpr_tags(jaxpr) -> frozenset[str]:
@@ -377,8 +379,7 @@ def jaxpr_tags(jaxpr) -> frozenset[str]:
         for eqn in current.eqns:
             if eqn.primitive.name == "name":
                 found.add(eqn.params["name"])
-            for value in eqn.params.values():
-                stack.extend(_nested_jaxprs(value))
+            stack.extend(nested_jaxprs(eqn))
     return frozenset(found)
 
 

@@ -374,7 +374,7 @@ def _compare(got, ref, rtol: float, atol: float):
 
 def _random_primitives(jaxpr) -> set[str]:
     """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
-    from jax.extend import core as jcore
+    from jremat.program import nested_jaxprs
 
     found: set[str] = set()
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
@@ -387,12 +387,7 @@ def _random_primitives(jaxpr) -> set[str]:
         for eqn in jx.eqns:
             if eqn.primitive.name in RANDOM_PRIMITIVES:
                 found.add(eqn.primitive.name)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        stack.append(sub.jaxpr)
-                    elif isinstance(sub, jcore.Jaxpr):
-                        stack.append(sub)
+            stack.extend(nested_jaxprs(eqn))
     return found
 
 

@@ -181,24 +181,15 @@ class MemoryTimeline:
         where = f"position {self.peak_position} of {len(self.live_bytes)}"
         if loop is not None:
             where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
-        lines = [f"peak {_fmt(self.peak_bytes)} at {where}; compiled peak {_fmt(self.compiled_peak_bytes)}"
+        lines = [f"peak {_memory.format_bytes(self.peak_bytes)} at {where}; compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
                  + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")]
         header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"
         lines += [header, "  " + "-" * (len(header) - 2)]
         for b in self.top_buffers[:top]:
             shape = b.shape.split("{")[0]
-            lines.append(f"  {_fmt(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
+            lines.append(f"  {_memory.format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
                          f"{b.start_position:>5}-{b.end_position:<5}  {b.source}")
         return "\n".join(lines)
-
-
-def _fmt(n) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _kind(op_name: str) -> str:
@@ -373,15 +364,15 @@ def build_timeline(
          "temp block they occupy)"),
     ]
     if unmodelled:
-        notes.append(f"not modelled: {_fmt(unmodelled)} of constants and thread-local scratch")
+        notes.append(f"not modelled: {_memory.format_bytes(unmodelled)} of constants and thread-local scratch")
     if missing_ranges:
         notes.append(f"{missing_ranges} values of the buffer assignment had no live range in the dump and are left out")
     if compiled_peak:
         gap = compiled_peak - peak_bytes
         if abs(gap) > 0.02 * compiled_peak:
             notes.append(
-                f"timeline maximum {_fmt(peak_bytes)} is {100 * gap / compiled_peak:+.1f}% off the compiled peak "
-                f"{_fmt(compiled_peak)}: the compiled temp size is the heap's high-water mark, which includes "
+                f"timeline maximum {_memory.format_bytes(peak_bytes)} is {100 * gap / compiled_peak:+.1f}% off the compiled peak "
+                f"{_memory.format_bytes(compiled_peak)}: the compiled temp size is the heap's high-water mark, which includes "
                 "fragmentation between live temp values"
             )
     return MemoryTimeline(

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jremat import memory as jmem
+from jremat.memory import format_bytes
 from jremat import registry
 from jremat import timeline as jtl
 from jremat.explain import Explanation, explain_applied
@@ -611,16 +612,6 @@ def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
-
-
-def format_bytes(n) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``); ``"n/a"`` for ``None`` or ``""``."""
-    if n is None or n == "":
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
