@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend import core as jcore
 
+from jremat import _jax_compat
 from jremat import memory as _memory
 from jremat import program as _program
 from jremat import registry
@@ -517,7 +518,10 @@ def explain_applied(
     name = _name or getattr(remat_fn, "__name__", repr(remat_fn))
     flat_remat, structs, params = _flatten(remat_fn, args, kwargs, param_argnums)
     flat_base = _flatten(baseline, args, kwargs, param_argnums)[0] if baseline is not None else None
-    tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
+    # Both remat engines save the same values (docs/remat-engines.md); the classic primitives
+    # are the ones this module reads.
+    with _jax_compat.classic_remat_context():
+        tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
     tags = [t for t in _tags(tag_jaxpr) if not _memory.PLAN_TAG_RE.match(t[0])]
     found = tuple(dict.fromkeys(t[0] for t in tags))
     mentioned = mentioned_names(chosen)
@@ -531,7 +535,8 @@ def explain_applied(
                 f"unmatched name ({label}): {role} name {tag!r} matched nothing; the traced function tags "
                 + (", ".join(found) if found else "no values (no checkpoint_name at all)"))
     try:
-        jaxpr = jax.make_jaxpr(flat_remat)(*structs).jaxpr
+        with _jax_compat.classic_remat_context():
+            jaxpr = jax.make_jaxpr(flat_remat)(*structs).jaxpr
     except ValueError as err:
         messages.append(f"error ({label}): applying the policy raised: {err}")
         return Explanation(label, name, 0, (), tuple(matches), found, messages=tuple(messages))

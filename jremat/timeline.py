@@ -57,7 +57,9 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jremat import _jax_compat
 from jremat import memory as _memory
+from jremat import program as _program
 from jremat import xla_flags as _xla_flags
 from jremat.xla_dump import (
     Hlo,
@@ -514,23 +516,16 @@ def checkpoint_name_locations(jaxpr) -> dict:
 
     def walk(jx):
         for eqn in jx.eqns:
-            if eqn.primitive.name == "name":
+            tag = eqn.params.get("name") if eqn.primitive.name == "name" else _jax_compat.remat3_tag_name(eqn)
+            if tag is not None:
                 loc = _user_location(eqn.source_info, skip)
                 if loc is not None:
-                    out[loc].add(str(eqn.params.get("name")))
-            for sub in _subjaxprs(eqn):
+                    out[loc].add(str(tag))
+            for sub in _program.nested_jaxprs(eqn):
                 walk(sub)
 
     walk(getattr(jaxpr, "jaxpr", jaxpr))
     return dict(out)
-
-
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                yield inner
 
 
 def _read_dump(folder: str, suffix: str) -> str:
