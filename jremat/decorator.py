@@ -98,9 +98,11 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
     chosen = registry.resolve(spec, **keys)
     if chosen.stack_level:
         raise ValueError(_stack_level_message(chosen))
-    if isinstance(methods, str) or not all(isinstance(m, str) for m in tuple(methods)) or not tuple(methods):
-        raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
+    if isinstance(methods, str):
+        raise ValueError(f"methods must be a sequence of method names, got the string {methods!r}")
     methods = tuple(methods)
+    if not methods or not all(isinstance(m, str) for m in methods):
+        raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
 
     def decorate(target):
         from flax import linen, nnx
