@@ -52,8 +52,25 @@ def call_rematerialized(fn: Callable, policy: Policy, args: tuple, kwargs: dict,
     Returns:
       ``fn``'s output.
     """
+    with_dynamic, leaves, dynamic_positions = split_static(fn, args, kwargs)
+    return policy.wrap(with_dynamic, prevent_cse=prevent_cse)(*[leaves[i] for i in dynamic_positions])
+
+
+def split_static(fn: Callable, args: tuple, kwargs: dict, is_dynamic: Callable = _is_dynamic) -> tuple[Callable, list, list[int]]:
+    """``fn(*args, **kwargs)`` as a function of its array leaves alone, the others closed over.
+
+    Args:
+      fn: the function.
+      args: positional arguments (pytrees).
+      kwargs: keyword arguments (pytrees).
+      is_dynamic: which leaves are inputs (default: arrays); the others are closed over.
+
+    Returns:
+      ``(flat_fn, leaves, dynamic_positions)``: ``flat_fn(*[leaves[i] for i in dynamic_positions])``
+      equals ``fn(*args, **kwargs)``; ``leaves`` are all leaves of ``(args, kwargs)``.
+    """
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic_positions = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+    dynamic_positions = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
 
     def with_dynamic(*dynamic):
         full = list(leaves)
@@ -62,7 +79,7 @@ def call_rematerialized(fn: Callable, policy: Policy, args: tuple, kwargs: dict,
         a, kw = jax.tree.unflatten(treedef, full)
         return fn(*a, **kw)
 
-    return policy.wrap(with_dynamic, prevent_cse=prevent_cse)(*[leaves[i] for i in dynamic_positions])
+    return with_dynamic, leaves, dynamic_positions
 
 
 def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), prevent_cse: bool = True, **keys):
@@ -289,4 +306,4 @@ def custom_policy(name: str, *, doc: str | None = None, kind: str = "callback"):
     return decorator
 
 
-__all__ = ["call_rematerialized", "checkpoint", "custom_policy", "policy"]
+__all__ = ["call_rematerialized", "checkpoint", "custom_policy", "policy", "split_static"]

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Mapping
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
-from jax.extend import core as jcore
 
 from jremat import _jax_compat
 
@@ -338,24 +337,12 @@ def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]]) -> li
     and offloading the values tagged with the names in ``offload``."""
     from jremat import program as _program
 
-    env = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [_program._read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in _program.INLINED_CALL_PRIMITIVES:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            outs = _evaluate(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), invals, offload)
-        else:
-            outs = _program._bind(eqn, invals)
-            if eqn.primitive.name == NAME_PRIMITIVE and eqn.params["name"] in offload:
-                outs = [offload_function(*offload[eqn.params["name"]])(outs[0])]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [_program._read(env, v) for v in jaxpr.outvars]
+    def offload_named(eqn, outs):
+        if eqn.primitive.name == NAME_PRIMITIVE and eqn.params["name"] in offload:
+            return [offload_function(*offload[eqn.params["name"]])(outs[0])]
+        return outs
+
+    return _program._eval_inlined(jaxpr, consts, args, offload_named)
 
 
 __all__ = [

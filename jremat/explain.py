@@ -37,6 +37,7 @@ from jremat import memory as _memory
 from jremat import program as _program
 from jremat import registry
 from jremat.decorator import policy as _decorate_with
+from jremat.decorator import split_static
 from jremat.policy import NoRemat, Policy
 
 SAVE = "save"
@@ -365,19 +366,10 @@ def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[in
     Leaves become shape structs; other leaves (bools, ints, strings) stay constants, as the
     decorator treats them. ``param_positions`` are the leaf positions of ``param_argnums``.
     """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+    flat_fn, leaves, dynamic = split_static(fn, args, kwargs, _is_dynamic)
     owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     owners += [None] * (len(leaves) - len(owners))
-    dynamic = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
     wanted = set(param_argnums)
-
-    def flat_fn(*values):
-        full = list(leaves)
-        for i, value in zip(dynamic, values):
-            full[i] = value
-        a, kw = jax.tree.unflatten(treedef, full)
-        return fn(*a, **kw)
-
     structs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in dynamic]
     params = tuple(j for j, i in enumerate(dynamic) if owners[i] in wanted)
     return flat_fn, structs, params

@@ -224,7 +224,9 @@ def inline_calls(closed_jaxpr, flat_args: Sequence):
     return jax.make_jaxpr(lambda *a: _eval_inlined(closed_jaxpr.jaxpr, closed_jaxpr.consts, a))(*flat_args)
 
 
-def _eval_inlined(jaxpr, consts, args):
+def _eval_inlined(jaxpr, consts, args, after_bind=None):
+    """Evaluate ``jaxpr`` with nested call bodies inlined; ``after_bind(eqn, outs)`` may replace
+    the outputs of each re-bound equation."""
     env = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c
@@ -236,9 +238,11 @@ def _eval_inlined(jaxpr, consts, args):
             sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             sub_consts = sub.consts if hasattr(sub, "consts") else ()
             sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            outs = _eval_inlined(sub_jaxpr, sub_consts, invals)
+            outs = _eval_inlined(sub_jaxpr, sub_consts, invals, after_bind)
         else:
             outs = _bind(eqn, invals)
+            if after_bind is not None:
+                outs = after_bind(eqn, outs)
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

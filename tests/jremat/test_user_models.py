@@ -10,43 +10,26 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
+from jremat import registry
+from jremat.testing import policy_examples
 from tests.jremat import user_models
 
-#: An example spec for every built-in policy that can wrap one function (nested cannot).
-EXAMPLE_SPECS = {
-    "none": "none",
-    "full": "full",
-    "dots": "dots",
-    "dots_no_batch": "dots_no_batch",
-    "every_k": "every_k:k=2",
-    "skip_cheap": "skip_cheap",
-    "selective": "selective",
-    "names": f"names:save={user_models.HIDDEN}",
-    "names_except": f"names_except:exclude={user_models.HIDDEN}",
-    "offload": f"offload:names={user_models.HIDDEN}",
-    "auto": "auto:budget=0.5",
-}
+#: The built-in policies (registered by the ``policies`` package).
+BUILTINS = frozenset(name for name, e in registry.entries().items() if e.factory.__module__.startswith("policies."))
 STACK_LEVEL = {"nested"}
-WMT_SPECS = {
-    "names": "names:save=wmt_mlp",
-    "names_except": "names_except:exclude=wmt_mlp",
-    "offload": "offload:names=wmt_mlp",
-}
 
 
-def builtin_policies():
-    import importlib.metadata
+def example_specs(tag):
+    """jremat.testing's example spec of every built-in policy that can wrap one function, naming ``tag``."""
+    return {ex.name: ex.spec for ex in policy_examples(tags=(tag,)) if ex.skip_reason is None and ex.name in BUILTINS}
 
-    from jremat import registry
 
-    return sorted(
-        name for name, entry in registry.entries().items()
-        if entry.factory.__module__.startswith("policies.")
-    ) or [ep.name for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP)]
+EXAMPLE_SPECS = example_specs(user_models.HIDDEN)
+WMT_SPECS = example_specs("wmt_mlp")
 
 
 def test_every_builtin_policy_is_covered():
-    assert set(builtin_policies()) == set(EXAMPLE_SPECS) | STACK_LEVEL
+    assert BUILTINS - set(EXAMPLE_SPECS) == STACK_LEVEL
 
 
 def grads_and_state(case):
@@ -88,7 +71,7 @@ def reference(model):
 @pytest.mark.parametrize("model", sorted(user_models.CASES))
 @pytest.mark.parametrize("policy", sorted(EXAMPLE_SPECS))
 def test_gradients_and_state_equal_undecorated(model, policy):
-    spec = (WMT_SPECS if model == "wmt" else {}).get(policy, EXAMPLE_SPECS[policy])
+    spec = (WMT_SPECS if model == "wmt" else EXAMPLE_SPECS)[policy]
     loss0, state0, grads0 = reference(model)
     loss, state, grads = grads_and_state(user_models.CASES[model](spec))
     assert_trees_close(loss, loss0, 1e-5, "loss")
