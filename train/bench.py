@@ -67,7 +67,7 @@ from jremat import registry
 from jremat.remat import NestedLayers
 from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
-from train.config import OneLineErrorParser, UsageError
+from train.cli import OneLineErrorParser, UsageError
 from train.memory import block_program, format_bytes, step_residuals
 from train.step import make_train_step
 
