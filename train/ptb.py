@@ -203,7 +203,7 @@ def compiled_steps(model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, param
     if key not in _STEP_CACHE:
         tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
         train = step_lib.make_train_step(graphdef, opt_cfg.build())
-        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(0, 0, 0)).compile()
+        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(jax.random.key(0), 0, 0)).compile()
         eval_c = step_lib.make_eval_step(graphdef).lower(params, tokens, tokens).compile()
         _STEP_CACHE[key] = (train_c, eval_c)
     return _STEP_CACHE[key]
@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 micro_losses = []
                 for micro in range(cfg.accum):
                     x, y = train_batches[(step * cfg.accum + micro) % per_epoch]
-                    key = jax.random.fold_in(jax.random.fold_in(base_key, step), micro)
+                    key = step_lib.dropout_key(base_key, step, micro)
                     params, opt_state, loss = train_step(params, opt_state, put(x), put(y), key)
                     micro_losses.append(loss)
                 loss = float(np.mean([float(v) for v in micro_losses]))
