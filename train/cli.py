@@ -273,6 +273,8 @@ def require_number(name: str, value, *, minimum: float = 0.0, inclusive: bool = 
         wanted = f"a number >= {minimum:g}"
     else:
         wanted = "a positive number" if minimum == 0 else f"a number > {minimum:g}"
+    if name.endswith("_s"):
+        wanted += " of seconds"
     require(ok, f"{flag_name(name)} must be {wanted}, got {value!r}")
 
 
