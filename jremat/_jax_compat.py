@@ -6,13 +6,17 @@ listed in :data:`PRIVATE_SYMBOLS` and loaded through :func:`private`, which rais
 version, instead of an ``ImportError`` deep inside a policy. The test suite checks each symbol
 (``tests/jremat/test_jax_compat.py``), so a JAX upgrade that removes one fails there first.
 
-Public replacements are preferred where they exist: :func:`custom_remat` returns
-``jax.custom_remat`` when JAX exports it and falls back to the private definition otherwise.
+Under ``jax_remat3`` jremat binds two remat3 primitives of its own, built here on JAX's
+``VJPHiPrimitive`` interface (:func:`remat3_name_tag`, :func:`remat3_offload`): JAX 0.10.2's
+``checkpoint_name`` has no batching rule (``vmap``, ``jax.jacfwd``) and its ``custom_remat``
+cannot run outside differentiation (an ``init`` call, or ``jit`` of the forward pass).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -28,10 +32,8 @@ PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     ("jax._src.source_info_util", "register_exclusion"): "attributing saved values to the user's source "
     "lines rather than to jremat's own wrappers",
     ("jax._src.ad_checkpoint", "CheckpointName"): "reading checkpoint_name tags in jaxprs traced under "
-    "jax_remat3 (saved-residual reports)",
+    "jax_remat3 (saved-residual reports), and the base of jremat's remat3 name tag, which also batches",
     ("jax._src.config", "remat3"): "switching between JAX's remat engines (the jax_remat3 flag)",
-    ("jax._src.ad_checkpoint", "custom_remat"): "offloading residuals to host memory under jax_remat3 "
-    "(used only while JAX does not export jax.custom_remat)",
     ("jax._src.core", "trace_ctx"): "telling forward-mode differentiation (jvp, linearize) from reverse "
     "mode, under which the cotangent tie (jremat.tie) cannot apply",
 }
@@ -155,28 +157,157 @@ def forward_mode_active() -> bool:
     return False
 
 
-def custom_remat() -> Callable:
-    """``jax.custom_remat`` where JAX exports it, else JAX's private definition.
+def classic_name_primitive():
+    """The primitive a classic ``checkpoint_name`` binds (``name``), as classic policy callbacks see it."""
+    return _remat3_primitives().name_primitive
+
+
+def remat3_name_tag(x, name: str):
+    """``x`` tagged ``name`` for remat3 checkpoints: JAX's ``checkpoint_name`` that also batches.
+
+    Saved exactly when JAX's own remat3 tag would be: under ``save_only_these_names`` listing
+    ``name``, ``save_any_names_but_these`` not listing it, or ``everything_saveable``. Unlike JAX
+    0.10.2's tag it has a batching rule, so ``vmap`` and ``jax.jacfwd`` pass through it; JAX's
+    saved-residual reports read it as a ``checkpoint_name`` (it is a subclass).
 
     Raises:
-      MissingJaxInternal: if neither exists.
+      MissingJaxInternal: if the running JAX lacks ``CheckpointName``.
     """
-    public = getattr(jax, "custom_remat", None)
-    if public is not None:
-        return public
-    return private("jax._src.ad_checkpoint", "custom_remat")
+    return _remat3_primitives().tag(name, jax.typeof(x))(x)
+
+
+def remat3_offload(x, src, dst):
+    """``x`` unchanged; inside a remat3 checkpoint the residual is its copy in ``dst`` memory.
+
+    The forward pass copies ``x`` to ``dst`` (a ``jax.memory.Space``) and the checkpoint keeps
+    that copy; the backward pass copies it back to ``src`` instead of recomputing ``x``. Outside
+    a checkpoint, and under ``jit``, ``vmap``, ``jax.jvp`` or ``jax.linearize``, it is the identity.
+
+    Raises:
+      MissingJaxInternal: if the running JAX lacks the hijax primitive interface.
+    """
+    return _remat3_primitives().offload(jax.typeof(x), src, dst)(x)
+
+
+@functools.cache
+def _remat3_primitives():
+    checkpoint_name_type = private("jax._src.ad_checkpoint", "CheckpointName")
+    try:
+        from jax.experimental.hijax import VJPHiPrimitive
+    except ImportError as err:
+        raise MissingJaxInternal(
+            f"jremat's remat3 lowering needs jax.experimental.hijax.VJPHiPrimitive, which JAX "
+            f"{jax.__version__} does not have ({err}); turn jax_remat3 off"
+        ) from err
+    from jax.ad_checkpoint import checkpoint_name
+
+    with classic_remat_context():
+        name_primitive = jax.make_jaxpr(lambda v: checkpoint_name(v, "n"))(1.0).jaxpr.eqns[0].primitive
+    cp = jax.checkpoint_policies
+
+    def keeps(policy, name, aval) -> bool:
+        if policy is None or policy is cp.nothing_saveable:
+            return False
+        if policy is cp.everything_saveable:
+            return True
+        return policy(name_primitive, aval, name=name) is True
+
+    class Tag(checkpoint_name_type):
+        def again(self, x):
+            return Tag(self.name, jax.typeof(x))(x)
+
+        def remat(self, policy, x):
+            y = self.again(x)
+            if keeps(policy, self.name, self.in_avals[0]):
+                return y, functools.partial(_value_then_tangent_of, y)
+            return y, _identity
+
+        def jvp(self, primals, tangents):
+            return self.again(primals[0]), tangents[0]
+
+        def vjp_fwd(self, nzs_in, x):
+            return self.again(x), None
+
+        def lin(self, nzs_in, x):
+            return self.again(x), None
+
+        def batch(self, axis_data, args, dims):
+            return self.again(args[0]), dims[0]
+
+    class Offload(VJPHiPrimitive):
+        def __init__(self, aval, src, dst):
+            self.in_avals = (aval,)
+            self.out_aval = aval
+            self.params = dict(src=src, dst=dst)
+            super().__init__()
+
+        def again(self, x):
+            return Offload(jax.typeof(x), self.src, self.dst)(x)
+
+        def expand(self, x):
+            return x
+
+        def remat(self, policy, x):
+            y = self.again(x)
+            copy = jax.device_put(y, self.dst)
+            return y, lambda recomputed: _value_then_tangent_of(jax.device_put(copy, self.src), recomputed)
+
+        def jvp(self, primals, tangents):
+            return self.again(primals[0]), tangents[0]
+
+        def vjp_fwd(self, nzs_in, x):
+            return self.again(x), None
+
+        def vjp_bwd_retval(self, residuals, g):
+            return (g,)
+
+        def lin(self, nzs_in, x):
+            return self.again(x), None
+
+        def linearized(self, residuals, t):
+            return t
+
+        def batch(self, axis_data, args, dims):
+            return self.again(args[0]), dims[0]
+
+    return _Remat3Primitives(tag=Tag, offload=Offload, name_primitive=name_primitive)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Remat3Primitives:
+    tag: type
+    offload: type
+    name_primitive: Any
+
+
+def _identity(x):
+    return x
+
+
+@jax.custom_jvp
+def _value_then_tangent_of(saved, recomputed):
+    """``saved``, with the tangent of ``recomputed``: a remat3 residual that the backward pass
+    reads instead of the recomputed value (JAX's ``dot_general`` remat rule does the same)."""
+    return saved
+
+
+@_value_then_tangent_of.defjvp
+def _value_then_tangent_of_jvp(primals, tangents):
+    return primals[0], tangents[1]
 
 
 __all__ = [
     "PRIVATE_SYMBOLS",
     "MissingJaxInternal",
     "classic_remat_context",
-    "custom_remat",
+    "classic_name_primitive",
     "exclude_from_tracebacks",
     "forward_mode_active",
     "private",
     "remat3_enabled",
     "remat3_flag_exists",
+    "remat3_name_tag",
+    "remat3_offload",
     "remat3_tag_name",
     "saved_residuals",
     "source_current_name_stack",

@@ -16,11 +16,15 @@ callback) and lowers it for the engine that ``jax.checkpoint`` uses *when the ch
 function is called* (so flipping ``jax_remat3`` between calls is honoured and jit caches, keyed
 on the flag, never mix engines). Under remat3:
 
-* names to save and natively understood callbacks go to ``jax.checkpoint`` unchanged;
+* names to save and natively understood callbacks go to ``jax.checkpoint`` unchanged, around
+  the function traced once with the classic primitives and re-bound (name tags re-emitted as
+  below);
 * any other callback is asked about every equation of the traced function (nested ``jit``
   inlined), exactly as the classic engine asks it, and the equations it keeps are tagged with
   unique names that are then saved (or offloaded) by name;
-* offloaded names are re-emitted through ``jax.custom_remat``: the forward pass copies the
+* name tags are re-emitted as :func:`name_tag` (a remat3 ``checkpoint_name`` that also
+  batches, so ``vmap`` and ``jax.jacfwd`` pass through jremat's checkpoints);
+* offloaded names are re-emitted through :func:`offload_function`: the forward pass copies the
   value to host memory, the residual *is* that host copy, and the backward pass copies it back.
 
 The engine is detected from what ``jax.checkpoint`` actually emits, never from a version string.
@@ -146,7 +150,7 @@ def checkpoint(
             return _remat3_callback(fn, callback, args, kwargs)
         if callback is not None:
             policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
-            return jax.checkpoint(fn, policy=policy)(*args, **kwargs)
+            return _remat3_rebound(fn, policy, {}, args, kwargs)
         offload = {name: (offload_src, offload_dst) for name in offload_names}
         return _remat3_names(fn, save_names, offload, args, kwargs)
 
@@ -177,8 +181,13 @@ def _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, 
 
 def _remat3_names(fn, save_names, offload: Mapping[str, tuple[str, str]], args, kwargs):
     policy = jax.checkpoint_policies.save_only_these_names(*save_names) if save_names else None
-    if not offload:
-        return jax.checkpoint(fn, policy=policy)(*args, **kwargs)
+    return _remat3_rebound(fn, policy, offload, args, kwargs)
+
+
+def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kwargs):
+    """``jax.checkpoint(fn, policy=policy)`` under remat3, ``fn`` traced once with the classic
+    primitives and re-bound: its name tags become :func:`name_tag` (which batches), the values
+    named in ``offload`` go through :func:`offload_function`."""
     from jremat import program as _program
 
     for src, dst in offload.values():
@@ -254,11 +263,11 @@ def offload_function(src: str, dst: str) -> Callable:
 
     Inside a remat3 checkpoint, the forward pass copies the value from ``src`` to ``dst`` memory
     and keeps that copy; the backward pass copies it back to ``src`` instead of recomputing it
-    (``jax.custom_remat``). Outside a remat3 checkpoint it is not differentiable.
+    (:func:`jremat._jax_compat.remat3_offload`). Elsewhere (a call that is not differentiated,
+    ``vmap``, forward mode) it is the identity.
 
     Raises:
       ValueError: if ``src`` or ``dst`` is not a memory kind jremat can address under remat3.
-      jremat._jax_compat.MissingJaxInternal: if the running JAX has no ``custom_remat``.
     """
     for kind in (src, dst):
         if kind not in _MEMORY_SPACES:
@@ -267,28 +276,15 @@ def offload_function(src: str, dst: str) -> Callable:
                 f"memory kind {kind!r} has none (valid: {', '.join(sorted(_MEMORY_SPACES))})"
             )
     there, back = _MEMORY_SPACES[dst], _MEMORY_SPACES[src]
+    return lambda x: _jax_compat.remat3_offload(x, back, there)
 
-    def identity(x):
-        return x
 
-    def forward(x):
-        return x, jax.device_put(x, there)
-
-    def recompute(copy, x):
-        del x
-        return jax.device_put(copy, back), None
-
-    def backward(_, g):
-        return None, g
-
-    try:
-        custom_remat = _jax_compat.custom_remat()
-    except _jax_compat.MissingJaxInternal as err:
-        raise _jax_compat.MissingJaxInternal(
-            f"offload under jax_remat3 needs jax.custom_remat: {err}; turn jax_remat3 off "
-            "(jax.config.update('jax_remat3', False)) or use a policy that recomputes"
-        ) from err
-    return custom_remat(identity, forward, recompute, backward)
+def name_tag(x, name: str):
+    """``checkpoint_name(x, name)`` for the engine in use: JAX's own under the classic engine,
+    :func:`jremat._jax_compat.remat3_name_tag` (which also batches under ``vmap``) under remat3."""
+    if active_engine() == REMAT3:
+        return _jax_compat.remat3_name_tag(x, name)
+    return checkpoint_name(x, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,14 +312,14 @@ def translates(eqn) -> bool:
 def bind_translated(eqn, invals) -> list:
     """Re-emit a classic name tag or checkpoint equation (see :func:`translates`) for remat3.
 
-    A ``name`` equation becomes ``checkpoint_name`` (remat3's name tag); a ``remat2`` equation
+    A ``name`` equation becomes :func:`name_tag` (remat3's name tag); a ``remat2`` equation
     becomes :func:`checkpoint` of its body with the same policy, the body re-emitted the same way.
 
     Returns:
       The equation's outputs, as a list.
     """
     if eqn.primitive.name == NAME_PRIMITIVE:
-        return [checkpoint_name(invals[0], eqn.params["name"])]
+        return [name_tag(invals[0], eqn.params["name"])]
     body = eqn.params["jaxpr"]
     consts = body.consts if hasattr(body, "consts") else ()
     body = body.jaxpr if hasattr(body, "jaxpr") else body
@@ -353,6 +349,7 @@ __all__ = [
     "bind_translated",
     "callback_decisions",
     "checkpoint",
+    "name_tag",
     "natively_understood",
     "offload_function",
     "tag_name",

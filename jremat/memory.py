@@ -140,8 +140,6 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
         stats, error = None, f"memory_analysis() raised {type(err).__name__}: {err}"
     else:
         error = "memory_analysis() returned None"
-    if isinstance(stats, (list, tuple)):  # older JAX returned one entry per device program
-        stats = stats[0] if stats else None
     if stats is None:
         return MemoryReport(False, platform, None, None, None, None, None, None, PEAK_UNAVAILABLE,
                             (f"{platform}: {error}; no compiled memory figures (see jax issue #18954)",))

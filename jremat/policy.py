@@ -53,16 +53,19 @@ class Policy(abc.ABC):
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.
 
-        With ``prevent_cse=True`` the checkpoint is also tied to its cotangent
-        (:mod:`jremat.tie`), so that XLA cannot merge the recomputation back into the forward
-        pass of straight-line code.
+        With ``prevent_cse=True`` a checkpoint that recomputes anything is also tied to its
+        cotangent (:mod:`jremat.tie`), so that XLA cannot merge the recomputation back into the
+        forward pass of straight-line code.
 
         Args:
           fn: a function of positional pytrees of arrays.
-          prevent_cse: as in ``jax.checkpoint``: ``True`` where the checkpoint may sit in
+          prevent_cse: :func:`jremat.tie.needs_tie` of where the checkpoint runs: ``True`` in
             straight-line code, ``False`` inside a ``lax.scan`` of more than one step.
         """
-        return _tie.wrap(self.checkpoint(fn, prevent_cse=prevent_cse), fn, prevent_cse=prevent_cse)
+        checkpointed = self.checkpoint(fn, prevent_cse=prevent_cse)
+        if prevent_cse and checkpointed is not fn:
+            return _tie.tie_to_cotangent(checkpointed)
+        return checkpointed
 
     @abc.abstractmethod
     def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:

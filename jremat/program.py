@@ -30,7 +30,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
@@ -199,15 +198,12 @@ def _bind(eqn, invals):
     if _engine.translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
         return _engine.bind_translated(eqn, invals)
     bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(bind_params, tuple):  # JAX < 0.8 returned (subfuns, params)
-        subfuns, bind_params = bind_params
     if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
         name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
         with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+            outs = eqn.primitive.bind(*invals, **bind_params)
     else:  # pragma: no cover
-        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        outs = eqn.primitive.bind(*invals, **bind_params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -411,9 +407,9 @@ def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequen
         tag = tags.get(i)
         if tag is not None:
             if len(outs) == 1:
-                outs = [checkpoint_name(outs[0], tag)]
+                outs = [_engine.name_tag(outs[0], tag)]
             else:
-                outs = [checkpoint_name(o, f"{tag}.{j}") for j, o in enumerate(outs)]
+                outs = [_engine.name_tag(o, f"{tag}.{j}") for j, o in enumerate(outs)]
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import names, registry
+from jremat import tie as _tie
 from jremat.policy import CallbackPolicy, Policy
 
 GRANULARITIES = ("none", "block", "sublayer")
@@ -225,26 +226,30 @@ def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy |
     if config.granularity != level:
         return fn
     chosen = policy if policy is not None else config.resolved_policy()
-    # Inside scan every iteration is its own computation, so CSE across layers cannot undo remat.
-    return chosen.wrap(fn, prevent_cse=not config.scan_layers)
+    if isinstance(chosen, _InScan):  # run_layers knows the length of the scan
+        return chosen.wrap(fn)
+    # A model that scans its own layers: a scan of more than one step.
+    return chosen.wrap(fn, prevent_cse=_tie.needs_tie(_MANY_STEPS if config.scan_layers else None))
 
 
-class _StraightLine(Policy):
-    """``policy`` for a layer that runs as straight-line code although the stack is scanned.
+#: The scan length :func:`remat_at` assumes for a ``scan_layers`` model that runs its own scan.
+_MANY_STEPS = 2
 
-    XLA turns a ``lax.scan`` of one step into straight-line code, so that layer's checkpoints
-    are built with ``prevent_cse=True`` and get the cotangent tie (:mod:`jremat.tie`).
-    """
 
-    def __init__(self, policy: Policy):
+class _InScan(Policy):
+    """``policy`` for layers that :func:`run_layers` calls in a ``lax.scan`` of ``scan_length``
+    steps (``None``: unrolled); the cotangent tie follows :func:`jremat.tie.needs_tie`."""
+
+    def __init__(self, policy: Policy, scan_length: int | None):
         self.policy = policy
+        self.scan_length = scan_length
         self.spec = policy.spec
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        return self.policy.checkpoint(fn, prevent_cse=True)
+        return self.policy.checkpoint(fn, prevent_cse=_tie.needs_tie(self.scan_length))
 
     def wrap(self, fn, *, prevent_cse=True):
-        return self.policy.wrap(fn, prevent_cse=True)
+        return self.policy.wrap(fn, prevent_cse=_tie.needs_tie(self.scan_length))
 
 
 def run_layers(
@@ -285,13 +290,13 @@ def _run_layers(make_layer_fn, stacked_params, x, keys, config):
     if isinstance(policy, NestedLayers):
         if config.granularity == "none":
             return _run_stack(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config.scan_layers)
-        return _run_nested(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config, policy.group_size(n_layers))
+        size = policy.group_size(n_layers)
+        inner = _InScan(policy.layer_policy, size if config.scan_layers else None)
+        return _run_nested(make_layer_fn(inner), stacked_params, x, keys, config, size)
     groups = config.layer_groups(n_layers)
 
     def layer_fn(group_policy: Policy, count: int) -> Callable:
-        if config.scan_layers and count == 1:
-            group_policy = _StraightLine(group_policy)
-        return make_layer_fn(group_policy)
+        return make_layer_fn(_InScan(group_policy, count if config.scan_layers else None))
 
     if len(groups) == 1:
         return _run_stack(layer_fn(groups[0][1], n_layers), stacked_params, x, keys, config.scan_layers)
@@ -337,7 +342,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
     if config.scan_layers:
         grouped = jax.tree.map(lambda a: a.reshape((n_groups, size) + a.shape[1:]), stacked_params)
         grouped_keys = None if keys is None else keys.reshape((n_groups, size) + keys.shape[1:])
-        checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=n_groups == 1)
+        checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=_tie.needs_tie(n_groups))
 
         def body(carry, group_inputs):
             params_g, keys_g = group_inputs
@@ -345,7 +350,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
 
         x, _ = jax.lax.scan(body, x, (grouped, grouped_keys))
         return x
-    checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=True)
+    checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=_tie.needs_tie(None))
     parts = jax.tree.map(lambda a: jax.lax.split(a, (size,) * n_groups, axis=0), stacked_params)
     for g in range(n_groups):
         params_g = jax.tree.map(lambda p: p[g], parts, is_leaf=lambda t: isinstance(t, list))
@@ -383,8 +388,7 @@ def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunk
         shape = a.shape[:axis] + (n_chunks, length // n_chunks) + a.shape[axis + 1 :]
         return jnp.moveaxis(a.reshape(shape), axis, 0)
 
-    # A scan of one chunk is straight-line code: only then does the checkpoint need the tie.
-    chunk_fn = CallbackPolicy(jax.checkpoint_policies.nothing_saveable).wrap(fn, prevent_cse=n_chunks == 1)
+    chunk_fn = CallbackPolicy(jax.checkpoint_policies.nothing_saveable).wrap(fn, prevent_cse=_tie.needs_tie(n_chunks))
 
     def body(total, chunk):
         return total + chunk_fn(params, *chunk), None

@@ -7,10 +7,13 @@ the two or run the recomputation early, and the checkpoint then saves nothing
 recomputation starts from depend on the checkpoint's incoming cotangent, so the recomputation
 can run only in that checkpoint's backward step.
 
-The rule, applied by :meth:`jremat.Policy.wrap` and nowhere else: a checkpoint is tied when it
-is built with ``prevent_cse=True`` (it may sit in straight-line code, JAX's own meaning of the
-flag) and it recomputes something. Inside ``lax.scan`` of more than one step each iteration is
-its own computation and ``prevent_cse=False`` leaves it untied.
+The rule lives in :func:`needs_tie` alone: a checkpoint is tied when it runs as straight-line
+code, outside any ``lax.scan`` or in a scan of one step (which XLA flattens); in a scan of more
+steps each iteration is its own computation and it stays untied. Every layout jremat builds
+(:mod:`jremat.remat`: layers, layer groups, nested groups, head chunks) asks :func:`needs_tie`
+and passes the answer as ``prevent_cse`` (JAX's own meaning of the flag: the checkpoint may sit
+in straight-line code); :meth:`jremat.Policy.wrap` ties a checkpoint built with
+``prevent_cse=True`` when it recomputes anything.
 
 The tie multiplies each saved floating-point value by ``1 + 0 * isnan(c)``, where ``c`` sums
 one element of each output cotangent: that factor is exactly ``1.0`` whatever ``c`` is, so values (signed
@@ -84,10 +87,14 @@ def _times_exact_one(value, probe):
     ``value ^ (probe > 1)`` (``probe`` is 0 or 1, so both added terms are zero, which XLA does not
     know). PRNG keys: their raw bits, tied as integers. Key and integer values matter because
     random bits recomputed from an untied key would be computed once, in the forward pass, and
-    kept alive until the backward pass.
+    kept alive until the backward pass. Values in host memory (offloaded) are returned as they are.
     """
     dtype = getattr(value, "dtype", None)
     if dtype is None:
+        return value
+    if getattr(jax.typeof(value), "memory_space", None) == jax.memory.Space.Host:
+        # An offloaded residual: arithmetic cannot mix memory spaces, and what the backward pass
+        # does with it is a copy back, not a recomputation.
         return value
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         bits = _times_exact_one(jax.random.key_data(value), probe)
@@ -102,18 +109,23 @@ def _times_exact_one(value, probe):
     return value
 
 
-def wrap(checkpointed: Callable, original: Callable, *, prevent_cse: bool) -> Callable:
-    """Apply the tie rule to a checkpoint built from ``original``.
+def needs_tie(scan_length: int | None) -> bool:
+    """The tie rule: whether a checkpoint called in a ``lax.scan`` of ``scan_length`` steps is tied.
 
     Args:
-      checkpointed: the checkpointed function (``original`` itself when nothing is recomputed).
-      original: the function before checkpointing.
-      prevent_cse: ``True`` when the checkpoint may sit in straight-line code.
+      scan_length: the number of steps of the ``lax.scan`` whose body calls the checkpoint, or
+        ``None`` when no scan does (unrolled layers, a decorated function, a plain call).
 
     Returns:
-      ``checkpointed`` tied to its cotangent when ``prevent_cse`` and it differs from ``original``,
-      else ``checkpointed`` unchanged.
+      ``True`` for straight-line code (``None``, or a scan of one step, which XLA flattens), where
+      XLA could merge the recomputation into the forward pass; ``False`` in a longer scan. Pass it
+      as ``prevent_cse`` to :meth:`jremat.Policy.wrap`.
+
+    Raises:
+      ValueError: if ``scan_length`` is not ``None`` or a positive integer.
     """
-    if checkpointed is original or not prevent_cse:
-        return checkpointed
-    return tie_to_cotangent(checkpointed)
+    if scan_length is None:
+        return True
+    if isinstance(scan_length, bool) or not isinstance(scan_length, int) or scan_length < 1:
+        raise ValueError(f"scan_length must be None (no scan) or a positive number of steps, got {scan_length!r}")
+    return scan_length == 1

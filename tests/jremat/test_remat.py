@@ -67,3 +67,13 @@ def test_remat_at_only_wraps_the_configured_level():
     assert jremat.remat_at(layer, "sublayer", config) is not layer
     with pytest.raises(ValueError, match="remat level must be 'block' or 'sublayer'"):
         jremat.remat_at(layer, "model", config)
+
+
+def test_tie_rule():
+    from jremat.tie import needs_tie
+
+    assert needs_tie(None) and needs_tie(1)  # straight-line code
+    assert not needs_tie(2) and not needs_tie(48)
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match="scan_length must be None"):
+            needs_tie(bad)

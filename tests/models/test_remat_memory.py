@@ -57,22 +57,34 @@ def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
 
 
 @pytest.mark.parametrize(
-    "n_layers, scan, policy, layer_policies, ties",
+    "n_layers, scan, policy, layer_policies, head_chunks, ties",
     [
-        (2, True, "full", "", 0),  # scan iterations cannot be merged: no tie, no extra pass
-        (1, True, "full", "", 1),  # XLA flattens a length-1 scan: tied
-        (1, True, "none", "", 0),  # nothing is recomputed
-        (2, False, "full", "", 1),  # unrolled: every layer runs the one tied block function
-        (3, True, "full", "1:full,rest:none", 1),  # the 1-layer group is a length-1 scan
+        (2, True, "full", "", 0, 0),  # scan iterations cannot be merged: no tie, no extra pass
+        (1, True, "full", "", 0, 1),  # XLA flattens a length-1 scan: tied
+        (1, True, "none", "", 0, 0),  # nothing is recomputed
+        (2, False, "full", "", 0, 1),  # unrolled: every layer runs the one tied block function
+        (3, True, "full", "1:full,rest:none", 0, 1),  # the 1-layer group is a length-1 scan
+        (4, True, "nested:block=2", "", 0, 0),  # 2 groups of 2 layers: scans of 2 steps
+        (2, True, "nested:block=2", "", 0, 1),  # 1 group (tied), its 2 layers in a 2-step scan
+        (2, True, "nested:block=1,layer=full", "", 0, 1),  # groups untied (2-step scan), the layer tied (1-step)
+        (4, False, "nested:block=2", "", 0, 1),  # unrolled: the one tied group function
+        (2, True, "full", "", 2, 0),  # a head scan of 2 chunks
+        (2, True, "full", "", 1, 1),  # a head scan of 1 chunk
     ],
 )
-def test_cotangent_tie_only_where_xla_could_merge_recomputation(monkeypatch, n_layers, scan, policy, layer_policies, ties):
+def test_cotangent_tie_only_where_xla_could_merge_recomputation(
+    monkeypatch, n_layers, scan, policy, layer_policies, head_chunks, ties
+):
+    """Ties per layout: jremat.tie.needs_tie is asked by every layout jremat builds."""
     from jremat import tie
 
     made = []
     real = tie.tie_to_cotangent
     monkeypatch.setattr(tie, "tie_to_cotangent", lambda fn: made.append(fn) or real(fn))
-    cfg = preset("tiny", n_layers=n_layers, scan_layers=scan, remat_policy=policy, remat_layer_policies=layer_policies)
+    cfg = preset(
+        "tiny", n_layers=n_layers, scan_layers=scan, remat_policy=policy, remat_layer_policies=layer_policies,
+        remat_head_chunks=head_chunks,
+    )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len), jnp.int32)
     jax.make_jaxpr(jax.grad(lambda p, t: cross_entropy_loss(nnx.merge(graphdef, p), t, t, jax.random.key(0))))(params, tokens)
