@@ -95,6 +95,9 @@ def policy_examples(tags: Iterable[str] = (), *, examples: Mapping[str, str] | N
         raise ValueError(f"examples for unknown policies {unknown}; registered policies: {', '.join(sorted(entries))}")
     out = []
     for name, entry in sorted(entries.items()):
+        if entry.stack:
+            out.append(PolicyExample(name, name, f"policy {name!r} cannot wrap a single function: {registry.stack_error(name)}"))
+            continue
         if name in examples:
             spec, reason = examples[name], None
         elif name in _NAME_KEYS:

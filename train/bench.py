@@ -64,7 +64,6 @@ from flax import nnx
 
 from jremat import memory as jmem
 from jremat import registry
-from jremat.remat import NestedLayers
 from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
 from train.config import OneLineErrorParser, UsageError
@@ -522,7 +521,7 @@ def saved_per_layer(cfg: ModelConfig, batch: int, seq: int, none_cfg: ModelConfi
     those of ``none``, divided by the layers, plus ``none``'s per-block figure (embedding and
     head residuals are the same under every policy, so they cancel).
     """
-    if isinstance(registry.resolve(cfg.remat_policy), NestedLayers):
+    if cfg.remat_config().nest is not None:
         whole = step_residuals(cfg, batch, seq).saved_bytes
         whole_none = step_residuals(none_cfg, batch, seq).saved_bytes
         block_none, _ = saved_per_layer(none_cfg, batch, seq, none_cfg)
@@ -1017,7 +1016,7 @@ def parse_config(argv: Sequence[str] | None) -> BenchConfig:
     if args.policy:
         for spec in args.policy:
             try:
-                registry.resolve(spec)
+                registry.normalize_spec(spec)  # nested included
             except ValueError as err:
                 raise UsageError(f"bad --policy: {err}") from None
         values["policy"] = tuple(args.policy)
@@ -1031,7 +1030,7 @@ def usable_policies(specs: Sequence[str]) -> tuple[list[str], list[str]]:
     ok, notes = [], []
     for spec in specs:
         try:
-            registry.resolve(spec)
+            registry.normalize_spec(spec)  # nested included
         except ValueError as err:
             notes.append(f"skipped policy {spec!r}: {err}")
             continue

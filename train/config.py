@@ -173,7 +173,7 @@ class TrainConfig:
         try:
             if self.policy_module:
                 registry.load_module(self.policy_module)
-            return registry.resolve(self.policy, **dict(self.policy_keys)).spec
+            return registry.normalize_spec(self.policy, **dict(self.policy_keys))
         except ValueError as err:
             raise UsageError(f"bad policy: {err}") from None
 
