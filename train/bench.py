@@ -134,7 +134,19 @@ class NnxRematBaseline(jremat.Policy):
 
 
 def register_baselines() -> None:
-    """Register the two outside baselines under their bench names (idempotent)."""
+    """Register the two outside baselines under their bench names (idempotent).
+
+    They stay registered until removed: callers that must leave the global registry as they
+    found it (tests, a bench run inside another program) wrap the run in
+    ``jremat.registry.scoped()``, which restores the registry on exit::
+
+        with registry.scoped():
+            register_baselines()
+            ...  # BASELINE_JAX / BASELINE_NNX resolve here, and are gone afterwards
+
+    Where a Policy object will do, pass it instead of a spec: ``registry.resolve``,
+    ``jremat.checkpoint`` and ``RematConfig(policy=...)`` accept one as is.
+    """
     entries = registry.entries()
     if BASELINE_JAX not in entries:
         registry.register(BASELINE_JAX, doc="bench baseline: jax.checkpoint with no policy")(JaxCheckpointBaseline)

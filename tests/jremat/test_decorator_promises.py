@@ -273,12 +273,10 @@ def test_methods_that_do_not_exist_are_a_value_error():
 
 
 def test_out_of_range_plan_indices_are_rejected():
-    jremat.custom_policy("test_bad_plan", kind="plan")(lambda program: jremat.Plan(save=frozenset({-1, 10**6})))
-    try:
+    with registry.scoped():
+        jremat.custom_policy("test_bad_plan", kind="plan")(lambda program: jremat.Plan(save=frozenset({-1, 10**6})))
         with pytest.raises(ValueError, match=r"Plan.save holds \[-1, 1000000\], which are not equation indices"):
             jax.grad(jremat.checkpoint(lambda x: jnp.sum(jnp.sin(x)), "test_bad_plan"))(X)
-    finally:
-        registry.unregister("test_bad_plan")
 
 
 def test_a_stack_level_policy_fails_at_decoration_time():
