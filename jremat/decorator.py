@@ -109,7 +109,7 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
       A decorator; it returns a rematerialized function, or a subclass of the module class.
 
     Raises:
-      ValueError: at decoration time, on a bad spec, a stack-level policy (``nested``), a
+      ValueError: at decoration time, on a bad spec, a layer-stack spec (``nested``), a
         target that is not callable, or a method name the class does not have.
     """
     chosen = registry.resolve(spec, **keys)  # refuses a layer-stack spec (nested)

@@ -145,7 +145,7 @@ def policies(tags: Iterable[str] = (), *, examples: Mapping[str, str] | None = N
         def test_exact(policy):
             jremat.testing.assert_remat_exact(loss, policy, params, x)
 
-    Policies that cannot be tested (a stack-level policy, offloading on a backend without host
+    Policies that cannot be tested (the layer-stack entry ``nested``, offloading on a backend without host
     memory, name-based policies without ``tags``) are kept as skipped parameters with the
     reason, never dropped silently.
 
