@@ -332,7 +332,7 @@ def stack_fields(spec: Any) -> dict[str, Any] | None:
     return dict(fields) if entry.stack else None
 
 
-def normalize_spec(spec: "str | Policy", **overrides: Any) -> str:
+def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
     """The canonical spec string of ``spec`` with ``overrides`` applied, for any entry.
 
     The same string as ``resolve(spec, **overrides).spec`` for a per-function policy; layer-stack

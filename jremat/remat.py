@@ -57,7 +57,7 @@ class RematConfig:
     granularity: str = "block"
     scan_layers: bool = True
     layer_policies: str = ""
-    nest: "int | str | None" = None
+    nest: int | str | None = None
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -137,7 +137,7 @@ class RematConfig:
         self.nest_size(n_layers)
 
 
-def parse_nest(value: Any) -> "int | str | None":
+def parse_nest(value: Any) -> int | str | None:
     """Check a :attr:`RematConfig.nest` value: ``None``, ``"auto"`` or a positive integer (or its text).
 
     Raises:
