@@ -72,3 +72,15 @@ def test_describe_lists_every_policy():
     text = jremat.describe()
     for name in jremat.available():
         assert f"  {name}" in text
+
+
+def test_scoped_registry_restores_what_it_found():
+    from jremat import registry
+
+    before = registry.entries()
+    with pytest.raises(RuntimeError), registry.scoped():
+        registry.register("test_scoped_policy", doc="scoped")(lambda: jremat.resolve("full"))
+        registry.unregister("every_k")
+        assert "test_scoped_policy" in registry.available() and "every_k" not in registry.available()
+        raise RuntimeError
+    assert registry.entries() == before
