@@ -109,12 +109,10 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
       A decorator; it returns a rematerialized function, or a subclass of the module class.
 
     Raises:
-      ValueError: at decoration time, on a bad spec, a stack-level policy (``nested``), a
+      ValueError: at decoration time, on a bad spec, a layer-stack spec (``nested``), a
         target that is not callable, or a method name the class does not have.
     """
-    chosen = registry.resolve(spec, **keys)
-    if chosen.stack_level:
-        raise ValueError(_stack_level_message(chosen))
+    chosen = registry.resolve(spec, **keys)  # refuses a layer-stack spec (nested)
     if isinstance(methods, str):
         raise ValueError(f"methods must be a sequence of method names, got the string {methods!r}")
     methods = tuple(methods)
@@ -171,12 +169,6 @@ def checkpoint(fn: Callable, policy: "str | Policy" = "full", *, prevent_cse: bo
 
 
 _policy_decorator = policy
-
-
-def _stack_level_message(chosen: Policy) -> str:
-    from jremat.remat import stack_level_error
-
-    return stack_level_error(chosen)
 
 
 def _has_graph_node(tree) -> bool:

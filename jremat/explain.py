@@ -337,17 +337,13 @@ def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
     """``(role, name)`` for every tensor name ``policy`` refers to.
 
     Read from the policy's ``save``, ``offload`` and ``exclude`` attributes (tuples of names;
-    the name-based built-ins set them, and a custom policy may too) and, for a stack-level
-    policy, its ``layer_policy``'s.
+    the name-based built-ins set them, and a custom policy may too).
     """
     found = []
     for attr, role in NAME_ROLES:
         value = getattr(policy, attr, None)
         if isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value):
             found.extend((role, n) for n in value)
-    inner = getattr(policy, "layer_policy", None)
-    if isinstance(inner, Policy):
-        found.extend(mentioned_names(inner))
     return found
 
 

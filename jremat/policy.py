@@ -47,8 +47,6 @@ class Policy(abc.ABC):
     """
 
     spec: str = ""
-    #: True for policies of a whole layer stack (``nested``), which cannot wrap one function.
-    stack_level: bool = False
 
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.

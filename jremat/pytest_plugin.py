@@ -12,6 +12,9 @@ the reason. ``@pytest.mark.remat_policies(tags=[...], examples={...})`` passes t
 of the model (for the name-based policies) and example specs on to
 :func:`jremat.testing.policies`. The fixture's ``policy`` attribute is the spec under test.
 
+The ``jremat_registry`` fixture gives the policy registry and restores it when the test ends
+(:func:`jremat.registry.scoped`), so a test can register policies without leaving them behind.
+
 Nothing is imported from JAX until a test uses the fixture.
 """
 
@@ -87,3 +90,16 @@ def remat_exact(request) -> RematExact:
             "with indirect=True and a policy spec, or let the plugin do it"
         )
     return RematExact(policy)
+
+
+@pytest.fixture
+def jremat_registry():
+    """The policy registry (:mod:`jremat.registry`), restored when the test ends.
+
+    Policies a test registers (``jremat_registry.register(...)``, ``@jremat.custom_policy``,
+    ``--policy-module``) are gone afterwards, whatever order the tests run in.
+    """
+    from jremat import registry
+
+    with registry.scoped():
+        yield registry

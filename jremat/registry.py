@@ -4,6 +4,18 @@ A spec is ``NAME`` or ``NAME:key=value,key=value``; list values are joined by ``
 (``names:save=q+k+v``). Every policy name and key accepted anywhere (CLI ``--help``, errors,
 docs) comes from this registry.
 
+Most entries build a :class:`Policy` of one function. An entry registered with ``stack=True``
+(``nested``) instead describes how a whole layer stack is checkpointed: its factory returns
+:class:`jremat.RematConfig` field values, which only a ``RematConfig`` (or ``run_layers``, or
+``--remat-policy``) accepts (:func:`stack_fields`); :func:`resolve` refuses it.
+
+Tests and benches that add policies use :func:`scoped`, which restores the registry on exit::
+
+    with jremat.registry.scoped():
+        jremat.register("mine", doc="...")(MyPolicy)
+        ...  # "mine" resolves here
+    # and is gone here
+
 Built-in policies live in the ``policies`` package and are found through the
 ``jremat.policies`` entry-point group declared in ``pyproject.toml``, so this core package never
 imports them; third-party packages can add policies the same way, or at run time with
@@ -12,6 +24,7 @@ imports them; third-party packages can add policies the same way, or at run time
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -52,12 +65,18 @@ REQUIRED = object()
 
 @dataclasses.dataclass(frozen=True)
 class PolicyEntry:
-    """A registered policy: its name, documentation, accepted keys and factory."""
+    """A registered policy: its name, documentation, accepted keys and factory.
+
+    Attributes:
+      stack: ``True`` for an option of a whole layer stack (``nested``): the factory returns a
+        dict of :class:`jremat.RematConfig` fields instead of a :class:`Policy`.
+    """
 
     name: str
     doc: str
     params: dict[str, Param]
-    factory: Callable[..., Policy]
+    factory: Callable[..., Any]
+    stack: bool = False
 
 
 _REGISTRY: dict[str, PolicyEntry] = {}
@@ -65,15 +84,18 @@ _builtins_loaded = False
 _SPEC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def register(name: str, *, doc: str, params: dict[str, Param] | None = None):
+def register(name: str, *, doc: str, params: dict[str, Param] | None = None, stack: bool = False):
     """Decorator registering a policy factory under ``name``.
 
-    The factory receives the parsed keys as keyword arguments and returns a :class:`Policy`.
+    The factory receives the parsed keys as keyword arguments and returns a :class:`Policy`
+    (with ``stack=True``: a dict of :class:`jremat.RematConfig` fields).
 
     Args:
       name: the policy name used in specs (letters, digits, underscores).
       doc: what the policy saves, in one or two sentences.
       params: the keys the spec accepts.
+      stack: the entry sets how a layer stack is checkpointed rather than building a policy
+        of one function (see :func:`stack_fields`).
 
     Raises:
       ValueError: if the name is malformed or already registered.
@@ -84,15 +106,36 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None):
     def decorator(factory):
         if name in _REGISTRY:
             raise ValueError(f"policy {name!r} is already registered")
-        _REGISTRY[name] = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory)
+        _REGISTRY[name] = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
         return factory
 
     return decorator
 
 
 def unregister(name: str) -> None:
-    """Remove a registered policy (for tests and interactive use)."""
+    """Remove a registered policy (for interactive use; tests use :func:`scoped`)."""
     _REGISTRY.pop(name, None)
+
+
+@contextlib.contextmanager
+def scoped():
+    """Context manager: policies registered or removed inside it are undone on exit.
+
+    The registry holds exactly the entries it held on entry again when the block exits
+    (normally or by an exception); built-ins are loaded first, so they stay. For tests, benches
+    and notebooks that add policies without leaving them behind for whatever runs next::
+
+        with jremat.registry.scoped():
+            jremat.register("baseline", doc="...")(Baseline)
+            run_bench(["none", "baseline"])
+    """
+    _load_builtins()
+    saved = dict(_REGISTRY)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
 
 
 def _load_builtins() -> None:
@@ -248,12 +291,64 @@ def resolve(spec: "str | Policy", **overrides: Any) -> Policy:
 
     Raises:
       ValueError: unknown policy, unknown key, malformed string, or a bad value; the message
-        names the bad part and lists the valid choices.
+        names the bad part and lists the valid choices. Also for a layer-stack entry
+        (``nested``), which is no policy of a single function.
     """
     if isinstance(spec, Policy):
         if overrides:
             raise ValueError(f"cannot apply keys {sorted(overrides)} to an already-built policy {spec!r}")
         return spec
+    entry, policy, canonical = _build(spec, overrides)
+    if entry.stack:
+        raise ValueError(stack_error(entry.name))
+    policy.spec = canonical
+    return policy
+
+
+def stack_error(name: str) -> str:
+    """The message for a layer-stack entry (``nested``) used as the policy of one function."""
+    return (
+        f"policy {name!r} checkpoints a stack of layers; use it as the layer stack's policy "
+        "(jremat.RematConfig / run_layers, --remat-policy), not on a single function"
+    )
+
+
+def stack_fields(spec: Any) -> dict[str, Any] | None:
+    """The :class:`jremat.RematConfig` fields a layer-stack spec (``nested:block=2``) stands for.
+
+    Args:
+      spec: anything given as a policy: a spec string or a :class:`Policy`.
+
+    Returns:
+      The fields (e.g. ``{"policy": "none", "nest": 2}``) for a spec naming a layer-stack
+      entry; ``None`` for a :class:`Policy` or a spec of a per-function policy.
+
+    Raises:
+      ValueError: as :func:`resolve`, for a malformed or unknown spec string.
+    """
+    if not isinstance(spec, str):
+        return None
+    entry, fields, _ = _build(spec, {})
+    return dict(fields) if entry.stack else None
+
+
+def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
+    """The canonical spec string of ``spec`` with ``overrides`` applied, for any entry.
+
+    The same string as ``resolve(spec, **overrides).spec`` for a per-function policy; layer-stack
+    entries (``nested``) are checked and written back the same way.
+
+    Raises:
+      ValueError: as :func:`resolve` (except for layer-stack entries, which are accepted).
+    """
+    if isinstance(spec, Policy):
+        return resolve(spec, **overrides).spec
+    _, _, canonical = _build(spec, overrides)
+    return canonical
+
+
+def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]:
+    """``(entry, factory result, canonical spec)`` for a spec string."""
     name, raw_values = parse_spec(spec)
     registry = entries()
     if name not in registry:
@@ -272,9 +367,8 @@ def resolve(spec: "str | Policy", **overrides: Any) -> Policy:
             raise ValueError(f"policy {name!r} needs key {key!r} ({param.help})")
         else:
             kwargs[key] = param.default
-    policy = entry.factory(**kwargs)
-    policy.spec = canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
-    return policy
+    built = entry.factory(**kwargs)
+    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
 
 
 def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] | None = None) -> str:

@@ -4,6 +4,12 @@ Models describe *where* a checkpoint may go (a whole block, or each sublayer) by
 functions through :func:`remat_at`; the :class:`RematConfig` decides which level is active and
 with which policy. :func:`run_layers` runs a stack of identical layers under ``lax.scan`` (or
 unrolled) with the policy applied per layer.
+
+Nesting (√n checkpointing of groups of layers) is a property of the stack, not of a policy:
+:attr:`RematConfig.nest`. The spec ``nested:block=M,layer=SPEC`` is its spelling wherever a
+policy spec is given for a stack (``--remat-policy``, ``ModelConfig.remat_policy``);
+:class:`RematConfig` turns it into ``policy=SPEC, nest=M`` on construction, the one place it is
+read.
 """
 
 from __future__ import annotations
@@ -37,24 +43,41 @@ class RematConfig:
         ``"COUNT:SPEC,COUNT:SPEC,...[,rest:SPEC]"`` (see :func:`parse_layer_policies`), e.g.
         ``"2:full,rest:none"`` (Megatron's recompute-num-layers). Layers not covered by a group
         use :attr:`policy`. Empty (default): every layer uses :attr:`policy`.
+      nest: nested (√n) checkpointing of the stack (Chen et al. 2016; Haliax's ``nested``):
+        ``None`` (default) for none, else the group size ``m`` — a positive integer dividing
+        the number of layers, or ``"auto"`` for the divisor closest to its square root. The
+        ``L`` layers are cut into ``L / m`` groups of ``m`` consecutive layers; the outer loop
+        runs the groups, each group is one checkpoint that saves only its input, and inside it
+        the layers run with :attr:`policy` at :attr:`granularity` (``"none"`` there is Chen's
+        scheme). Live activation memory is about ``L/m`` group inputs plus one group's
+        residuals. Cannot be combined with :attr:`layer_policies`. Giving ``policy`` as the
+        spec ``"nested:block=M,layer=SPEC"`` sets ``policy=SPEC, nest=M``.
     """
 
     policy: Any = "full"
     granularity: str = "block"
     scan_layers: bool = True
     layer_policies: str = ""
+    nest: int | str | None = None
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
             raise ValueError(
                 f"unknown remat granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}"
             )
-        policy = registry.resolve(self.policy)  # fail at construction on a bad spec
+        fields = registry.stack_fields(self.policy)  # the one place a ``nested:`` spec is read
+        if fields is not None:
+            if self.nest is not None:
+                raise ValueError(f"policy {self.policy!r} sets the nesting; do not also give nest={self.nest!r}")
+            for key, value in fields.items():
+                object.__setattr__(self, key, value)
+        object.__setattr__(self, "nest", parse_nest(self.nest))
+        registry.resolve(self.policy)  # fail at construction on a bad spec
         groups = parse_layer_policies(self.layer_policies)
-        if groups and isinstance(policy, NestedLayers):
+        if groups and self.nest is not None:
             raise ValueError(
-                f"policy {policy.spec!r} checkpoints the whole layer stack and cannot be combined with "
-                f"layer_policies={self.layer_policies!r}; use one or the other"
+                f"nested checkpointing (nest={self.nest!r}) checkpoints the whole layer stack and cannot be "
+                f"combined with layer_policies={self.layer_policies!r}; use one or the other"
             )
 
     def resolved_policy(self) -> Policy:
@@ -86,6 +109,24 @@ class RematConfig:
             out.append((n_layers - used, self.resolved_policy()))
         return out
 
+    def nest_size(self, n_layers: int) -> int | None:
+        """Layers per nested group for a stack of ``n_layers`` (``None`` without nesting).
+
+        Raises:
+          ValueError: if an integer :attr:`nest` does not divide ``n_layers``.
+        """
+        if self.nest is None:
+            return None
+        divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
+        if self.nest == "auto":
+            return min(divisors, key=lambda d: (abs(d - math.sqrt(n_layers)), d))
+        if self.nest not in divisors:
+            raise ValueError(
+                f"nested: block={self.nest} does not divide the {n_layers} layers; "
+                f"valid block sizes: auto, {', '.join(map(str, divisors))}"
+            )
+        return self.nest
+
     def validate_layers(self, n_layers: int) -> None:
         """Check that this config fits a stack of ``n_layers`` layers (groups and nested block size).
 
@@ -94,9 +135,27 @@ class RematConfig:
             does not divide ``n_layers``.
         """
         self.layer_groups(n_layers)
-        policy = self.resolved_policy()
-        if isinstance(policy, NestedLayers):
-            policy.group_size(n_layers)
+        self.nest_size(n_layers)
+
+
+def parse_nest(value: Any) -> int | str | None:
+    """Check a :attr:`RematConfig.nest` value: ``None``, ``"auto"`` or a positive integer (or its text).
+
+    Raises:
+      ValueError: on anything else.
+    """
+    if value is None or value == "auto":
+        return value
+    message = f"nested: block must be 'auto' or a positive integer, got {value!r}"
+    if isinstance(value, bool):
+        raise ValueError(message)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(message) from None
+    if number < 1 or (not isinstance(value, str) and number != value):
+        raise ValueError(message)
+    return number
 
 
 _GROUP_RE = re.compile(r"^\s*(\d+|rest)\s*:(.+)$")
@@ -119,7 +178,7 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
 
     Raises:
       ValueError: on a malformed part, a count that is not a positive integer, a misplaced
-        ``rest``, a bad policy spec, or a stack-level policy (``nested``) inside a group.
+        ``rest``, a bad policy spec, or a layer-stack spec (``nested``) inside a group.
     """
     if not isinstance(text, str):
         raise ValueError(f"layer_policies must be a string like '2:full,rest:none', got {text!r}")
@@ -146,67 +205,11 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
             if count <= 0:
                 raise ValueError(f"malformed layer_policies {text!r}: group size must be positive, got {count}")
         try:
-            policy = registry.resolve(spec)
+            registry.resolve(spec)  # a layer-stack spec (nested) is refused here too
         except ValueError as err:
             raise ValueError(f"layer_policies group {count_text}:{spec}: {err}") from None
-        if isinstance(policy, NestedLayers):
-            raise ValueError(
-                f"layer_policies group {count_text}:{spec}: {policy.spec!r} checkpoints the whole layer "
-                "stack; it cannot be one group's policy"
-            )
         groups.append((count, spec))
     return tuple(groups)
-
-
-def stack_level_error(policy: Policy) -> str:
-    """The message for a stack-level policy used on a single function."""
-    return (
-        f"policy {policy.spec or 'nested'!r} checkpoints a stack of layers; use it as the layer "
-        "stack's policy (jremat.RematConfig / run_layers, --remat-policy), not on a single function"
-    )
-
-
-class NestedLayers(Policy):
-    """Nested (√n) checkpointing of a layer stack (Chen et al. 2016; Haliax's ``nested``).
-
-    The ``L`` layers are cut into ``L / m`` groups of ``m`` consecutive layers. The outer loop
-    (a ``lax.scan``, or Python loop when unrolled) runs the groups; each group is one checkpoint
-    that saves only its input, and inside it the group's ``m`` layers run (an inner scan) with
-    :attr:`layer_policy` applied per layer at the configured granularity. In the backward pass
-    one group at a time is recomputed. Live activation memory is about ``L/m`` group inputs plus
-    one group's residuals under :attr:`layer_policy`; ``m ≈ √L`` balances the two.
-
-    Attributes:
-      block: group size ``m``, or ``"auto"`` for the divisor of ``L`` closest to ``√L``.
-      layer_policy: the per-layer policy inside a group (``none`` for Chen's scheme).
-    """
-
-    def __init__(self, block: "int | str", layer_policy: Policy):
-        if isinstance(layer_policy, NestedLayers):
-            raise ValueError("nested: the per-layer policy (layer=) cannot itself be nested")
-        self.block = block
-        self.layer_policy = layer_policy
-
-    def group_size(self, n_layers: int) -> int:
-        """Layers per group for a stack of ``n_layers``.
-
-        Raises:
-          ValueError: if an integer block does not divide ``n_layers``.
-        """
-        divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
-        if self.block == "auto":
-            return min(divisors, key=lambda d: (abs(d - math.sqrt(n_layers)), d))
-        if self.block not in divisors:
-            raise ValueError(
-                f"nested: block={self.block} does not divide the {n_layers} layers; "
-                f"valid block sizes: auto, {', '.join(map(str, divisors))}"
-            )
-        return int(self.block)
-
-    stack_level = True
-
-    def checkpoint(self, fn, *, prevent_cse=True):
-        raise ValueError(stack_level_error(self))
 
 
 def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy | None" = None) -> Callable:
@@ -273,9 +276,9 @@ def run_layers(
       The activation after the last layer.
 
     With :attr:`RematConfig.layer_policies`, the stack is split into contiguous groups (one
-    ``lax.scan`` per group under scan), each built with its own policy. With a
-    :class:`NestedLayers` policy (``nested``) the groups of layers are checkpointed as a whole
-    around an inner scan (unless the granularity is ``none``, which disables all remat).
+    ``lax.scan`` per group under scan), each built with its own policy. With
+    :attr:`RematConfig.nest` the groups of layers are checkpointed as a whole around an inner
+    scan (unless the granularity is ``none``, which disables all remat).
 
     Raises:
       ValueError: if the layer groups or nested block size do not fit the number of layers.
@@ -286,12 +289,12 @@ def run_layers(
 
 def _run_layers(make_layer_fn, stacked_params, x, keys, config):
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
-    policy = config.resolved_policy()
-    if isinstance(policy, NestedLayers):
+    size = config.nest_size(n_layers)
+    if size is not None:
+        policy = config.resolved_policy()
         if config.granularity == "none":
-            return _run_stack(make_layer_fn(policy.layer_policy), stacked_params, x, keys, config.scan_layers)
-        size = policy.group_size(n_layers)
-        inner = _InScan(policy.layer_policy, size if config.scan_layers else None)
+            return _run_stack(make_layer_fn(policy), stacked_params, x, keys, config.scan_layers)
+        inner = _InScan(policy, size if config.scan_layers else None)
         return _run_nested(make_layer_fn(inner), stacked_params, x, keys, config, size)
     groups = config.layer_groups(n_layers)
 

@@ -95,6 +95,9 @@ def policy_examples(tags: Iterable[str] = (), *, examples: Mapping[str, str] | N
         raise ValueError(f"examples for unknown policies {unknown}; registered policies: {', '.join(sorted(entries))}")
     out = []
     for name, entry in sorted(entries.items()):
+        if entry.stack:
+            out.append(PolicyExample(name, name, f"policy {name!r} cannot wrap a single function: {registry.stack_error(name)}"))
+            continue
         if name in examples:
             spec, reason = examples[name], None
         elif name in _NAME_KEYS:
@@ -142,7 +145,7 @@ def policies(tags: Iterable[str] = (), *, examples: Mapping[str, str] | None = N
         def test_exact(policy):
             jremat.testing.assert_remat_exact(loss, policy, params, x)
 
-    Policies that cannot be tested (a stack-level policy, offloading on a backend without host
+    Policies that cannot be tested (the layer-stack entry ``nested``, offloading on a backend without host
     memory, name-based policies without ``tags``) are kept as skipped parameters with the
     reason, never dropped silently.
 

@@ -25,7 +25,8 @@ class ModelConfig:
       resid_dropout: dropout rate on each sublayer's output before the residual add.
       dtype: compute dtype name (``float32`` or ``bfloat16``).
       param_dtype: parameter dtype name (``float32`` keeps master weights in f32).
-      remat_policy: a policy spec (see ``jremat.describe()``).
+      remat_policy: a policy spec (see ``jremat.describe()``); ``nested:block=M,layer=SPEC``
+        checkpoints the layer stack in nested groups (:attr:`jremat.RematConfig.nest`).
       remat_granularity: ``none``, ``block`` or ``sublayer``.
       scan_layers: run the blocks under ``lax.scan`` (default) rather than unrolled.
       remat_head_chunks: 0 (default) keeps the final LayerNorm, vocabulary head and loss as they

@@ -9,36 +9,30 @@ recomputed group keeps all its activations while its backward runs); ``layer=ful
 second level (one saved input per layer of the group being differentiated). Write the inner
 spec's own commas as ``;``: ``nested:block=2,layer=every_k:k=2;skip_cheap=true``.
 
-It is a stack-level policy: use it as the model's remat policy (``run_layers``), not on a single
-function, and not inside ``layer_policies`` groups.
+It is a layer-stack entry (``stack=True``), not a policy of one function: it stands for
+``jremat.RematConfig(policy=LAYER, nest=BLOCK)`` and is accepted where a stack's policy is given
+(``RematConfig``, ``run_layers``, ``--remat-policy``), not by ``jremat.checkpoint`` nor inside
+``layer_policies`` groups.
 """
 
 from __future__ import annotations
 
 from jremat import Param, register, resolve
-from jremat.remat import NestedLayers
+from jremat.remat import parse_nest
 
 
 def _parse_block(raw: str):
-    if raw == "auto":
-        return raw
     try:
-        value = int(raw)
+        return parse_nest(raw)
     except ValueError:
         raise ValueError(f"policy 'nested': block must be 'auto' or a positive integer, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"policy 'nested': block must be 'auto' or a positive integer, got {raw!r}")
-    return value
 
 
 def _parse_layer(raw: str) -> str:
-    spec = raw.replace(";", ",")
     try:
-        policy = resolve(spec)
+        resolve(raw.replace(";", ","))  # refuses a nested layer= (a layer-stack spec)
     except ValueError as err:
         raise ValueError(f"policy 'nested': layer={raw!r}: {err}") from None
-    if isinstance(policy, NestedLayers):
-        raise ValueError("policy 'nested': the per-layer policy (layer=) cannot itself be nested")
     return raw
 
 
@@ -48,10 +42,12 @@ def _parse_layer(raw: str) -> str:
     "closest to sqrt(L)) each save only their input; inside a group each layer uses layer= (default "
     "none: all of the group's activations while it is differentiated).",
     params={
-        "block": Param("str", "auto", "layers per group: auto or an integer dividing n_layers", parse=_parse_block),
+        "block": Param("str", "auto", "layers per group: auto or an integer dividing n_layers",
+                       parse=_parse_block, format=str),
         "layer": Param("spec", "none", "per-layer policy inside a group (';' for ',')", parse=_parse_layer),
     },
+    stack=True,
 )
-def nested_policy(block, layer: str) -> NestedLayers:
-    """Build the ``nested`` policy."""
-    return NestedLayers(_parse_block(str(block)), resolve(layer.replace(";", ",")))
+def nested_policy(block, layer: str) -> dict:
+    """The :class:`jremat.RematConfig` fields of ``nested``: the per-layer policy and the group size."""
+    return {"policy": layer.replace(";", ","), "nest": _parse_block(str(block))}

@@ -28,6 +28,13 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
+@pytest.fixture(autouse=True)
+def _registry_restored():
+    """Every test leaves the policy registry as it found it, whatever code under test registers."""
+    with jremat.registry.scoped():
+        yield
+
+
 @pytest.fixture
 def tiny_config():
     """The ``tiny`` preset with heavy dropout, so that remat bugs in RNG threading show."""

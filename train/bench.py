@@ -64,7 +64,6 @@ from flax import nnx
 
 from jremat import memory as jmem
 from jremat import registry
-from jremat.remat import NestedLayers
 from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
 from train.cli import OneLineErrorParser, UsageError
@@ -135,7 +134,19 @@ class NnxRematBaseline(jremat.Policy):
 
 
 def register_baselines() -> None:
-    """Register the two outside baselines under their bench names (idempotent)."""
+    """Register the two outside baselines under their bench names (idempotent).
+
+    They stay registered until removed: callers that must leave the global registry as they
+    found it (tests, a bench run inside another program) wrap the run in
+    ``jremat.registry.scoped()``, which restores the registry on exit::
+
+        with registry.scoped():
+            register_baselines()
+            ...  # BASELINE_JAX / BASELINE_NNX resolve here, and are gone afterwards
+
+    Where a Policy object will do, pass it instead of a spec: ``registry.resolve``,
+    ``jremat.checkpoint`` and ``RematConfig(policy=...)`` accept one as is.
+    """
     entries = registry.entries()
     if BASELINE_JAX not in entries:
         registry.register(BASELINE_JAX, doc="bench baseline: jax.checkpoint with no policy")(JaxCheckpointBaseline)
@@ -522,7 +533,7 @@ def saved_per_layer(cfg: ModelConfig, batch: int, seq: int, none_cfg: ModelConfi
     those of ``none``, divided by the layers, plus ``none``'s per-block figure (embedding and
     head residuals are the same under every policy, so they cancel).
     """
-    if isinstance(registry.resolve(cfg.remat_policy), NestedLayers):
+    if cfg.remat_config().nest is not None:
         whole = step_residuals(cfg, batch, seq).saved_bytes
         whole_none = step_residuals(none_cfg, batch, seq).saved_bytes
         block_none, _ = saved_per_layer(none_cfg, batch, seq, none_cfg)
@@ -1017,7 +1028,7 @@ def parse_config(argv: Sequence[str] | None) -> BenchConfig:
     if args.policy:
         for spec in args.policy:
             try:
-                registry.resolve(spec)
+                registry.normalize_spec(spec)  # nested included
             except ValueError as err:
                 raise UsageError(f"bad --policy: {err}") from None
         values["policy"] = tuple(args.policy)
@@ -1031,7 +1042,7 @@ def usable_policies(specs: Sequence[str]) -> tuple[list[str], list[str]]:
     ok, notes = [], []
     for spec in specs:
         try:
-            registry.resolve(spec)
+            registry.normalize_spec(spec)  # nested included
         except ValueError as err:
             notes.append(f"skipped policy {spec!r}: {err}")
             continue

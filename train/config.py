@@ -143,7 +143,7 @@ class TrainConfig:
         try:
             for module in self.policy_module:
                 registry.load_module(module)
-            return registry.resolve(self.policy, **dict(self.policy_keys)).spec
+            return registry.normalize_spec(self.policy, **dict(self.policy_keys))
         except ValueError as err:
             raise UsageError(f"bad policy: {err}") from None
 

@@ -443,7 +443,7 @@ def policy_memory(
     recompute = max(0.0, flops - baseline_step_flops)
     get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
     return PolicyMemory(
-        policy=registry.resolve(model_cfg.remat_policy).spec or str(model_cfg.remat_policy),
+        policy=registry.normalize_spec(model_cfg.remat_policy),
         n_layers=model_cfg.n_layers,
         batch_size=batch_size,
         seq_len=seq_len,

@@ -161,7 +161,7 @@ def test_linen_decorated_in_class_body():
 
 
 def test_custom_callback_policy_usable_by_name():
-    try:
+    with registry.scoped():
         @jremat.custom_policy("test_keep_dots_and_sin")
         def keep(prim, *avals, **params):
             """Save matmuls and sines."""
@@ -184,8 +184,6 @@ def test_custom_callback_policy_usable_by_name():
         assert sum(why.startswith("output of sin") for why in kept) == 3  # the sines feeding matmuls
         with pytest.raises(ValueError, match="already registered"):
             jremat.custom_policy("test_keep_dots_and_sin")(keep)
-    finally:
-        registry.unregister("test_keep_dots_and_sin")
     assert "test_keep_dots_and_sin" not in jremat.available()
 
 
@@ -199,18 +197,19 @@ def test_custom_plan_policy_and_policy_module(tmp_path, monkeypatch):
             return jremat.Plan(save=frozenset({program.compute_ops[0].index}))
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        jremat.load_module("my_test_policies")  # what --policy-module does
-        from models import preset
-        from tests.conftest import loss_and_grads, max_relative_error
+    with registry.scoped():
+        try:
+            jremat.load_module("my_test_policies")  # what --policy-module does
+            from models import preset
+            from tests.conftest import loss_and_grads, max_relative_error
 
-        cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5)
-        _, ref = loss_and_grads(cfg.replace(remat_policy="none", remat_granularity="none"))
-        _, grads = loss_and_grads(cfg.replace(remat_policy="test_first_op_only"))
-        assert max_relative_error(grads, ref) <= 1e-5
-    finally:
-        registry.unregister("test_first_op_only")
-        sys.modules.pop("my_test_policies", None)
+            cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5)
+            _, ref = loss_and_grads(cfg.replace(remat_policy="none", remat_granularity="none"))
+            _, grads = loss_and_grads(cfg.replace(remat_policy="test_first_op_only"))
+            assert max_relative_error(grads, ref) <= 1e-5
+        finally:
+            sys.modules.pop("my_test_policies", None)
+    assert "test_first_op_only" not in jremat.available()
     with pytest.raises(ValueError, match="cannot import policy module 'no_such_module_xyz'"):
         jremat.load_module("no_such_module_xyz")
     with pytest.raises(ValueError, match="kind must be one of callback, plan"):

@@ -90,9 +90,8 @@ def test_policies_that_do_nothing_or_cannot_apply_say_so():
     none = jremat.explain(mlp, "none", *ARGS, compile=False)
     assert none.checkpoints == 0 and none.messages == (
         "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value",)
-    nested = jremat.explain(mlp, "nested", *ARGS, compile=False)
-    (line,) = nested.messages
-    assert line.startswith("error (nested): applying the policy raised:") and "single function" in line
+    with pytest.raises(ValueError, match="not on a single function"):
+        jremat.explain(mlp, "nested", *ARGS, compile=False)
     with pytest.raises(ValueError, match="unknown policy 'fulll'"):
         jremat.explain(mlp, "fulll", *ARGS)
     with pytest.raises(ValueError, match="unknown decision"):

@@ -45,9 +45,9 @@ class FreshKeyOnRecompute(Policy):
 
 @pytest.fixture
 def broken_policy():
-    jremat.register("test_fresh_key_on_recompute", doc="broken on purpose")(FreshKeyOnRecompute)
-    yield "test_fresh_key_on_recompute"
-    jremat.registry.unregister("test_fresh_key_on_recompute")
+    with jremat.registry.scoped():
+        jremat.register("test_fresh_key_on_recompute", doc="broken on purpose")(FreshKeyOnRecompute)
+        yield "test_fresh_key_on_recompute"
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat.remat import NestedLayers, parse_layer_policies
+from jremat.remat import parse_layer_policies
 from models import preset
 from tests.conftest import loss_and_grads, max_relative_error
 
@@ -29,7 +29,7 @@ def test_parse_layer_policies_grammar():
         ("rest:full,1:none", "'rest' must be the last group"),
         ("2:bogus", "unknown policy 'bogus'"),
         ("2:every_k:k=0", "k must be >= 1"),
-        ("2:nested:block=2", "checkpoints the whole layer stack"),
+        ("2:nested:block=2", "checkpoints a stack of layers"),
     ],
 )
 def test_bad_layer_policies(text, message):
@@ -46,9 +46,10 @@ def test_layer_groups_cover_the_stack():
 
 
 def test_nested_block_size():
-    assert NestedLayers("auto", jremat.resolve("none")).group_size(12) == 3
-    assert NestedLayers("auto", jremat.resolve("none")).group_size(4) == 2
-    assert NestedLayers("auto", jremat.resolve("none")).group_size(7) == 1
+    assert jremat.RematConfig(nest="auto").nest_size(12) == 3
+    assert jremat.RematConfig(nest="auto").nest_size(4) == 2
+    assert jremat.RematConfig(nest="auto").nest_size(7) == 1
+    assert jremat.RematConfig().nest_size(7) is None
     with pytest.raises(ValueError, match="block=3 does not divide the 4 layers; valid block sizes: auto, 1, 2, 4"):
         preset("small", n_layers=4, remat_policy="nested:block=3")
     with pytest.raises(ValueError, match="cannot be combined with layer_policies"):
@@ -57,7 +58,20 @@ def test_nested_block_size():
         jremat.checkpoint(jnp.sin, "nested")(jnp.ones(2))
 
 
-@functools.lru_cache(maxsize=None)
+def test_nesting_is_a_field_of_the_stack_config():
+    spelled = jremat.RematConfig(policy="nested:block=2,layer=every_k:k=2;skip_cheap=true", granularity="sublayer")
+    assert spelled == jremat.RematConfig(policy="every_k:k=2,skip_cheap=true", granularity="sublayer", nest=2)
+    assert spelled.resolved_policy().spec == "every_k:k=2,skip_cheap=true"
+    assert jremat.RematConfig(policy="nested") == jremat.RematConfig(policy="none", nest="auto")
+    assert jremat.RematConfig(nest="3").nest == 3
+    for bad in (0, -1, "two", 2.5, True):
+        with pytest.raises(ValueError, match="block must be 'auto' or a positive integer"):
+            jremat.RematConfig(nest=bad)
+    with pytest.raises(ValueError, match="do not also give nest=2"):
+        jremat.RematConfig(policy="nested", nest=2)
+
+
+@functools.cache
 def no_remat_reference(cfg):
     return loss_and_grads(cfg.replace(remat_policy="none", remat_granularity="none"))
 

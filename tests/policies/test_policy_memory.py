@@ -6,7 +6,7 @@ from models import preset
 from tests.conftest import train_step_memory
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def temp_bytes(spec: str, layer_policies: str = "", scan_layers: bool = True) -> int:
     cfg = preset(
         "small", n_layers=4, vocab_size=256, remat_policy=spec, remat_granularity="block",

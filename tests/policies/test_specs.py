@@ -40,7 +40,7 @@ def test_keys_given_separately_are_validated_too():
 def test_names_policy_specs_round_trip():
     assert jremat.resolve("names:save=q+k").spec == "names:save=q+k"
     assert jremat.resolve("offload:names=q,save=v").spec == "offload:names=q,save=v"
-    assert jremat.resolve("nested:block=2,layer=every_k:k=2;skip_cheap=true").spec == (
+    assert jremat.registry.normalize_spec("nested:block=2,layer=every_k:k=2;skip_cheap=true") == (
         "nested:block=2,layer=every_k:k=2;skip_cheap=true"
     )
 
@@ -72,3 +72,15 @@ def test_describe_lists_every_policy():
     text = jremat.describe()
     for name in jremat.available():
         assert f"  {name}" in text
+
+
+def test_scoped_registry_restores_what_it_found():
+    from jremat import registry
+
+    before = registry.entries()
+    with pytest.raises(RuntimeError), registry.scoped():
+        registry.register("test_scoped_policy", doc="scoped")(lambda: jremat.resolve("full"))
+        registry.unregister("every_k")
+        assert "test_scoped_policy" in registry.available() and "every_k" not in registry.available()
+        raise RuntimeError
+    assert registry.entries() == before

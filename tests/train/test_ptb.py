@@ -224,14 +224,17 @@ def test_policy_keys_become_flags_and_policy_module_adds_policies(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     from jremat import registry
 
-    try:
-        cfg = ptb.parse_config(["--policy-module", "my_policies", "--policy", "stride_test", "--stride", "3"])
-        assert cfg.policy_spec() == "stride_test:stride=3"
-        assert ptb.parse_config(["--policy", "every_k", "--k", "2", "--skip-cheap", "true"]).policy_spec() == (
-            "every_k:k=2,skip_cheap=true")
-        assert ptb.parse_config(["--policy", "every_k"]).policy_spec() == "every_k"
-    finally:
-        registry.unregister("stride_test")
+    with registry.scoped():
+        try:
+            cfg = ptb.parse_config(["--policy-module", "my_policies", "--policy", "stride_test", "--stride", "3"])
+            assert cfg.policy_spec() == "stride_test:stride=3"
+        finally:
+            sys.modules.pop("my_policies", None)
+    assert "stride_test" not in registry.available()
+    assert ptb.parse_config(["--policy", "every_k", "--k", "2", "--skip-cheap", "true"]).policy_spec() == (
+        "every_k:k=2,skip_cheap=true")
+    assert ptb.parse_config(["--policy", "every_k"]).policy_spec() == "every_k"
+    assert ptb.parse_config(["--policy", "nested", "--block", "2"]).policy_spec() == "nested:block=2"
 
 
 def test_cli_subprocess_bad_input_has_no_traceback(ptb_offline_dir):
