@@ -60,7 +60,7 @@ import numpy as np
 from jremat import _jax_compat
 from jremat import memory as _memory
 from jremat import program as _program
-from jremat import xla_flags as _xla_flags
+from jremat import compile as _compile
 from jremat.xla_dump import (
     Hlo,
     Value,
@@ -551,7 +551,7 @@ def memory_timeline(
     Args:
       fn: a function of pytrees of arrays, jitted or not.
       *args: arrays or :class:`jax.ShapeDtypeStruct`.
-      compiler_options: XLA options; ``None`` means :func:`jremat.xla_flags.compiler_options`.
+      compiler_options: XLA options; ``None`` means :func:`jremat.compile.compiler_options`.
       top: how many of the largest buffers at the peak to keep (``None``: all of them).
       **kwargs: keyword arguments of ``fn``.
 
@@ -567,7 +567,7 @@ def memory_timeline(
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     tags = checkpoint_name_locations(traced.jaxpr)
-    options = dict(_xla_flags.compiler_options() if compiler_options is None else compiler_options)
+    options = dict(_compile.compiler_options() if compiler_options is None else compiler_options)
     folder = tempfile.mkdtemp(prefix="jremat-timeline-")
     try:
         options.update(xla_dump_to=folder, xla_dump_hlo_as_text=True)
