@@ -22,7 +22,7 @@ from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES
 from train import sharding
-from policies.auto import parse_budget
+from jremat.planner import parse_budget
 
 
 class UsageError(ValueError):
