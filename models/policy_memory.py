@@ -12,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 import jremat
 from jremat import registry
 from jremat.explain import Explanation, explain_applied
+from jremat.live import LiveMemory, allocator_stats_missing
 from jremat.memory import format_bytes
 from jremat.timeline import MemoryTimeline
 from models.config import ModelConfig
+from models.gpt import GPT
 from models.planning import plan_for_budget
 from models.programs import analytic_peak_bytes, block_program, loss_program, step_flops, step_program, step_residuals
 
@@ -306,4 +312,28 @@ def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None
     return "\n".join(parts)
 
 
-__all__ = ["PolicyMemory", "compare_policies", "config_for_spec", "explain_step", "policy_memory", "ratio", "summary_vs_none"]
+def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> LiveMemory:
+    """Run the gradient step once on real arrays and read the allocator's peak (:func:`jremat.live_memory`).
+
+    The allocator's peak only grows within a process, so measure one policy per process (the
+    CLI's ``--live`` does).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+
+    Returns:
+      The :class:`jremat.live.LiveMemory`; ``available`` is False, and nothing runs, on a
+      backend without allocator statistics (XLA:CPU).
+    """
+    missing = allocator_stats_missing()
+    if missing is not None:
+        return LiveMemory(False, str(jax.devices()[0]), None, None, missing)
+    grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
+    _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
+    batch = jnp.zeros(tokens.shape, tokens.dtype)
+    return jremat.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
+
+
+__all__ = ["PolicyMemory", "compare_policies", "config_for_spec", "explain_step", "live_step_memory", "policy_memory", "ratio", "summary_vs_none"]

@@ -20,20 +20,15 @@ import subprocess
 import sys
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
 import jremat
 from jremat import registry
-from jremat.live import LiveMemory, allocator_stats_missing
+from jremat.live import allocator_stats_missing
 from jremat.memory import format_bytes
 from jremat.planner import parse_budget
-from models import GPT, PRESETS, ModelConfig
+from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES
-from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, ratio
-from models.programs import step_program
+from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
 from train.config import OneLineErrorParser, UsageError
 from train import timeline_plot
 
@@ -274,30 +269,6 @@ def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Live peaks
 # ---------------------------------------------------------------------------------------------
-
-
-def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> LiveMemory:
-    """Run the gradient step once on real arrays and read the allocator's peak (:func:`jremat.live_memory`).
-
-    The allocator's peak only grows within a process, so measure one policy per process (the
-    CLI's ``--live`` does).
-
-    Args:
-      model_cfg: the model, with its policy.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-
-    Returns:
-      The :class:`jremat.live.LiveMemory`; ``available`` is False, and nothing runs, on a
-      backend without allocator statistics (XLA:CPU).
-    """
-    missing = allocator_stats_missing()
-    if missing is not None:
-        return LiveMemory(False, str(jax.devices()[0]), None, None, missing)
-    grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
-    _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
-    batch = jnp.zeros(tokens.shape, tokens.dtype)
-    return jremat.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
 
 
 def _allocator_stats_note() -> str | None:

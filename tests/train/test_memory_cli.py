@@ -5,7 +5,6 @@ import json
 import pytest
 
 import jremat
-from models import preset
 from train import memory as tm
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
