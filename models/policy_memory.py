@@ -60,7 +60,7 @@ class PolicyMemory:
       step_flops: cost-model FLOPs of the gradient step under this policy.
       recompute_flops: FLOPs added by recomputation (vs ``none``).
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
-      analytic_peak_bytes: :func:`analytic_peak_bytes`.
+      analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes`.
       notes: caveats (backend, truthfulness checks).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
       explanation: what the policy did to the step (:func:`explain_step`), or ``None``.

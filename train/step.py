@@ -5,6 +5,9 @@ jitted functions of ``(params, opt_state, batch, key)``. Gradient accumulation i
 ``optax.MultiSteps``: each call of the train step consumes one micro-batch and the parameters
 change on every ``accum``-th call.
 
+The step functions themselves are the model's programs (:func:`models.programs.train_step_fn`,
+:func:`models.programs.eval_step_fn`); this module builds the optimizer and jits them.
+
 Dropout keys are a pure function of the seed and the position in training,
 ``fold_in(fold_in(key(seed), step), micro_step)``, so a resumed run draws the same masks.
 """
