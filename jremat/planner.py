@@ -18,115 +18,30 @@ bytes) and walks it from the cheapest plan, measuring each plan predicted to fit
 
 Where the backend has separate host memory (``pinned_host`` on GPU, TPU), a unit that is not
 kept on the device is offloaded instead of recomputed when moving its bytes to the host and back
-costs less (:func:`offload_flops_per_byte` prices a byte in FLOP-equivalents, measured once).
+costs less (:func:`jremat.host_offload.offload_flops_per_byte` prices a byte in FLOP-equivalents,
+measured once).
 
 Budgets are written ``6GiB``, ``512MiB``, ``1.5GB``, ``1000000`` (bytes), or a fraction in
-``(0, 1]`` such as ``0.5``: half of the no-remat memory (:func:`parse_budget`).
+``(0, 1]`` such as ``0.5``: half of the no-remat memory (:func:`jremat.budget.parse_budget`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import re
 import time
 from typing import Any, Callable, Collection, Generic, Sequence, TypeVar
 
-import jax
-import jax.numpy as jnp
-
 from jremat import names as tensor_names
+from jremat.budget import Budget, as_budget, parse_budget
 from jremat.program import Program
 from jremat.residuals import PLAN_TAG_RE
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
 ALWAYS_KEPT = (tensor_names.BLOCK_INPUT, tensor_names.BLOCK_OUTPUT)
 
 #: Up to this many units, :func:`save_sets` lists every subset; above it, greedy prefixes.
 EXHAUSTIVE_UNITS = 12
-
-
-# ---------------------------------------------------------------------------------------------
-# Budgets
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """A memory budget: absolute bytes, or a fraction of the no-remat memory.
-
-    Attributes:
-      bytes: the budget in bytes, or ``None`` for a fractional budget.
-      fraction: in ``(0, 1]``, or ``None`` for an absolute budget.
-      text: as the user wrote it.
-    """
-
-    bytes: int | None
-    fraction: float | None
-    text: str
-
-    def resolve(self, none_bytes: int, floor_bytes: int = 0) -> int:
-        """Absolute bytes: a fraction ``f`` means ``floor + f * (none_bytes - floor)``.
-
-        Args:
-          none_bytes: the memory without remat (a step's peak, or a function's residual bytes).
-          floor_bytes: the part a policy cannot change (parameters, optimizer state, ...).
-        """
-        if self.bytes is not None:
-            return self.bytes
-        return int(floor_bytes + self.fraction * (none_bytes - floor_bytes))
-
-
-def parse_budget(text: str) -> Budget:
-    """Parse a budget string.
-
-    A number with a unit is a size (``6GiB``, ``1.5GB``: whole bytes). A number without a unit
-    is a fraction of the no-remat memory when it is at most 1 (``0.5``, ``1``, ``1.0``: all of
-    it) and a byte count when it is a whole number above 1 (``1000000``).
-
-    Raises:
-      ValueError: if it is not a positive size with a known unit, a fraction in ``(0, 1]`` or a
-        whole number of bytes.
-    """
-    match = _BUDGET_RE.match(str(text))
-    units = "B, KB, MB, GB, KiB, MiB, GiB, TiB"
-    form = (
-        f"a size like 6GiB or 512MiB (units {units}), a whole number of bytes like 1000000, "
-        "or a fraction in (0, 1] of the no-remat memory like 0.5"
-    )
-    if not match:
-        raise ValueError(f"memory budget {text!r} is not {form}")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit not in _UNITS:
-        raise ValueError(f"memory budget {text!r}: unknown unit {match.group(2)!r}; valid units: {units}")
-    if number <= 0:
-        raise ValueError(f"memory budget {text!r} must be positive; expected {form}")
-    if not unit and number <= 1.0:
-        return Budget(bytes=None, fraction=number, text=str(text).strip())
-    size = number * _UNITS[unit]
-    if size != int(size):
-        raise ValueError(f"memory budget {text!r} is not a whole number of bytes; expected {form}")
-    return Budget(bytes=int(size), fraction=None, text=str(text).strip())
-
-
-def as_budget(budget: "str | Budget") -> Budget:
-    """``budget`` parsed if it is a string."""
-    return budget if isinstance(budget, Budget) else parse_budget(budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,54 +397,6 @@ def plan_layers(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Offload pricing
-# ---------------------------------------------------------------------------------------------
-
-
-def host_offload_available() -> bool:
-    """Whether offloading can free device memory: an accelerator that addresses ``pinned_host``.
-
-    XLA:CPU also lists ``pinned_host``, but there host and device are the same RAM.
-    """
-    device = jax.devices()[0]
-    return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
-
-
-def _best_s(fn, repeats: int = 5) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-@functools.lru_cache(maxsize=8)
-def offload_flops_per_byte(dtype: str = "bfloat16", transfer_bytes: int = 64 * 2**20, matmul_size: int = 2048) -> float:
-    """FLOP-equivalents of moving one byte to host memory and back, measured on the default device.
-
-    Times a round trip of ``transfer_bytes`` to ``pinned_host`` and a ``matmul_size``-square
-    matmul in ``dtype``; the ratio prices offloading in the recompute cost model's unit. It does
-    not credit the overlap of transfers with compute, so offloading is priced pessimistically.
-
-    Raises:
-      ValueError: if the device has no ``pinned_host`` memory.
-    """
-    device = jax.devices()[0]
-    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
-        raise ValueError(f"{device} has no pinned_host memory to offload to")
-    to_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    to_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    data = jnp.ones((transfer_bytes // 4,), jnp.float32)
-    round_trip_s = _best_s(lambda: jax.device_put(jax.device_put(data, to_host), to_device))
-    a = jnp.ones((matmul_size, matmul_size), jnp.dtype(dtype))
-    matmul = jax.jit(lambda x: x @ x)
-    flops_per_s = 2 * matmul_size**3 / _best_s(lambda: matmul(a))
-    return round_trip_s / transfer_bytes * flops_per_s
-
-
 __all__ = [
     "ALWAYS_KEPT",
     "Budget",
@@ -539,9 +406,7 @@ __all__ = [
     "NameCost",
     "Solution",
     "as_budget",
-    "host_offload_available",
     "name_costs",
-    "offload_flops_per_byte",
     "parse_budget",
     "plan_function",
     "plan_layers",

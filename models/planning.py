@@ -15,7 +15,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 import jremat
-from jremat import planner
+from jremat import host_offload, planner
 from jremat.planner import Budget, Candidate, LayerPlan
 from models.config import ModelConfig
 from models.programs import block_program, step_flops, step_program
@@ -66,9 +66,9 @@ def plan_for_budget(
       measure_peak_bytes: compiles a config and returns its peak; default: the gradient step
         (:func:`compiled_peak_bytes`).
       offload: consider offloading names to host memory; ``None`` (default): on accelerators
-        with ``pinned_host`` memory (:func:`jremat.planner.host_offload_available`).
+        with ``pinned_host`` memory (:func:`jremat.host_offload.host_offload_available`).
       offload_cost_per_byte: FLOP-equivalents per offloaded byte; default: measured by
-        :func:`jremat.planner.offload_flops_per_byte`.
+        :func:`jremat.host_offload.offload_flops_per_byte`.
 
     Returns:
       The :class:`jremat.planner.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
@@ -82,9 +82,9 @@ def plan_for_budget(
     block_fn, block_args = block_program(none_cfg, batch_size, seq_len)
     costs = planner.name_costs(jremat.trace_program(block_fn, *block_args))
     if offload is None:
-        offload = planner.host_offload_available()
+        offload = host_offload.host_offload_available()
     if offload and offload_cost_per_byte is None:
-        offload_cost_per_byte = planner.offload_flops_per_byte(cfg.dtype)
+        offload_cost_per_byte = host_offload.offload_flops_per_byte(cfg.dtype)
     measure = measure_peak_bytes or (lambda c: compiled_peak_bytes(c, batch_size, seq_len))
     return planner.plan_layers(
         budget,

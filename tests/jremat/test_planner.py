@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import planner
+from jremat import host_offload, planner
 from jremat.planner import Budget, Candidate, NameCost, parse_budget, plan_layers, save_sets, solve
 
 N_LAYERS = 4
@@ -147,6 +147,6 @@ def test_plan_function_fits_and_keeps_more_as_the_budget_rises():
 def test_offload_is_off_on_cpu_and_its_price_is_measured():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU default")
-    assert not planner.host_offload_available()  # pinned_host is listed, but it is the same RAM
-    per_byte = planner.offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
+    assert not host_offload.host_offload_available()  # pinned_host is listed, but it is the same RAM
+    per_byte = host_offload.offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
     assert 0 < per_byte < float("inf")
