@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 
 from jremat import _jax_compat
 from jremat import memory as _memory
+from jremat import residuals as _residuals
 from jremat import program as _program
 from jremat import registry
 from jremat.decorator import policy as _decorate_with
@@ -51,7 +52,7 @@ DECISIONS = (SAVE, OFFLOAD, RECOMPUTE, EXCLUDE)
 NAME_ROLES = (("save", SAVE), ("offload", OFFLOAD), ("exclude", EXCLUDE))
 
 _CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")
-_IDENTITY = _memory.IDENTITY_PRIMITIVES
+_IDENTITY = _residuals.IDENTITY_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +178,7 @@ class Explanation:
 
 
 def _scope(eqn) -> str:
-    return f"scan(length={eqn.params['length']}) at {_memory._summarize_source(eqn)}"
+    return f"scan(length={eqn.params['length']}) at {_residuals._summarize_source(eqn)}"
 
 
 def _where(scopes: Sequence[tuple[str, int]]) -> str:
@@ -226,7 +227,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
     producer = {v: e for e in body.eqns for v in e.outvars}
     user_name: dict = {}
     for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
-        if e.primitive.name == "name" and not _memory.PLAN_TAG_RE.match(e.params["name"]):
+        if e.primitive.name == "name" and not _residuals.PLAN_TAG_RE.match(e.params["name"]):
             v = e.invars[0]
             user_name.setdefault(v, e.params["name"])
             user_name.setdefault(e.outvars[0], e.params["name"])
@@ -510,7 +511,7 @@ def explain_applied(
     # are the ones this module reads.
     with _jax_compat.classic_remat_context():
         tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
-    tags = [t for t in _tags(tag_jaxpr) if not _memory.PLAN_TAG_RE.match(t[0])]
+    tags = [t for t in _tags(tag_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
     found = tuple(dict.fromkeys(t[0] for t in tags))
     mentioned = mentioned_names(chosen)
     matches = []
@@ -535,8 +536,8 @@ def explain_applied(
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
     if flat_base is not None:
-        saved = _memory.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
-        base_saved = _memory.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
+        saved = _residuals.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
+        base_saved = _residuals.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
         if compile and (temp_bytes is None or baseline_temp_bytes is None):
             temps = []
             for f in (flat_remat, flat_base):

@@ -52,15 +52,17 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from jremat import _jax_compat
 from jremat import memory as _memory
 from jremat import program as _program
-from jremat import xla_flags as _xla_flags
+from jremat import compile as _compile
 from jremat.xla_dump import (
     Hlo,
     Value,
@@ -528,6 +530,22 @@ def checkpoint_name_locations(jaxpr) -> dict:
     return dict(out)
 
 
+@contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    # The dump options are not part of JAX's persistent-cache key: a cache hit would skip XLA and
+    # leave the dump folder empty, so this one compile bypasses the cache.
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
 def _read_dump(folder: str, suffix: str) -> str:
     found = sorted(glob.glob(os.path.join(folder, f"*after_optimizations{suffix}")))
     if not found:
@@ -551,7 +569,7 @@ def memory_timeline(
     Args:
       fn: a function of pytrees of arrays, jitted or not.
       *args: arrays or :class:`jax.ShapeDtypeStruct`.
-      compiler_options: XLA options; ``None`` means :func:`jremat.xla_flags.compiler_options`.
+      compiler_options: XLA options; ``None`` means :func:`jremat.compile.compiler_options`.
       top: how many of the largest buffers at the peak to keep (``None``: all of them).
       **kwargs: keyword arguments of ``fn``.
 
@@ -567,11 +585,12 @@ def memory_timeline(
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     tags = checkpoint_name_locations(traced.jaxpr)
-    options = dict(_xla_flags.compiler_options() if compiler_options is None else compiler_options)
+    options = dict(_compile.compiler_options() if compiler_options is None else compiler_options)
     folder = tempfile.mkdtemp(prefix="jremat-timeline-")
     try:
         options.update(xla_dump_to=folder, xla_dump_hlo_as_text=True)
-        compiled = traced.lower().compile(options)
+        with _persistent_cache_off():
+            compiled = traced.lower().compile(options)
         report = _memory.compiled_memory_report(compiled)
         return build_timeline(
             _read_dump(folder, "-buffer-assignment.txt"),

@@ -15,6 +15,7 @@ from flax import nnx  # noqa: E402
 import jremat  # noqa: E402
 from jremat._jax_compat import saved_residuals as _jax_saved_residuals  # noqa: E402
 from models import GPT, cross_entropy_loss, preset  # noqa: E402
+from models.programs import step_program  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -75,16 +76,10 @@ def max_relative_error(grads, reference):
     return max(float(d) for d in diffs) / scale
 
 
-def train_step_memory(cfg, batch_size=8):
-    """Compile-only XLA memory analysis of ``jremat.jit(grad(loss))`` for ``GPT(cfg)``; nothing runs."""
-    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((batch_size, cfg.max_seq_len), jnp.int32)
-
-    def loss(p, tok):
-        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tok, jax.random.key(0))
-
-    return jremat.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis()
+def train_step_memory(cfg, batch_size=8) -> jremat.MemoryReport:
+    """Compile-only memory report of the gradient step of ``GPT(cfg)`` (:func:`models.programs.step_program`)."""
+    grad_fn, args = step_program(cfg, batch_size)
+    return jremat.memory_report(grad_fn, *args)
 
 
 def saved_residuals(fn, *args):

@@ -59,7 +59,6 @@ from typing import Any, Callable, Sequence
 import jremat
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jremat import memory as jmem
@@ -67,7 +66,9 @@ from jremat import registry
 from models import GPT, PRESETS, ModelConfig
 from models import preset as model_preset
 from train.cli import OneLineErrorParser, UsageError
-from train.memory import block_program, format_bytes, step_residuals
+from jremat.memory import format_bytes
+from models.planning import plan_for_budget
+from models.programs import adam_step_memory, adam_train_step, block_program, step_residuals
 from train.step import make_train_step
 
 PARTS = ("needle", "needle_time", "megatron", "time", "maxbatch", "auto")
@@ -305,44 +306,14 @@ def _positive(name: str, value) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def adam_train_step(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None, *, lr: float = 1e-3):
-    """The jitted Adam train step of ``GPT(model_cfg)`` and its abstract arguments; nothing is allocated.
-
-    ``step(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``, with the
-    parameters and optimizer state donated (as a training loop does), so the compiled program
-    holds parameters, gradients and both Adam moments.
-
-    Args:
-      model_cfg: the model; its ``remat_policy`` is the policy measured.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-      lr: Adam's learning rate.
-
-    Returns:
-      ``(step, graphdef, tx, args)`` where ``args`` are :class:`jax.ShapeDtypeStruct` pytrees.
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
-    tx = optax.adam(lr)
-    opt_state = jax.eval_shape(tx.init, params)
-
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return make_train_step(graphdef, tx), graphdef, tx, (params, opt_state, tokens, tokens, key)
-
-
 _MEMORY_CACHE: dict = {}
 
 
 def step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jmem.MemoryReport:
-    """Compile-only memory report of :func:`adam_train_step` (cached per config and shape)."""
+    """:func:`models.programs.adam_step_memory`, cached per config and shape."""
     key = (model_cfg, batch_size, seq_len)
     if key not in _MEMORY_CACHE:
-        step, _, _, args = adam_train_step(model_cfg, batch_size, seq_len)
-        report = jmem.compiled_memory_report(step.lower(*args).compile())
-        if not report.available:
-            raise RuntimeError("; ".join(report.notes))
-        _MEMORY_CACHE[key] = report
+        _MEMORY_CACHE[key] = adam_step_memory(model_cfg, batch_size, seq_len)
     return _MEMORY_CACHE[key]
 
 
@@ -367,8 +338,8 @@ def time_steps(
     """
     runners, memory = {}, {}
     for label, cfg in configs.items():
-        step, graphdef, tx, args = adam_train_step(cfg, batch_size)
-        compiled = step.lower(*args).compile()
+        _, graphdef, tx, args = adam_train_step(cfg, batch_size)
+        compiled = make_train_step(graphdef, tx).lower(*args).compile()
         memory[label] = jmem.compiled_memory_report(compiled)
         _, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(seed)))
         opt_state = tx.init(params)
@@ -527,8 +498,8 @@ def _megatron_ref(spec: str, formulas: dict[str, float]) -> float | str:
 def saved_per_layer(cfg: ModelConfig, batch: int, seq: int, none_cfg: ModelConfig) -> tuple[float, str]:
     """Activation bytes one block keeps for its backward pass, and how it was obtained.
 
-    For per-block policies: :func:`jremat.memory.saved_residuals_report` of one block
-    (``models.gpt.make_block_fn`` via ``train.memory.block_program``). For stack-level policies
+    For per-block policies: :func:`jremat.saved_residuals_report` of one block
+    (``models.gpt.make_block_fn`` via ``models.programs.block_program``). For stack-level policies
     (``nested``), which have no per-block checkpoint: the whole step's saved activations minus
     those of ``none``, divided by the layers, plus ``none``'s per-block figure (embedding and
     head residuals are the same under every policy, so they cancel).
@@ -647,8 +618,6 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     every built-in and every plan is then timed in one interleaved run, and each budget's row
     names the fastest built-in that also fits it.
     """
-    from train.auto import plan_for_budget  # the model-aware auto planner
-
     cfg = model_preset(config.time_preset)
     batch = config.time_batch
 

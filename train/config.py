@@ -21,7 +21,7 @@ from models import preset as model_preset
 from models.config import DTYPES
 from train import sharding
 from train.cli import UsageError, option, require, require_choice, require_int, require_number
-from policies.auto import parse_budget
+from jremat.planner import parse_budget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Compile-only memory report of the reference model's gradient step, one row per policy.
+"""``python -m train.memory``: compile-only memory report of the GPT's gradient step, one row per policy.
 
 ``python -m train.memory --preset gpt2-small --batch-size 8 --dtype bfloat16 --policy none
 --policy full --policy every_k:k=4 --policy selective`` compiles ``jremat.jit(jax.grad(loss))`` of
@@ -6,50 +6,28 @@ the GPT model for each policy (nothing is executed: parameters and tokens are sh
 prints peak and temp bytes, saved activation bytes per layer, ratios to ``none`` and the
 policy's recompute FLOPs as a fraction of the step's FLOPs.
 
-The measured program is the gradient step (forward + backward, f32 parameter gradients out),
-without an optimizer update: optimizer state adds ``2 x`` parameter bytes of arguments (AdamW)
-independently of the policy.
-
-Figures per policy:
-
-* ``peak_bytes`` / ``temp_bytes`` / ``argument_bytes`` / ... — XLA's compiled buffer assignment
-  (:func:`jremat.memory.memory_report`).
-* ``saved_bytes_per_layer`` — activations one block keeps for the backward pass, from
-  :func:`jremat.memory.saved_residuals_report` of ``models.gpt.make_block_fn`` (names intact);
-  ``saved_bytes`` — the same for the whole step (embeddings, head and all layers).
-* ``recompute_flops_fraction`` — ``(FLOPs(grad under policy) - FLOPs(grad under none)) /
-  FLOPs(grad under none)`` with the cost model of :func:`jremat.memory.program_flops`.
-* ``analytic_peak_bytes`` — an estimate from shapes and the traced residuals only, no compile
-  (:func:`analytic_peak_bytes`).
-
-:func:`policy_memory` and :func:`summary_vs_none` are the reusable entry points (the PTB trainer
-prints the latter at start).
+The measurement is :func:`models.policy_memory.compare_policies` (its fields are documented on
+:class:`models.policy_memory.PolicyMemory`); this module holds the command line: its
+configuration, the table, JSON and plot output, and ``--live`` (one fresh process per policy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from typing import Sequence
 
 import jremat
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-from jremat import memory as jmem
-from jremat.memory import format_bytes
 from jremat import registry
-from jremat import timeline as jtl
-from jremat.explain import Explanation, explain_applied
-from policies.auto import parse_budget
-from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
+from jremat.live import allocator_stats_missing
+from jremat.memory import format_bytes
+from jremat.planner import parse_budget
+from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES
-from models.gpt import Block, make_block_fn
+from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
 from train import cli
 from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
 from train import timeline_plot
@@ -195,405 +173,6 @@ class MemoryConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measurement
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyMemory:
-    """The memory report of one policy's gradient step.
-
-    Byte fields come from XLA's compiled buffer assignment (``None`` when the backend reports
-    none, or when compilation was skipped); residual and FLOP fields from tracing.
-
-    Attributes:
-      policy: the canonical policy spec.
-      n_layers: transformer blocks.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence.
-      peak_bytes: compiled peak estimate.
-      peak_source: how :attr:`peak_bytes` was obtained (see :mod:`jremat.memory`).
-      temp_bytes: compiled temp bytes.
-      argument_bytes: compiled argument bytes (parameters, tokens, key).
-      output_bytes: compiled output bytes (parameter gradients).
-      alias_bytes: compiled alias bytes.
-      generated_code_bytes: compiled code bytes.
-      saved_bytes: activation residuals of the whole step.
-      saved_bytes_per_layer: activation residuals of one block.
-      program_saved_bytes_per_layer: cross-check: stacked per-layer residuals of the whole step
-        divided by ``n_layers`` under scan (``None`` when unrolled: names and layers are mixed).
-      residual_total_bytes: every residual of the whole step, all kinds.
-      step_flops: cost-model FLOPs of the gradient step under this policy.
-      recompute_flops: FLOPs added by recomputation (vs ``none``).
-      recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
-      analytic_peak_bytes: :func:`analytic_peak_bytes`.
-      notes: caveats (backend, truthfulness checks).
-      live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
-      explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
-      timeline: the :class:`jremat.timeline.MemoryTimeline` of the compiled step (``--timeline``),
-        or ``None``; JSON carries its summary, not the per-position curve.
-    """
-
-    policy: str
-    n_layers: int
-    batch_size: int
-    seq_len: int
-    peak_bytes: int | None
-    peak_source: str
-    temp_bytes: int | None
-    argument_bytes: int | None
-    output_bytes: int | None
-    alias_bytes: int | None
-    generated_code_bytes: int | None
-    saved_bytes: int
-    saved_bytes_per_layer: int
-    program_saved_bytes_per_layer: float | None
-    residual_total_bytes: int
-    step_flops: float
-    recompute_flops: float
-    recompute_flops_fraction: float
-    analytic_peak_bytes: int
-    notes: tuple[str, ...] = ()
-    live_peak_bytes: int | None = None
-    timeline: jtl.MemoryTimeline | None = None
-    explanation: Explanation | None = None
-
-    def to_json(self, baseline: "PolicyMemory | None" = None) -> dict:
-        """A JSON-ready dict of every field, plus ratios to ``baseline`` when given."""
-        out = dataclasses.asdict(dataclasses.replace(self, timeline=None, explanation=None))
-        out.pop("explanation")
-        out["notes"] = list(self.notes)
-        out["timeline"] = timeline_plot.timeline_json(self.timeline) if self.timeline is not None else None
-        if self.explanation is not None:
-            out["explain"] = self.explanation.to_json()
-        if baseline is not None:
-            out["peak_ratio_vs_none"] = _ratio(self.peak_bytes, baseline.peak_bytes)
-            out["temp_ratio_vs_none"] = _ratio(self.temp_bytes, baseline.temp_bytes)
-            out["saved_ratio_vs_none"] = _ratio(self.saved_bytes_per_layer, baseline.saved_bytes_per_layer)
-        return out
-
-
-def _ratio(a, b):
-    return None if a is None or not b else a / b
-
-
-def _key_shape():
-    return jax.eval_shape(lambda: jax.random.key(0))
-
-
-def loss_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
-    """The loss of one step and its abstract arguments, without allocating anything.
-
-    Args:
-      model_cfg: the model (its ``remat_policy`` is the policy measured).
-      batch_size: sequences per batch; must be positive.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-
-    Returns:
-      ``(loss_fn, (params, tokens, targets, key))``: ``loss_fn(params, tokens, targets, key)`` is
-      the mean cross-entropy and the arguments are shape structs.
-
-    Raises:
-      ValueError: on a non-positive batch size or a too-long sequence.
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    if batch_size <= 0 or seq_len <= 0:
-        raise ValueError(f"batch size and sequence length must be positive, got {batch_size} and {seq_len}")
-    if seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-
-    def loss(p, tok, tgt, key):
-        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
-
-    return loss, (params, tokens, tokens, _key_shape())
-
-
-def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
-    """The gradient step and its abstract arguments (see :func:`loss_program`).
-
-    Returns:
-      ``(grad_fn, (params, tokens, targets, key))`` with ``grad_fn = jax.grad(loss)`` with
-      respect to ``params``.
-
-    Raises:
-      ValueError: on a non-positive batch size or a too-long sequence.
-    """
-    loss, args = loss_program(model_cfg, batch_size, seq_len)
-    return jax.grad(loss), args
-
-
-def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
-    """One transformer block as the model runs it, and its abstract arguments.
-
-    Returns:
-      ``(block_fn, (block_params, x, key))`` with ``block_fn = models.gpt.make_block_fn(...)``
-      under the config's policy and granularity.
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0))))
-    remat = model_cfg.remat_config()
-    fn = make_block_fn(graphdef, remat, remat.resolved_policy())
-    x = jax.ShapeDtypeStruct((batch_size, seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
-    return fn, (params, x, _key_shape())
-
-
-def analytic_peak_bytes(
-    model_cfg: ModelConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    *,
-    residuals: jmem.ResidualsReport | None = None,
-) -> int:
-    """Peak memory of the gradient step estimated from shapes and traced residuals; no compile.
-
-    Model: the peak falls at the start of the backward pass, when every residual of the
-    forward pass is alive together with the loss-side buffers. So peak = parameters + tokens
-    (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
-    forward pass computes (:attr:`jremat.memory.ResidualsReport.computed_bytes`: every
-    non-constant residual that is not an argument) + the head's backward working set: the f32
-    gradient of the logits plus the logits-sized buffer that feeds the two head matmuls (its
-    cast to the compute dtype), ``(4 + itemsize(dtype)) x batch x seq x vocab`` bytes (divided
-    by ``remat_head_chunks`` when the head is rematerialized in chunks).
-
-    It assumes the step is compiled as :func:`jremat.jit` compiles it (on XLA:CPU, without
-    loop-invariant code motion; see :mod:`jremat.xla_flags`). It leaves out the transient
-    working set of one block's backward pass, so it underestimates when that, not the head,
-    sets the peak (small vocabularies with long sequences; measured in docs/RESULTS.md).
-
-    Args:
-      model_cfg: the model, with its policy.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-      residuals: the step's residuals if already traced (saves a trace).
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    _, (params, *_rest) = step_program(model_cfg, batch_size, seq_len)
-    param_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-    token_bytes = 2 * batch_size * seq_len * 4 + 8
-    if residuals is None:
-        residuals = step_residuals(model_cfg, batch_size, seq_len)
-    bytes_per_logit = 4 + jnp.dtype(model_cfg.dtype).itemsize
-    head_work = bytes_per_logit * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
-    return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
-
-
-def step_residuals(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jmem.ResidualsReport:
-    """Every value the whole step keeps for its backward pass (:func:`jremat.saved_residuals_report`)."""
-    loss, args = loss_program(model_cfg, batch_size, seq_len)
-    return jmem.saved_residuals_report(loss, *args, n_layers=model_cfg.n_layers, param_argnums=(0,))
-
-
-def _step_flops(model_cfg, batch_size, seq_len) -> float:
-    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
-    return jmem.program_flops(grad_fn, *args)
-
-
-def policy_memory(
-    model_cfg: ModelConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    *,
-    compile: bool = True,
-    baseline_step_flops: float | None = None,
-    timeline: bool = False,
-) -> PolicyMemory:
-    """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
-
-    Nothing is executed. ``compile=False`` skips XLA (only traced figures and the analytic
-    estimate are filled; byte fields are ``None``).
-
-    Args:
-      model_cfg: the model, with the policy to measure in ``remat_policy``.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-      compile: whether to compile for XLA's buffer assignment.
-      baseline_step_flops: FLOPs of the same step under ``none`` (computed when omitted).
-      timeline: also read the compiled step's memory timeline (:func:`jremat.memory_timeline`);
-        the byte fields then come from that same compile. Needs ``compile``.
-
-    Returns:
-      A :class:`PolicyMemory`.
-
-    Raises:
-      ValueError: on a bad batch size or sequence length.
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
-    notes = []
-    step_timeline = None
-    if compile and timeline:
-        step_timeline = jtl.memory_timeline(grad_fn, *args)
-        report = step_timeline.report
-        notes.extend(report.notes)
-    elif compile:
-        report = jmem.memory_report(grad_fn, *args)
-        notes.extend(report.notes)
-    else:
-        report = None
-    block_fn, block_args = block_program(model_cfg, batch_size, seq_len)
-    block = jmem.saved_residuals_report(block_fn, *block_args, param_argnums=(0,))
-    whole = step_residuals(model_cfg, batch_size, seq_len)
-    cross = whole.layer_stacked_bytes / model_cfg.n_layers if model_cfg.scan_layers and model_cfg.n_layers > 1 else None
-    flops = jmem.program_flops(grad_fn, *args)
-    if baseline_step_flops is None:
-        baseline_step_flops = _step_flops(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
-    recompute = max(0.0, flops - baseline_step_flops)
-    get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
-    return PolicyMemory(
-        policy=registry.normalize_spec(model_cfg.remat_policy),
-        n_layers=model_cfg.n_layers,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        peak_bytes=get("peak_bytes"),
-        peak_source=report.peak_source if report is not None else "not compiled",
-        temp_bytes=get("temp_bytes"),
-        argument_bytes=get("argument_bytes"),
-        output_bytes=get("output_bytes"),
-        alias_bytes=get("alias_bytes"),
-        generated_code_bytes=get("generated_code_bytes"),
-        saved_bytes=whole.saved_bytes,
-        saved_bytes_per_layer=block.saved_bytes,
-        program_saved_bytes_per_layer=cross,
-        residual_total_bytes=whole.total_bytes,
-        step_flops=flops,
-        recompute_flops=recompute,
-        recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
-        analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
-        notes=tuple(notes),
-        timeline=step_timeline,
-    )
-
-
-def explain_step(
-    model_cfg: ModelConfig,
-    batch_size: int,
-    seq_len: int | None = None,
-    *,
-    temp_bytes: int | None = None,
-    baseline_temp_bytes: int | None = None,
-) -> Explanation:
-    """What ``model_cfg``'s policy does to the step (:func:`jremat.explain.explain_applied`); nothing runs.
-
-    Reads every checkpoint of the traced loss (per layer, inside the layer scan) with its own
-    policy, checks the names the policy mentions against the model's tags, and, given both temp
-    figures, says when the compiled temp did not fall although the policy recomputes.
-
-    Args:
-      model_cfg: the model, with the policy in ``remat_policy``.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-      temp_bytes: the step's compiled temp bytes under the policy, if measured.
-      baseline_temp_bytes: the same under ``none``.
-    """
-    loss, args = loss_program(model_cfg, batch_size, seq_len)
-    baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
-    return explain_applied(
-        loss, *args, policy=model_cfg.remat_policy, baseline=baseline, compile=False, param_argnums=(0,),
-        temp_bytes=temp_bytes, baseline_temp_bytes=baseline_temp_bytes, scan_layers=model_cfg.scan_layers,
-        _name="the gradient step",
-    )
-
-
-def config_for_spec(
-    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
-):
-    """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
-
-    Returns:
-      ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`train.auto.AutoPlan` for ``auto``
-      specs (budget from ``memory_budget``, else the spec's ``budget=`` key), else ``None``.
-
-    Raises:
-      ValueError: on a bad spec or budget, or a budget no plan fits.
-    """
-    name, values = registry.parse_spec(spec)
-    if name != "auto":
-        return base_cfg.replace(remat_policy=spec), None
-    from train.auto import plan_for_budget  # train.auto builds on this module's step programs
-
-    plan = plan_for_budget(base_cfg, batch_size, memory_budget or values.get("budget", "0.5"), seq_len)
-    return plan.config, plan
-
-
-def compare_policies(
-    base_cfg: ModelConfig,
-    batch_size: int,
-    policies: Sequence[str],
-    seq_len: int | None = None,
-    *,
-    compile: bool = True,
-    memory_budget: str | None = None,
-    timeline: bool = False,
-    explain: bool = False,
-) -> list[PolicyMemory]:
-    """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
-
-    ``none`` is measured too (first; returned as a row only if asked for) so that every row can
-    be compared with it. A row whose temp memory did not follow its saved residuals gets a note
-    naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
-    :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
-    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
-
-    Returns:
-      ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
-
-    Raises:
-      ValueError: on an unknown policy spec (the message lists the registered ones).
-    """
-    for spec in policies:
-        registry.resolve(spec)
-    baseline_flops = _step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
-    rows = {}
-    configs = {}
-    wanted = list(dict.fromkeys(policies))
-    order = wanted if "none" in wanted else ["none", *wanted]
-    for spec in order:
-        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
-        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
-                            timeline=timeline and spec in wanted)
-        if plan is not None:
-            label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
-            row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
-        rows[spec] = row
-        configs[spec] = cfg
-    base = rows["none"]
-    out = []
-    for spec in wanted:
-        row = rows[spec]
-        if explain:
-            row = dataclasses.replace(row, explanation=explain_step(
-                configs[spec], batch_size, seq_len, temp_bytes=row.temp_bytes, baseline_temp_bytes=base.temp_bytes))
-        if spec != "none" and row.temp_bytes is not None and base.temp_bytes is not None:
-            note = jmem.diagnose_remat(
-                row.temp_bytes, base.temp_bytes, row.saved_bytes, base.saved_bytes, scan_layers=base_cfg.scan_layers
-            )
-            if note:
-                row = dataclasses.replace(row, notes=row.notes + (note,))
-        out.append(row)
-    return out, base
-
-
-def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
-    """One line for a trainer's start-up log: peak estimate and saved bytes per layer vs ``none``.
-
-    Compiles the gradient step twice (the policy and ``none``); nothing runs.
-    """
-    rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
-    row = rows[0]
-    peak = format_bytes(row.peak_bytes)
-    parts = [
-        f"memory ({row.policy}): peak {peak} (none: {format_bytes(base.peak_bytes)}, "
-        f"analytic {format_bytes(row.analytic_peak_bytes)}), saved/layer {format_bytes(row.saved_bytes_per_layer)} "
-        f"(none: {format_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
-    ]
-    parts.extend(f"  note: {n}" for n in row.notes)
-    return "\n".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
 
@@ -605,9 +184,9 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
               f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}" + (f" {'live peak':>11}" if live else ""))
     lines = [header, "-" * len(header)]
     for r in rows:
-        pr = _ratio(r.peak_bytes, base.peak_bytes)
-        sr = _ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
-        err = _ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
+        pr = ratio(r.peak_bytes, base.peak_bytes)
+        sr = ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
+        err = ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
         lines.append(
             f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
             f"{format_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
@@ -676,32 +255,8 @@ def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jmem.LiveMemory:
-    """Run the gradient step once on real arrays and read the allocator's peak (:func:`jremat.live_memory`).
-
-    The allocator's peak only grows within a process, so measure one policy per process (the
-    CLI's ``--live`` does).
-
-    Args:
-      model_cfg: the model, with its policy.
-      batch_size: sequences per batch.
-      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
-
-    Returns:
-      The :class:`jremat.memory.LiveMemory`; ``available`` is False, and nothing runs, on a
-      backend without allocator statistics (XLA:CPU).
-    """
-    missing = jmem.allocator_stats_missing()
-    if missing is not None:
-        return jmem.LiveMemory(False, str(jax.devices()[0]), None, None, missing)
-    grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
-    _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
-    batch = jnp.zeros(tokens.shape, tokens.dtype)
-    return jmem.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
-
-
 def _allocator_stats_note() -> str | None:
-    missing = jmem.allocator_stats_missing()
+    missing = allocator_stats_missing()
     return None if missing is None else f"live: {missing}; --live needs a GPU or TPU, so only compiled figures are shown"
 
 
@@ -788,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if live_note:
             print(live_note, file=sys.stderr)
         if config.json:
-            print(json.dumps([r.to_json(base) for r in rows], indent=2))
+            print(json.dumps([r.to_json(base, timeline_plot.timeline_json) for r in rows], indent=2))
         else:
             print(format_table(rows, base))
             explained = format_explanations(rows)

@@ -31,8 +31,8 @@ import numpy as np
 import jremat
 from jremat import registry
 from train import cli
+from models import policy_memory
 from train import data as data_lib
-from train import memory as memory_cli
 from train import sharding as sharding_lib
 from train import step as step_lib
 from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
@@ -104,13 +104,13 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
 def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
     """The start-up memory report: peak estimate and saved bytes per layer, this policy vs ``none``.
 
-    Compile-only (``train.memory.summary_vs_none``): nothing runs on the device.
+    Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device.
     """
-    return memory_cli.summary_vs_none(model_cfg, batch_size, seq_len)
+    return policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
 
 
 def plan_auto_policy(cfg: TrainConfig, model_cfg):
-    """Replace an ``auto`` policy by the plan that fits the budget (see :mod:`train.auto`).
+    """Replace an ``auto`` policy by the plan that fits the budget (see :mod:`models.planning`).
 
     Returns:
       ``(model_cfg, plan_table)``; the config unchanged and ``None`` for any other policy.
@@ -121,7 +121,7 @@ def plan_auto_policy(cfg: TrainConfig, model_cfg):
     if registry.parse_spec(model_cfg.remat_policy)[0] != "auto":
         return model_cfg, None
     try:
-        planned, plan = memory_cli.config_for_spec(
+        planned, plan = policy_memory.config_for_spec(
             model_cfg, model_cfg.remat_policy, cfg.batch_size, cfg.seq_len, cfg.memory_budget
         )
     except ValueError as err:

@@ -5,6 +5,9 @@ jitted functions of ``(params, opt_state, batch, key)``. Gradient accumulation i
 ``optax.MultiSteps``: each call of the train step consumes one micro-batch and the parameters
 change on every ``accum``-th call.
 
+The step functions themselves are the model's programs (:func:`models.programs.train_step_fn`,
+:func:`models.programs.eval_step_fn`); this module builds the optimizer and jits them.
+
 Dropout keys are a pure function of the seed and the position in training,
 ``fold_in(fold_in(key(seed), step), micro_step)``, so a resumed run draws the same masks.
 """
@@ -19,7 +22,8 @@ import optax
 from flax import nnx
 
 import jremat
-from models import GPT, ModelConfig, cross_entropy_loss
+from models import GPT, ModelConfig
+from models.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
@@ -80,39 +84,9 @@ def dropout_key(base_key: jax.Array, step: int, micro_step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(base_key, step), micro_step)
 
 
-def train_step_fn(graphdef, tx: optax.GradientTransformation) -> Callable:
-    """The unjitted ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``.
-
-    For callers that jit it themselves (with shardings: ``train.sharding``); JAX accepts
-    compiler options only on the outermost jit.
-    """
-
-    def train_step(params, opt_state, tokens, targets, key):
-        def loss_fn(p):
-            return cross_entropy_loss(nnx.merge(graphdef, p), tokens, targets, key)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        # optax mixes Python floats with int32 step counts; allow that even under strict promotion.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return params, opt_state, loss
-
-    return train_step
-
-
-def eval_step_fn(graphdef) -> Callable:
-    """The unjitted ``(params, tokens, targets) -> mean loss`` with dropout off."""
-
-    def eval_step(params, tokens, targets):
-        return cross_entropy_loss(nnx.merge(graphdef, params), tokens, targets, None)
-
-    return eval_step
-
-
 def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
     """:func:`train_step_fn` compiled by :func:`jremat.jit`; ``params`` and ``opt_state`` are donated."""
-    return jremat.jit(train_step_fn(graphdef, tx), donate_argnums=(0, 1))
+    return jremat.jit(train_step_fn(graphdef, tx), donate_argnums=TRAIN_STEP_DONATE)
 
 
 def make_eval_step(graphdef) -> Callable:

@@ -120,8 +120,8 @@ def test_names_except_saves_memory_on_the_gpt_under_scan():
     from models import preset
 
     cfg = preset("tiny", n_layers=2)
-    none = train_step_memory(cfg.replace(remat_policy="none"), 4).temp_size_in_bytes
-    excluded = train_step_memory(cfg.replace(remat_policy="names_except:exclude=q+k+v"), 4).temp_size_in_bytes
+    none = train_step_memory(cfg.replace(remat_policy="none"), 4).temp_bytes
+    excluded = train_step_memory(cfg.replace(remat_policy="names_except:exclude=q+k+v"), 4).temp_bytes
     assert excluded < none, (excluded, none)
 
 
@@ -216,7 +216,7 @@ def test_every_canonical_spec_resolves_to_an_equal_policy(name):
 
 
 def test_budget_numbers_without_a_unit():
-    from policies.auto import parse_budget
+    from jremat.planner import parse_budget
 
     assert parse_budget("1").fraction == 1.0 and parse_budget("1.0").fraction == 1.0
     assert parse_budget("1000000").bytes == 1_000_000 and parse_budget("1.5GB").bytes == 1_500_000_000

@@ -26,7 +26,7 @@ def chain_grad(layer_fn):
 def chain_temp_bytes(layer_fn):
     ws = [jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32)] * LAYERS
     x = jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
-    return chain_grad(layer_fn).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+    return jremat.memory_report(chain_grad(layer_fn), ws, x, compiler_options={}).temp_bytes
 
 
 def test_cotangent_tie_makes_unrolled_remat_save_memory():

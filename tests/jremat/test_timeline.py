@@ -126,3 +126,20 @@ def test_the_model_on_a_hand_written_dump():
     kinds = {b.instruction: (b.kind, b.size_bytes) for b in tl.top_buffers}
     assert kinds == {"p.1": ("argument", 16), "b.1": ("gradient", 32), "c.1": ("gradient", 16),
                      "out.1": ("output", 16)}
+
+
+def test_timeline_compiles_past_the_persistent_cache(tmp_path):
+    """A persistent-cache hit skips XLA and its dump; the timeline's compile must bypass the cache."""
+    previous_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        grad = jax.grad(_loss(None))
+        jax.jit(grad).lower(*ARGS).compile(jremat.compile.compiler_options())  # now in the cache
+        assert list(tmp_path.iterdir()), "the compile was not cached, so this test checks nothing"
+        timeline = jremat.memory_timeline(grad, *ARGS)
+        assert timeline.peak_bytes > 0 and timeline.top_buffers
+        jax.jit(grad).lower(*ARGS).compile(jremat.compile.compiler_options())
+        assert jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
+        jax.experimental.compilation_cache.compilation_cache.reset_cache()

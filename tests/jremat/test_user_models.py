@@ -107,7 +107,7 @@ def test_a_fresh_dropout_key_on_recompute_is_caught():
 
 
 def temp_bytes(case):
-    return jremat.jit(case.run).lower(case.params, case.key).compile().memory_analysis().temp_size_in_bytes
+    return jremat.memory_report(case.run, case.params, case.key).temp_bytes
 
 
 @pytest.mark.parametrize("model", ["plain", "linen", "nnx", "nnx_call_time_rngs"])

@@ -16,8 +16,8 @@ def test_chunked_head_keeps_loss_and_gradients(tiny_config, chunks):
 
 def test_chunked_head_cuts_temp_memory_when_the_vocabulary_dominates():
     cfg = preset("small", n_layers=2, vocab_size=4096, remat_policy="full")
-    kept = train_step_memory(cfg, 8).temp_size_in_bytes
-    chunked = train_step_memory(cfg.replace(remat_head_chunks=4), 8).temp_size_in_bytes
+    kept = train_step_memory(cfg, 8).temp_bytes
+    chunked = train_step_memory(cfg.replace(remat_head_chunks=4), 8).temp_bytes
     # Measured: 20.2 MB -> 12.9 MB; a [8, 64, 4096] f32 logits buffer is 8.4 MB.
     assert chunked <= 0.7 * kept, (chunked, kept)
 

@@ -21,14 +21,14 @@ def block_input_bytes(cfg):
 
 def test_full_remat_under_scan_cuts_temp_memory_3x():
     cfg = small(n_layers=8)
-    none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_size_in_bytes
-    full_temp = train_step_memory(cfg.replace(remat_policy="full"), BATCH).temp_size_in_bytes
+    none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_bytes
+    full_temp = train_step_memory(cfg.replace(remat_policy="full"), BATCH).temp_bytes
     assert none_temp >= 3 * full_temp, (none_temp, full_temp)
 
 
 def test_full_remat_temp_grows_by_about_one_block_input_per_layer():
     per_layer = block_input_bytes(small())
-    temps = {n: train_step_memory(small(n_layers=n, remat_policy="full"), BATCH).temp_size_in_bytes for n in (4, 8)}
+    temps = {n: train_step_memory(small(n_layers=n, remat_policy="full"), BATCH).temp_bytes for n in (4, 8)}
     growth_per_layer = (temps[8] - temps[4]) / 4
     # Measured exactly 1.0x under jremat.jit; plain jax.jit gave 1.375x (loop-invariant code motion).
     assert 0.95 * per_layer <= growth_per_layer <= 1.05 * per_layer, (growth_per_layer, per_layer)
@@ -51,8 +51,8 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
     """Unrolled stacks save memory too, thanks to the cotangent tie (jremat.tie)."""
     cfg = small(n_layers=3, scan_layers=False)
-    none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_size_in_bytes
-    temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_size_in_bytes
+    none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_bytes
+    temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_bytes
     assert temp <= max_fraction_of_none * none_temp, (policy, temp, none_temp)
 
 
@@ -96,6 +96,6 @@ def test_one_layer_scan_still_saves_memory():
     # pass and every policy compiles to none's figure (docs/xla-notes.md).
     cfg = preset("needle", scan_layers=True)
     assert cfg.n_layers == 1
-    none_temp = train_step_memory(cfg.replace(remat_policy="none"), 64).temp_size_in_bytes
-    full_temp = train_step_memory(cfg.replace(remat_policy="full"), 64).temp_size_in_bytes
+    none_temp = train_step_memory(cfg.replace(remat_policy="none"), 64).temp_bytes
+    full_temp = train_step_memory(cfg.replace(remat_policy="full"), 64).temp_bytes
     assert full_temp <= 0.95 * none_temp, (full_temp, none_temp)

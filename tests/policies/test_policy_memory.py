@@ -12,7 +12,7 @@ def temp_bytes(spec: str, layer_policies: str = "", scan_layers: bool = True) ->
         "small", n_layers=4, vocab_size=256, remat_policy=spec, remat_granularity="block",
         remat_layer_policies=layer_policies, scan_layers=scan_layers,
     )
-    return train_step_memory(cfg).temp_size_in_bytes
+    return train_step_memory(cfg).temp_bytes
 
 
 def test_every_k_orders_between_none_and_full():

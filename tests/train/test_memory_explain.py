@@ -4,11 +4,12 @@ import json
 
 import train.memory as tm
 from models import preset
+from models.policy_memory import compare_policies
 
 
 def test_explain_section_reports_decisions_and_names_per_policy():
     cfg = preset("tiny", remat_policy="none")
-    rows, _ = tm.compare_policies(cfg, 2, ["names:save=q+mlp_act", "full"], compile=False, explain=True)
+    rows, _ = compare_policies(cfg, 2, ["names:save=q+mlp_act", "full"], compile=False, explain=True)
     names, full = (r.explanation for r in rows)
     # The names policy saves exactly its two tags, once per layer, inside the layer scan.
     (save,) = [d for d in names.decisions if d.decision == "save"]

@@ -1,11 +1,11 @@
-"""jremat.xla_flags: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
+"""jremat.compile: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import xla_flags
+from jremat import compile as jcompile
 
 _ROWS, _WIDTH = 256, 512
 
@@ -23,13 +23,13 @@ def _bf16_layer_chain(n_layers):
 
 
 def _temp_bytes(jitted, args):
-    return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return jremat.compiled_memory_report(jitted.lower(*args).compile()).temp_bytes
 
 
 def test_options_only_on_cpu():
-    assert xla_flags.compiler_options("cpu") == {"xla_disable_hlo_passes": xla_flags.CPU_HOISTING_PASS}
-    assert xla_flags.compiler_options("gpu") == {}
-    assert xla_flags.compiler_options("tpu") == {}
+    assert jcompile.compiler_options("cpu") == {"xla_disable_hlo_passes": jcompile.CPU_HOISTING_PASS}
+    assert jcompile.compiler_options("gpu") == {}
+    assert jcompile.compiler_options("tpu") == {}
 
 
 def test_jit_computes_the_same_and_user_options_win():

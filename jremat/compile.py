@@ -1,4 +1,4 @@
-"""XLA options that decide whether remat's savings survive compilation.
+"""Compiling with the XLA options under which remat's savings survive: :func:`jit`, :func:`compiler_options`.
 
 * Loop-invariant code motion on XLA:CPU hoists an f32 copy of every scan-stacked bf16 residual
   out of the backward loop; :func:`compiler_options` turns the pass off on CPU and :func:`jit`

@@ -1,0 +1,441 @@
+"""Saved residuals: every value a function keeps for its backward pass, traced (nothing compiled).
+
+:func:`saved_residuals_report` traces ``jax.vjp`` of a function and lists every value kept for
+the backward pass (shape, dtype, bytes, tensor name or producing primitive, source line),
+classified as activations, parameter-derived values, PRNG keys or constants.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Callable, Iterable, Sequence
+
+import jax
+from jax.extend import core as jcore
+
+from jremat import _jax_compat
+from jremat import engine as _engine
+from jremat import program as _program
+
+#: Residual kinds (see :class:`SavedResidual`).
+ACTIVATION = "activation"
+PARAMETER = "parameter"
+RNG_KEY = "rng_key"
+CONSTANT = "constant"
+RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
+
+#: Primitives that return their input unchanged; a residual is looked through them.
+IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
+
+#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``), and
+#: that :func:`jremat.engine.checkpoint` gives the values a callback keeps under jax_remat3
+#: (``jremat_cb2/5``).
+PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
+
+_LOOP_PRIMITIVES = ("scan",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedResidual:
+    """One value kept for the backward pass.
+
+    Attributes:
+      shape: its shape.
+      dtype: its dtype name.
+      bytes: its size.
+      kind: :data:`ACTIVATION` (depends on a non-parameter argument: data, keys),
+        :data:`PARAMETER` (depends only on parameter arguments, e.g. a bf16 copy of a weight),
+        :data:`RNG_KEY` (a PRNG key) or :data:`CONSTANT` (depends on no argument, e.g. a causal
+        mask or a literal).
+      name: the ``checkpoint_name`` the value carries (looked up through identity and
+        shape-only ops), or ``None``.
+      primitive: the primitive that produced it, or ``argument`` / ``constant`` / ``literal``.
+      source: ``file:line (function)`` of the producing equation, or the argument's path.
+      plan_tag: the :class:`jremat.PlanPolicy` tag (``jremat3/17``) if a plan chose it.
+      layer_stacked: whether it is a stacked ``[n_layers, ...]`` output of a loop over layers.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    kind: str
+    name: str | None
+    primitive: str
+    source: str
+    plan_tag: str | None = None
+    layer_stacked: bool = False
+
+    @property
+    def label(self) -> str:
+        """The tensor name if tagged, else ``primitive:dtype`` (``lt:bool`` is a dropout mask)."""
+        return self.name if self.name else f"{self.primitive}:{self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualGroup:
+    """Residuals of one kind sharing a label, summed.
+
+    Attributes:
+      label: tensor name or producing primitive.
+      kind: the residuals' kind.
+      count: how many residuals.
+      bytes: their total size.
+      bytes_per_layer: ``bytes / n_layers``.
+      shapes: the distinct shapes, in first-seen order.
+    """
+
+    label: str
+    kind: str
+    count: int
+    bytes: int
+    bytes_per_layer: float
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualsReport:
+    """Every value a function keeps for its backward pass.
+
+    Attributes:
+      residuals: one :class:`SavedResidual` per distinct saved value.
+      n_layers: how many layers the analysed function spans (1 for one block, ``L`` for the
+        whole model); per-layer figures divide by it.
+    """
+
+    residuals: tuple[SavedResidual, ...]
+    n_layers: int = 1
+
+    def bytes_of(self, kind: str) -> int:
+        """Total bytes of the residuals of ``kind``.
+
+        Raises:
+          ValueError: if ``kind`` is not one of :data:`RESIDUAL_KINDS`.
+        """
+        if kind not in RESIDUAL_KINDS:
+            raise ValueError(f"unknown residual kind {kind!r}; valid kinds: {', '.join(RESIDUAL_KINDS)}")
+        return sum(r.bytes for r in self.residuals if r.kind == kind)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of saved activations (what remat trades for recomputation)."""
+        return self.bytes_of(ACTIVATION)
+
+    @property
+    def saved_bytes_per_layer(self) -> float:
+        """:attr:`saved_bytes` divided by :attr:`n_layers`."""
+        return self.saved_bytes / self.n_layers
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every residual, all kinds."""
+        return sum(r.bytes for r in self.residuals)
+
+    @property
+    def computed_bytes(self) -> int:
+        """Bytes of non-constant residuals that are not the function's own arguments.
+
+        Arguments are already counted as the program's inputs, and constant-derived values
+        (broadcast masks, literals) are usually fused away or hoisted by XLA; this is what the
+        forward pass adds to memory for the backward pass.
+        """
+        return sum(r.bytes for r in self.residuals if r.primitive != "argument" and r.kind != CONSTANT)
+
+    @property
+    def layer_stacked_bytes(self) -> int:
+        """Bytes of activations that are stacked ``[n_layers, ...]`` outputs of a layer loop."""
+        return sum(r.bytes for r in self.residuals if r.layer_stacked and r.kind == ACTIVATION)
+
+    def groups(self, kinds: Sequence[str] = (ACTIVATION,)) -> tuple[ResidualGroup, ...]:
+        """Residuals of ``kinds`` grouped by (kind, label), largest first.
+
+        Raises:
+          ValueError: on an unknown kind.
+        """
+        for kind in kinds:
+            if kind not in RESIDUAL_KINDS:
+                raise ValueError(f"unknown residual kind {kind!r}; valid kinds: {', '.join(RESIDUAL_KINDS)}")
+        acc: dict = collections.OrderedDict()
+        for r in self.residuals:
+            if r.kind not in kinds:
+                continue
+            entry = acc.setdefault((r.kind, r.label), [0, 0, []])
+            entry[0] += 1
+            entry[1] += r.bytes
+            if r.shape not in entry[2]:
+                entry[2].append(r.shape)
+        groups = [
+            ResidualGroup(label, kind, count, nbytes, nbytes / self.n_layers, tuple(shapes))
+            for (kind, label), (count, nbytes, shapes) in acc.items()
+        ]
+        return tuple(sorted(groups, key=lambda g: -g.bytes))
+
+    def table(self, kinds: Sequence[str] = RESIDUAL_KINDS) -> str:
+        """A printable table: one line per residual group, then totals per kind."""
+        lines = [f"{'kind':<10} {'label':<28} {'count':>5} {'bytes':>14} {'bytes/layer':>14}  shapes"]
+        for g in self.groups(kinds):
+            shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in g.shapes[:3])
+            lines.append(f"{g.kind:<10} {g.label:<28} {g.count:>5} {g.bytes:>14,} {g.bytes_per_layer:>14,.0f}  {shapes}")
+        for kind in kinds:
+            lines.append(f"total {kind}: {self.bytes_of(kind):,} bytes ({self.bytes_of(kind) / self.n_layers:,.0f} per layer)")
+        return "\n".join(lines)
+
+
+def _summarize_source(eqn) -> str:
+    if _jax_compat.source_summarize is None:  # pragma: no cover
+        return "unknown"
+    try:
+        return _jax_compat.source_summarize(eqn.source_info) or "inside a JAX library function"
+    except Exception:  # noqa: BLE001 - best effort, never fail a report over a line number
+        return "unknown"
+
+
+def _dtype_name(aval) -> str:
+    dtype = getattr(aval, "dtype", None)
+    return str(dtype) if dtype is not None else "token"
+
+
+def _primitive_name(eqn) -> str:
+    """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
+    return "name" if _engine.tag_name(eqn) is not None else eqn.primitive.name
+
+
+def _vjp_residual_jaxpr(fn, args, kwargs):
+    leaves, in_tree = jax.tree.flatten((args, kwargs))
+
+    def flat_fn(*flat):
+        a, kw = jax.tree.unflatten(in_tree, flat)
+        return fn(*a, **kw)
+
+    closed, out_shape = jax.make_jaxpr(lambda *flat: jax.vjp(flat_fn, *flat), return_shape=True)(*leaves)
+    n_res = len(jax.tree.leaves(out_shape[1]))
+    # Inline nested jit calls so that each residual's producer is a real primitive, and values a
+    # jit merely forwards become the same variable (no double counting).
+    inlined = _program.inline_calls(closed, leaves)
+    jaxpr = inlined.jaxpr
+    return jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_res:], leaves, in_tree
+
+
+def _leaf_paths(args, kwargs) -> list[str]:
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        paths.append(jax.tree_util.keystr(path))
+    return paths
+
+
+def _argnum_of_leaves(args, kwargs) -> list[int | str]:
+    owners: list[int | str] = []
+    for i, a in enumerate(args):
+        owners.extend([i] * len(jax.tree.leaves(a)))
+    for k in kwargs:
+        owners.extend([k] * len(jax.tree.leaves(kwargs[k])))
+    return owners
+
+
+_PARAM, _DATA, _KEY = 1, 2, 4
+
+def _in_masks(eqn, deps) -> list[int]:
+    return [0 if isinstance(v, jcore.Literal) else deps.get(v, 0) for v in eqn.invars]
+
+
+def _propagate_deps(jaxpr, deps: dict) -> None:
+    """Fill ``deps[v]`` (bit set of argument kinds) for every variable of ``jaxpr``.
+
+    Looks inside ``scan`` bodies (carry to a fixed point) and call-like equations so that,
+    e.g., a stacked bf16 weight copy made inside a layer loop stays parameter-derived.
+    """
+    for eqn in jaxpr.eqns:
+        masks = _in_masks(eqn, deps)
+        name = eqn.primitive.name
+        outs = None
+        if name == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+            carry = masks[n_consts:n_consts + n_carry]
+            for _ in range(4):
+                inner = dict(zip(body.invars, masks[:n_consts] + carry + masks[n_consts + n_carry:]))
+                _propagate_deps(body, inner)
+                body_outs = [0 if isinstance(v, jcore.Literal) else inner.get(v, 0) for v in body.outvars]
+                new_carry = [a | b for a, b in zip(carry, body_outs[:n_carry])]
+                if new_carry == carry:
+                    break
+                carry = new_carry
+            outs = carry + body_outs[n_carry:]
+        else:
+            subs = _program.subjaxprs(eqn)
+            if len(subs) == 1 and len(subs[0].invars) == len(masks) and len(subs[0].outvars) == len(eqn.outvars):
+                inner = dict(zip(subs[0].invars, masks))
+                _propagate_deps(subs[0], inner)
+                outs = [0 if isinstance(v, jcore.Literal) else inner.get(v, 0) for v in subs[0].outvars]
+        if outs is None or len(outs) != len(eqn.outvars):
+            union = 0
+            for m in masks:
+                union |= m
+            outs = [union] * len(eqn.outvars)
+        for v, m in zip(eqn.outvars, outs):
+            deps[v] = m
+
+
+
+def saved_residuals_report(
+    fn: Callable, *args, n_layers: int = 1, param_argnums: Iterable[int | str] = (), **kwargs
+) -> ResidualsReport:
+    """List every value ``fn`` keeps for its backward pass, without compiling.
+
+    Traces ``jax.vjp(fn, *args, **kwargs)`` (like ``jax.ad_checkpoint.print_saved_residuals``)
+    and describes each residual. Values that several variables share (a ``checkpoint_name``
+    output and its input, a value a nested ``jit`` forwards) count once.
+
+    Classification: a residual depending on any argument outside ``param_argnums`` is an
+    *activation* (dropout masks count, as in Megatron-LM's accounting: they depend on the key);
+    one depending only on ``param_argnums`` arguments is *parameter*-derived (weights, their
+    low-precision copies); PRNG keys are *rng_key*; values depending on no argument are
+    *constant*. Pass PRNG keys as arguments, not as constants created inside ``fn``, or the
+    masks derived from them count as constants.
+
+    Under ``lax.scan`` over layers, per-layer residuals are stacked ``[n_layers, ...]`` scan
+    outputs and their names are lost; they are marked ``layer_stacked``. For named per-layer
+    figures analyse one layer's function instead (``n_layers=1``) and multiply.
+
+    Args:
+      fn: a function of pytrees of arrays; arguments may be :class:`jax.ShapeDtypeStruct`.
+      *args: positional arguments.
+      n_layers: how many layers ``fn`` spans; per-layer figures divide by it. Must be positive.
+      param_argnums: positions (or keyword names) of the arguments holding parameters.
+      **kwargs: keyword arguments.
+
+    Returns:
+      A :class:`ResidualsReport`.
+
+    Raises:
+      ValueError: if ``n_layers`` is not positive or a ``param_argnums`` entry names no argument.
+    """
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
+        raise ValueError(f"n_layers must be a positive integer, got {n_layers!r}")
+    param_argnums = tuple(param_argnums)
+    for a in param_argnums:
+        if not ((isinstance(a, int) and 0 <= a < len(args)) or (isinstance(a, str) and a in kwargs)):
+            raise ValueError(
+                f"param_argnums entry {a!r} names no argument (fn got {len(args)} positional "
+                f"arguments and keywords {sorted(kwargs)})"
+            )
+    jaxpr, res_vars, leaves, _ = _vjp_residual_jaxpr(fn, args, kwargs)
+    owners = _argnum_of_leaves(args, kwargs)
+    paths = _leaf_paths(args, kwargs)
+
+    producer: dict = {}
+    consumers: dict = collections.defaultdict(list)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producer[v] = eqn
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers[v].append(eqn)
+
+    # Which kinds of argument each variable depends on (bit set), by forward propagation.
+    deps: dict = {}
+    invar_index = {}
+    for i, v in enumerate(jaxpr.invars):
+        invar_index[v] = i
+        if _program.is_key(v.aval):
+            deps[v] = _KEY
+        elif owners[i] in param_argnums:
+            deps[v] = _PARAM
+        else:
+            deps[v] = _DATA
+    for v in jaxpr.constvars:
+        deps[v] = 0
+    _propagate_deps(jaxpr, deps)
+
+    def canonical(v):
+        names = []
+        while not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES:
+            eqn = producer[v]
+            if _primitive_name(eqn) == "name":
+                names.append(_engine.tag_name(eqn))
+            v = eqn.invars[0]
+        return v, names
+
+    def forward_names(v, depth=8):
+        found, frontier, seen = [], [v], set()
+        for _ in range(depth):
+            nxt = []
+            for u in frontier:
+                for eqn in consumers.get(u, ()):
+                    if id(eqn) in seen:
+                        continue
+                    seen.add(id(eqn))
+                    prim = _primitive_name(eqn)
+                    if prim == "name":
+                        found.append(_engine.tag_name(eqn))
+                    if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
+                        nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
+            user = [n for n in found if not PLAN_TAG_RE.match(n)]
+            if user:
+                return user
+            frontier = nxt
+        return found
+
+    residuals = []
+    seen_vars = set()
+    for v in res_vars:
+        if isinstance(v, jcore.Literal):
+            aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
+            residuals.append(SavedResidual(tuple(getattr(aval, "shape", ())), _dtype_name(aval),
+                                           _program.aval_bytes(aval), CONSTANT, None, "literal", "a literal"))
+            continue
+        base, chain_names = canonical(v)
+        if isinstance(base, jcore.Literal):
+            aval = base.aval
+            residuals.append(SavedResidual(tuple(aval.shape), _dtype_name(aval), _program.aval_bytes(aval),
+                                           CONSTANT, None, "literal", "a literal"))
+            continue
+        if base in seen_vars:
+            continue
+        seen_vars.add(base)
+        aval = base.aval
+        nbytes = _program.aval_bytes(aval)
+        names = chain_names + [n for n in forward_names(base) if n not in chain_names]
+        user_names = [n for n in names if not PLAN_TAG_RE.match(n)]
+        plan_tags = [n for n in names if PLAN_TAG_RE.match(n)]
+        name = user_names[0] if user_names else None
+        plan_tag = plan_tags[0] if plan_tags else None
+        mask = deps.get(base, 0)
+        stacked = False
+        if base in invar_index:
+            primitive, source = "argument", f"argument {paths[invar_index[base]]}"
+        elif base in producer:
+            eqn = producer[base]
+            primitive, source = eqn.primitive.name, _summarize_source(eqn)
+            if primitive in _LOOP_PRIMITIVES:
+                length = eqn.params.get("length")
+                stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
+        else:
+            primitive, source = "constant", "a constant"
+        if _program.is_key(aval):
+            kind = RNG_KEY
+        elif mask & (_DATA | _KEY):
+            kind = ACTIVATION
+        elif mask & _PARAM:
+            kind = PARAMETER
+        else:
+            kind = CONSTANT
+        residuals.append(SavedResidual(tuple(aval.shape), _dtype_name(aval), nbytes, kind, name, primitive,
+                                       source, plan_tag, stacked))
+    return ResidualsReport(tuple(residuals), n_layers)
+
+
+__all__ = [
+    "ACTIVATION",
+    "CONSTANT",
+    "IDENTITY_PRIMITIVES",
+    "PARAMETER",
+    "PLAN_TAG_RE",
+    "RESIDUAL_KINDS",
+    "RNG_KEY",
+    "ResidualGroup",
+    "ResidualsReport",
+    "SavedResidual",
+    "saved_residuals_report",
+]

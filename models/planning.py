@@ -1,0 +1,102 @@
+"""``--policy auto --memory-budget B`` for the reference GPT: :func:`jremat.planner.plan_layers` on its programs.
+
+A plan becomes an ordinary config (:func:`apply_candidate`): ``remat_policy="names:save=..."``
+(``full`` for the empty set; ``offload:names=...,save=...`` when some names go to host memory)
+and, for a partial stack, ``layer_policies="G:<spec>"`` with the remaining layers on ``none``.
+The step measured is the gradient step (:func:`models.programs.step_program`) unless the caller
+passes its own measurement (the benchmark measures its Adam step).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax.numpy as jnp
+
+import jremat
+from jremat import host_offload, planner
+from jremat.planner import Budget, Candidate, LayerPlan
+from models.config import ModelConfig
+from models.programs import block_program, step_flops, step_program
+
+
+def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``candidate`` as its remat settings (block granularity)."""
+    if candidate.remat_layers == 0:
+        return cfg.replace(remat_policy="none", remat_granularity="block", remat_layer_policies="")
+    if candidate.remat_layers == cfg.n_layers:
+        return cfg.replace(remat_policy=candidate.spec(), remat_granularity="block", remat_layer_policies="")
+    return cfg.replace(remat_policy="none", remat_granularity="block",
+                       remat_layer_policies=f"{candidate.remat_layers}:{candidate.spec()}")
+
+
+@functools.lru_cache(maxsize=256)
+def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Compiled peak of the gradient step of ``cfg`` (:func:`jremat.memory_report`; cached per config).
+
+    Raises:
+      ValueError: if the backend reports no memory figures.
+    """
+    grad_fn, args = step_program(cfg, batch_size, seq_len)
+    report = jremat.memory_report(grad_fn, *args)
+    if not report.available or report.peak_bytes is None:
+        raise ValueError(f"this backend reports no compiled memory figures ({'; '.join(report.notes)}); auto cannot verify a plan")
+    return int(report.peak_bytes)
+
+
+def plan_for_budget(
+    cfg: ModelConfig,
+    batch_size: int,
+    budget: "str | Budget",
+    seq_len: int | None = None,
+    *,
+    measure_peak_bytes: "Callable[[ModelConfig], int] | None" = None,
+    offload: bool | None = None,
+    offload_cost_per_byte: float | None = None,
+) -> LayerPlan:
+    """The least-recompute plan for ``cfg`` whose compiled step peak fits ``budget``.
+
+    Args:
+      cfg: the model (its remat fields are replaced by the plan).
+      batch_size: sequences per batch.
+      budget: ``"6GiB"``-style bytes, or a fraction in ``(0, 1]`` of the way from full remat's
+        peak to the no-remat peak.
+      seq_len: tokens per sequence (default ``cfg.max_seq_len``).
+      measure_peak_bytes: compiles a config and returns its peak; default: the gradient step
+        (:func:`compiled_peak_bytes`).
+      offload: consider offloading names to host memory; ``None`` (default): on accelerators
+        with ``pinned_host`` memory (:func:`jremat.host_offload.host_offload_available`).
+      offload_cost_per_byte: FLOP-equivalents per offloaded byte; default: measured by
+        :func:`jremat.host_offload.offload_flops_per_byte`.
+
+    Returns:
+      The :class:`jremat.planner.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
+
+    Raises:
+      ValueError: on a bad budget, when no plan fits (with the smallest achievable peak), or
+        when ``offload=True`` on a device without host memory.
+    """
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    none_cfg = cfg.replace(remat_policy="none", remat_granularity="block")
+    block_fn, block_args = block_program(none_cfg, batch_size, seq_len)
+    costs = planner.name_costs(jremat.trace_program(block_fn, *block_args))
+    if offload is None:
+        offload = host_offload.host_offload_available()
+    if offload and offload_cost_per_byte is None:
+        offload_cost_per_byte = host_offload.offload_flops_per_byte(cfg.dtype)
+    measure = measure_peak_bytes or (lambda c: compiled_peak_bytes(c, batch_size, seq_len))
+    return planner.plan_layers(
+        budget,
+        costs=costs,
+        n_layers=cfg.n_layers,
+        block_input_bytes=batch_size * seq_len * cfg.d_model * jnp.dtype(cfg.dtype).itemsize,
+        none_layer_bytes=jremat.saved_residuals_report(block_fn, *block_args, param_argnums=(0,)).saved_bytes,
+        measure_peak_bytes=lambda cand: measure(apply_candidate(cand, cfg)),
+        apply=lambda cand: apply_candidate(cand, cfg),
+        step_flops=step_flops(none_cfg, batch_size, seq_len),
+        offload_cost_per_byte=offload_cost_per_byte if offload else None,
+    )
+
+
+__all__ = ["apply_candidate", "compiled_peak_bytes", "plan_for_budget"]

@@ -1,0 +1,339 @@
+"""The per-policy memory report of the GPT's gradient step: compiled figures, residuals, recompute FLOPs.
+
+:func:`policy_memory` measures one policy (XLA's buffer assignment through
+:func:`jremat.memory_report`, the residuals of one block and of the whole step, the FLOPs the
+policy adds and :func:`models.programs.analytic_peak_bytes`); :func:`compare_policies` measures
+several against ``none``; :func:`summary_vs_none` is the trainer's start-up line. Nothing runs:
+parameters and tokens are shapes. ``auto`` specs are planned first (:func:`config_for_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jremat
+from jremat import registry
+from jremat.explain import Explanation, explain_applied
+from jremat.live import LiveMemory, allocator_stats_missing
+from jremat.memory import format_bytes
+from jremat.timeline import MemoryTimeline
+from models.config import ModelConfig
+from models.gpt import GPT
+from models.planning import plan_for_budget
+from models.programs import analytic_peak_bytes, block_program, loss_program, step_flops, step_program, step_residuals
+
+
+def ratio(a, b):
+    """``a / b``, or ``None`` when either is missing or ``b`` is zero."""
+    return None if a is None or not b else a / b
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyMemory:
+    """The memory report of one policy's gradient step.
+
+    Byte fields come from XLA's compiled buffer assignment (``None`` when the backend reports
+    none, or when compilation was skipped); residual and FLOP fields from tracing.
+
+    Attributes:
+      policy: the canonical policy spec.
+      n_layers: transformer blocks.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence.
+      peak_bytes: compiled peak estimate.
+      peak_source: how :attr:`peak_bytes` was obtained (see :mod:`jremat.memory`).
+      temp_bytes: compiled temp bytes.
+      argument_bytes: compiled argument bytes (parameters, tokens, key).
+      output_bytes: compiled output bytes (parameter gradients).
+      alias_bytes: compiled alias bytes.
+      generated_code_bytes: compiled code bytes.
+      saved_bytes: activation residuals of the whole step.
+      saved_bytes_per_layer: activation residuals of one block.
+      program_saved_bytes_per_layer: cross-check: stacked per-layer residuals of the whole step
+        divided by ``n_layers`` under scan (``None`` when unrolled: names and layers are mixed).
+      residual_total_bytes: every residual of the whole step, all kinds.
+      step_flops: cost-model FLOPs of the gradient step under this policy.
+      recompute_flops: FLOPs added by recomputation (vs ``none``).
+      recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
+      analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes`.
+      notes: caveats (backend, truthfulness checks).
+      live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
+      explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
+      timeline: the :class:`jremat.timeline.MemoryTimeline` of the compiled step (``--timeline``),
+        or ``None``; JSON carries its summary, not the per-position curve.
+    """
+
+    policy: str
+    n_layers: int
+    batch_size: int
+    seq_len: int
+    peak_bytes: int | None
+    peak_source: str
+    temp_bytes: int | None
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    generated_code_bytes: int | None
+    saved_bytes: int
+    saved_bytes_per_layer: int
+    program_saved_bytes_per_layer: float | None
+    residual_total_bytes: int
+    step_flops: float
+    recompute_flops: float
+    recompute_flops_fraction: float
+    analytic_peak_bytes: int
+    notes: tuple[str, ...] = ()
+    live_peak_bytes: int | None = None
+    timeline: MemoryTimeline | None = None
+    explanation: Explanation | None = None
+
+    def to_json(self, baseline: "PolicyMemory | None" = None, timeline_json: Callable | None = None) -> dict:
+        """A JSON-ready dict of every field, plus ratios to ``baseline`` when given.
+
+        Args:
+          baseline: the ``none`` row to compare with.
+          timeline_json: summarizes :attr:`timeline` for JSON; without it ``timeline`` is ``None``.
+        """
+        out = dataclasses.asdict(dataclasses.replace(self, timeline=None, explanation=None))
+        out.pop("explanation")
+        out["notes"] = list(self.notes)
+        out["timeline"] = timeline_json(self.timeline) if self.timeline is not None and timeline_json else None
+        if self.explanation is not None:
+            out["explain"] = self.explanation.to_json()
+        if baseline is not None:
+            out["peak_ratio_vs_none"] = ratio(self.peak_bytes, baseline.peak_bytes)
+            out["temp_ratio_vs_none"] = ratio(self.temp_bytes, baseline.temp_bytes)
+            out["saved_ratio_vs_none"] = ratio(self.saved_bytes_per_layer, baseline.saved_bytes_per_layer)
+        return out
+
+
+def policy_memory(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    compile: bool = True,
+    baseline_step_flops: float | None = None,
+    timeline: bool = False,
+) -> PolicyMemory:
+    """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
+
+    Nothing is executed. ``compile=False`` skips XLA (only traced figures and the analytic
+    estimate are filled; byte fields are ``None``).
+
+    Args:
+      model_cfg: the model, with the policy to measure in ``remat_policy``.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      compile: whether to compile for XLA's buffer assignment.
+      baseline_step_flops: FLOPs of the same step under ``none`` (computed when omitted).
+      timeline: also read the compiled step's memory timeline (:func:`jremat.memory_timeline`);
+        the byte fields then come from that same compile. Needs ``compile``.
+
+    Returns:
+      A :class:`PolicyMemory`.
+
+    Raises:
+      ValueError: on a bad batch size or sequence length.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
+    notes = []
+    step_timeline = None
+    if compile and timeline:
+        step_timeline = jremat.memory_timeline(grad_fn, *args)
+        report = step_timeline.report
+        notes.extend(report.notes)
+    elif compile:
+        report = jremat.memory_report(grad_fn, *args)
+        notes.extend(report.notes)
+    else:
+        report = None
+    block_fn, block_args = block_program(model_cfg, batch_size, seq_len)
+    block = jremat.saved_residuals_report(block_fn, *block_args, param_argnums=(0,))
+    whole = step_residuals(model_cfg, batch_size, seq_len)
+    cross = whole.layer_stacked_bytes / model_cfg.n_layers if model_cfg.scan_layers and model_cfg.n_layers > 1 else None
+    flops = jremat.program_flops(grad_fn, *args)
+    if baseline_step_flops is None:
+        baseline_step_flops = step_flops(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    recompute = max(0.0, flops - baseline_step_flops)
+    get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
+    return PolicyMemory(
+        policy=registry.normalize_spec(model_cfg.remat_policy),
+        n_layers=model_cfg.n_layers,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        peak_bytes=get("peak_bytes"),
+        peak_source=report.peak_source if report is not None else "not compiled",
+        temp_bytes=get("temp_bytes"),
+        argument_bytes=get("argument_bytes"),
+        output_bytes=get("output_bytes"),
+        alias_bytes=get("alias_bytes"),
+        generated_code_bytes=get("generated_code_bytes"),
+        saved_bytes=whole.saved_bytes,
+        saved_bytes_per_layer=block.saved_bytes,
+        program_saved_bytes_per_layer=cross,
+        residual_total_bytes=whole.total_bytes,
+        step_flops=flops,
+        recompute_flops=recompute,
+        recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
+        analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
+        notes=tuple(notes),
+        timeline=step_timeline,
+    )
+
+
+def explain_step(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    temp_bytes: int | None = None,
+    baseline_temp_bytes: int | None = None,
+) -> Explanation:
+    """What ``model_cfg``'s policy does to the step (:func:`jremat.explain.explain_applied`); nothing runs.
+
+    Reads every checkpoint of the traced loss (per layer, inside the layer scan) with its own
+    policy, checks the names the policy mentions against the model's tags, and, given both temp
+    figures, says when the compiled temp did not fall although the policy recomputes.
+
+    Args:
+      model_cfg: the model, with the policy in ``remat_policy``.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      temp_bytes: the step's compiled temp bytes under the policy, if measured.
+      baseline_temp_bytes: the same under ``none``.
+    """
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    return explain_applied(
+        loss, *args, policy=model_cfg.remat_policy, baseline=baseline, compile=False, param_argnums=(0,),
+        temp_bytes=temp_bytes, baseline_temp_bytes=baseline_temp_bytes, scan_layers=model_cfg.scan_layers,
+        _name="the gradient step",
+    )
+
+
+def config_for_spec(
+    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
+):
+    """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
+
+    Returns:
+      ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`jremat.planner.LayerPlan` for ``auto``
+      specs (budget from ``memory_budget``, else the spec's ``budget=`` key), else ``None``.
+
+    Raises:
+      ValueError: on a bad spec or budget, or a budget no plan fits.
+    """
+    name, values = registry.parse_spec(spec)
+    if name != "auto":
+        return base_cfg.replace(remat_policy=spec), None
+    plan = plan_for_budget(base_cfg, batch_size, memory_budget or values.get("budget", "0.5"), seq_len)
+    return plan.config, plan
+
+
+def compare_policies(
+    base_cfg: ModelConfig,
+    batch_size: int,
+    policies: Sequence[str],
+    seq_len: int | None = None,
+    *,
+    compile: bool = True,
+    memory_budget: str | None = None,
+    timeline: bool = False,
+    explain: bool = False,
+) -> list[PolicyMemory]:
+    """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
+
+    ``none`` is measured too (first; returned as a row only if asked for) so that every row can
+    be compared with it. A row whose temp memory did not follow its saved residuals gets a note
+    naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
+    :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
+    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
+
+    Returns:
+      ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
+
+    Raises:
+      ValueError: on an unknown policy spec (the message lists the registered ones).
+    """
+    for spec in policies:
+        registry.resolve(spec)
+    baseline_flops = step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    rows = {}
+    configs = {}
+    wanted = list(dict.fromkeys(policies))
+    order = wanted if "none" in wanted else ["none", *wanted]
+    for spec in order:
+        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
+        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
+                            timeline=timeline and spec in wanted)
+        if plan is not None:
+            label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
+            row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
+        rows[spec] = row
+        configs[spec] = cfg
+    base = rows["none"]
+    out = []
+    for spec in wanted:
+        row = rows[spec]
+        if explain:
+            row = dataclasses.replace(row, explanation=explain_step(
+                configs[spec], batch_size, seq_len, temp_bytes=row.temp_bytes, baseline_temp_bytes=base.temp_bytes))
+        if spec != "none" and row.temp_bytes is not None and base.temp_bytes is not None:
+            note = jremat.diagnose_remat(
+                row.temp_bytes, base.temp_bytes, row.saved_bytes, base.saved_bytes, scan_layers=base_cfg.scan_layers
+            )
+            if note:
+                row = dataclasses.replace(row, notes=row.notes + (note,))
+        out.append(row)
+    return out, base
+
+
+def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
+    """One line for a trainer's start-up log: peak estimate and saved bytes per layer vs ``none``.
+
+    Compiles the gradient step twice (the policy and ``none``); nothing runs.
+    """
+    rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
+    row = rows[0]
+    peak = format_bytes(row.peak_bytes)
+    parts = [
+        f"memory ({row.policy}): peak {peak} (none: {format_bytes(base.peak_bytes)}, "
+        f"analytic {format_bytes(row.analytic_peak_bytes)}), saved/layer {format_bytes(row.saved_bytes_per_layer)} "
+        f"(none: {format_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
+    ]
+    parts.extend(f"  note: {n}" for n in row.notes)
+    return "\n".join(parts)
+
+
+def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> LiveMemory:
+    """Run the gradient step once on real arrays and read the allocator's peak (:func:`jremat.live_memory`).
+
+    The allocator's peak only grows within a process, so measure one policy per process (the
+    CLI's ``--live`` does).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+
+    Returns:
+      The :class:`jremat.live.LiveMemory`; ``available`` is False, and nothing runs, on a
+      backend without allocator statistics (XLA:CPU).
+    """
+    missing = allocator_stats_missing()
+    if missing is not None:
+        return LiveMemory(False, str(jax.devices()[0]), None, None, missing)
+    grad_fn, (_, tokens, _, _) = step_program(model_cfg, batch_size, seq_len)
+    _, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)))
+    batch = jnp.zeros(tokens.shape, tokens.dtype)
+    return jremat.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
+
+
+__all__ = ["PolicyMemory", "compare_policies", "config_for_spec", "explain_step", "live_step_memory", "policy_memory", "ratio", "summary_vs_none"]

@@ -1,0 +1,230 @@
+"""The GPT's programs on shape structs: what the memory report, the planner, the bench and the tests compile.
+
+Nothing here allocates: parameters and tokens are :class:`jax.ShapeDtypeStruct` pytrees.
+
+* :func:`loss_program`, :func:`step_program` (``jax.grad`` of the loss), :func:`block_program`
+  (one transformer block as the model runs it);
+* :func:`train_step_fn`, :func:`eval_step_fn` (unjitted; ``train.step`` jits them) and
+  :func:`adam_train_step` (the Adam train step with its abstract arguments);
+* :func:`step_residuals`, :func:`step_flops` and :func:`analytic_peak_bytes`: traced figures of
+  the gradient step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jremat
+from jremat.residuals import ResidualsReport
+from models.config import ModelConfig
+from models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
+
+#: Arguments of :func:`train_step_fn` a training loop donates: the parameters and optimizer state.
+TRAIN_STEP_DONATE = (0, 1)
+
+def key_shape():
+    """The shape struct of a PRNG key (``jax.random.key``)."""
+    return jax.eval_shape(lambda: jax.random.key(0))
+
+
+def loss_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """The loss of one step and its abstract arguments, without allocating anything.
+
+    Args:
+      model_cfg: the model (its ``remat_policy`` is the policy measured).
+      batch_size: sequences per batch; must be positive.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+
+    Returns:
+      ``(loss_fn, (params, tokens, targets, key))``: ``loss_fn(params, tokens, targets, key)`` is
+      the mean cross-entropy and the arguments are shape structs.
+
+    Raises:
+      ValueError: on a non-positive batch size or a too-long sequence.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(f"batch size and sequence length must be positive, got {batch_size} and {seq_len}")
+    if seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+
+    def loss(p, tok, tgt, key):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
+
+    return loss, (params, tokens, tokens, key_shape())
+
+
+def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """The gradient step and its abstract arguments (see :func:`loss_program`).
+
+    Returns:
+      ``(grad_fn, (params, tokens, targets, key))`` with ``grad_fn = jax.grad(loss)`` with
+      respect to ``params``.
+
+    Raises:
+      ValueError: on a non-positive batch size or a too-long sequence.
+    """
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    return jax.grad(loss), args
+
+
+def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
+    """One transformer block as the model runs it, and its abstract arguments.
+
+    Returns:
+      ``(block_fn, (block_params, x, key))`` with ``block_fn = models.gpt.make_block_fn(...)``
+      under the config's policy and granularity.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0))))
+    remat = model_cfg.remat_config()
+    fn = make_block_fn(graphdef, remat, remat.resolved_policy())
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
+    return fn, (params, x, key_shape())
+
+
+def step_residuals(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> ResidualsReport:
+    """Every value the whole step keeps for its backward pass (:func:`jremat.saved_residuals_report`)."""
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    return jremat.saved_residuals_report(loss, *args, n_layers=model_cfg.n_layers, param_argnums=(0,))
+
+
+def step_flops(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> float:
+    """Cost-model FLOPs of the gradient step (:func:`jremat.program_flops`); traced, not compiled."""
+    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
+    return jremat.program_flops(grad_fn, *args)
+
+
+def analytic_peak_bytes(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    residuals: ResidualsReport | None = None,
+) -> int:
+    """Peak memory of the gradient step estimated from shapes and traced residuals; no compile.
+
+    Model: the peak falls at the start of the backward pass, when every residual of the
+    forward pass is alive together with the loss-side buffers. So peak = parameters + tokens
+    (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
+    forward pass computes (:attr:`jremat.residuals.ResidualsReport.computed_bytes`: every
+    non-constant residual that is not an argument) + the head's backward working set: the f32
+    gradient of the logits plus the logits-sized buffer that feeds the two head matmuls (its
+    cast to the compute dtype), ``(4 + itemsize(dtype)) x batch x seq x vocab`` bytes (divided
+    by ``remat_head_chunks`` when the head is rematerialized in chunks).
+
+    It assumes the step is compiled as :func:`jremat.jit` compiles it (on XLA:CPU, without
+    loop-invariant code motion; see :mod:`jremat.compile`). It leaves out the transient
+    working set of one block's backward pass, so it underestimates when that, not the head,
+    sets the peak (small vocabularies with long sequences; see docs/RESULTS.md).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      residuals: the step's residuals if already traced (saves a trace).
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    _, (params, *_rest) = step_program(model_cfg, batch_size, seq_len)
+    param_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    token_bytes = 2 * batch_size * seq_len * 4 + 8
+    if residuals is None:
+        residuals = step_residuals(model_cfg, batch_size, seq_len)
+    bytes_per_logit = 4 + jnp.dtype(model_cfg.dtype).itemsize
+    head_work = bytes_per_logit * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
+    return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
+
+
+def train_step_fn(graphdef, tx: optax.GradientTransformation) -> Callable:
+    """The unjitted ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``.
+
+    Callers jit it themselves (with :func:`jremat.jit`, donating :data:`TRAIN_STEP_DONATE`, and
+    shardings where they need them); JAX accepts compiler options only on the outermost jit.
+    """
+
+    def train_step(params, opt_state, tokens, targets, key):
+        def loss_fn(p):
+            return cross_entropy_loss(nnx.merge(graphdef, p), tokens, targets, key)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        # optax mixes Python floats with int32 step counts; allow that even under strict promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return train_step
+
+
+def eval_step_fn(graphdef) -> Callable:
+    """The unjitted ``(params, tokens, targets) -> mean loss`` with dropout off."""
+
+    def eval_step(params, tokens, targets):
+        return cross_entropy_loss(nnx.merge(graphdef, params), tokens, targets, None)
+
+    return eval_step
+
+
+def adam_train_step(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None, *, lr: float = 1e-3):
+    """The Adam train step of ``GPT(model_cfg)`` and its abstract arguments; nothing is allocated.
+
+    ``step(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``, unjitted: a
+    training loop jits it donating the parameters and optimizer state
+    (:data:`TRAIN_STEP_DONATE`), so the compiled program holds parameters, gradients and both
+    Adam moments.
+
+    Args:
+      model_cfg: the model; its ``remat_policy`` is the policy measured.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      lr: Adam's learning rate.
+
+    Returns:
+      ``(step, graphdef, tx, args)`` where ``args`` are :class:`jax.ShapeDtypeStruct` pytrees.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
+    tx = optax.adam(lr)
+    opt_state = jax.eval_shape(tx.init, params)
+
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return train_step_fn(graphdef, tx), graphdef, tx, (params, opt_state, tokens, tokens, key)
+
+
+def adam_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jremat.MemoryReport:
+    """Compile-only memory report of :func:`adam_train_step`, donating as a training loop does.
+
+    Raises:
+      RuntimeError: if the backend reports no compiled memory figures.
+    """
+    step, _, _, args = adam_train_step(model_cfg, batch_size, seq_len)
+    report = jremat.memory_report(step, *args, donate_argnums=TRAIN_STEP_DONATE)
+    if not report.available:
+        raise RuntimeError("; ".join(report.notes))
+    return report
+
+
+__all__ = [
+    "TRAIN_STEP_DONATE",
+    "adam_step_memory",
+    "adam_train_step",
+    "analytic_peak_bytes",
+    "block_program",
+    "eval_step_fn",
+    "key_shape",
+    "loss_program",
+    "step_flops",
+    "step_program",
+    "step_residuals",
+    "train_step_fn",
+]

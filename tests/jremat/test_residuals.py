@@ -1,0 +1,100 @@
+"""jremat.residuals: the saved-residual breakdown of a block and of a scanned stack (traced, tiny)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jremat
+from jremat import residuals as jres
+from models import preset
+from models.gpt import Block, make_block_fn
+
+
+def _block(cfg, policy, granularity="block", batch=2):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+    rc = jremat.RematConfig(policy=policy, granularity=granularity, scan_layers=True)
+    fn = make_block_fn(graphdef, rc, rc.resolved_policy())
+    x = jax.ShapeDtypeStruct((batch, cfg.max_seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return fn, (params, x, key)
+
+
+@pytest.fixture
+def bf16_tiny():
+    return preset("tiny", dtype="bfloat16")
+
+
+def test_full_saves_exactly_one_block_input(bf16_tiny):
+    fn, args = _block(bf16_tiny, "full")
+    report = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
+    b, s, d = args[1].shape
+    assert report.saved_bytes == b * s * d * 2
+    assert report.saved_bytes_per_layer == b * s * d * 2
+    [act] = [r for r in report.residuals if r.kind == jres.ACTIVATION]
+    assert act.name == "block_input" and act.shape == (b, s, d)
+    assert report.bytes_of(jres.RNG_KEY) == 8
+    assert report.bytes_of(jres.PARAMETER) > 0
+
+
+def test_none_matches_megatron_accounting(bf16_tiny):
+    # d_ff = 4 d_model, as in Megatron's formula; heads * head_dim = d_model.
+    cfg = bf16_tiny.replace(d_ff=4 * bf16_tiny.d_model)
+    fn, args = _block(cfg, "none")
+    report = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
+    b, s, h = args[1].shape
+    a = cfg.n_heads
+    assert report.saved_bytes == s * b * h * (34 + 5 * a * s / h)
+    labels = {g.label for g in report.groups()}
+    assert {"block_input", "q", "k", "v", "attn_scores", "attn_probs", "mlp_in", "mlp_act"} <= labels
+    masks = [r for r in report.residuals if r.kind == jres.ACTIVATION and r.dtype == "bool"]
+    assert len(masks) == 3  # two residual-dropout masks and one attention-dropout mask
+    assert all(r.source for r in report.residuals)
+
+
+def test_selective_keeps_no_attention_matrix(bf16_tiny):
+    if "selective" not in jremat.available():
+        pytest.skip("policy 'selective' is not registered in this checkout")
+    fn, args = _block(bf16_tiny, "selective")
+    report = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
+    b, s, _ = args[1].shape
+    square = [r for r in report.residuals if r.kind == jres.ACTIVATION and r.shape[-2:] == (s, s)]
+    assert square == [], square
+    none_fn, none_args = _block(bf16_tiny, "none")
+    assert report.saved_bytes < jremat.saved_residuals_report(none_fn, *none_args, param_argnums=(0,)).saved_bytes
+
+
+def test_plan_policy_tags_map_back_to_names(bf16_tiny):
+    fn, args = _block(bf16_tiny, "every_k:k=4")
+    report = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
+    tagged = [r for r in report.residuals if r.plan_tag is not None]
+    assert tagged, "every_k should save tagged values"
+    assert all(r.plan_tag.startswith("jremat") for r in tagged)
+    assert all(not r.label.startswith("jremat") for r in report.residuals)
+
+
+def test_scan_stacked_residuals_match_block_times_layers(bf16_tiny):
+    from models import GPT, cross_entropy_loss
+
+    cfg = bf16_tiny.replace(remat_policy="full", n_layers=3)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def loss(p, tok, k):
+        return cross_entropy_loss(nnx.merge(graphdef, p), tok, tok, k)
+
+    whole = jremat.saved_residuals_report(loss, params, tokens, key, n_layers=3, param_argnums=(0,))
+    fn, args = _block(cfg, "full")
+    block = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
+    assert whole.layer_stacked_bytes == 3 * block.saved_bytes
+    stacked = [r for r in whole.residuals if r.layer_stacked]
+    assert stacked and all(r.shape[0] == 3 for r in stacked)
+
+
+def test_param_argnums_validated(bf16_tiny):
+    fn, args = _block(bf16_tiny, "full")
+    with pytest.raises(ValueError, match="names no argument"):
+        jremat.saved_residuals_report(fn, *args, param_argnums=(5,))
+    with pytest.raises(ValueError, match="n_layers"):
+        jremat.saved_residuals_report(fn, *args, n_layers=0)

@@ -1,0 +1,28 @@
+"""models.policy_memory: the per-policy memory report of the GPT's gradient step (compile-only)."""
+
+import pytest
+
+from models import preset
+from models.policy_memory import config_for_spec, policy_memory, summary_vs_none
+
+
+def test_summary_vs_none_for_trainers():
+    line = summary_vs_none(preset("tiny", remat_policy="full"), batch_size=2)
+    assert line.startswith("memory (full): peak ") and "none:" in line and "saved/layer" in line
+
+
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_analytic_peak_within_10_percent_at_reference_shapes(policy):
+    # The reference model's shapes (gpt2-small, batch 8 x 1024, bf16) on 2 of its 12 layers to
+    # keep the compile short; all 12 layers are measured in docs/RESULTS.md (-2.0% .. +3.9%).
+    cfg = preset("gpt2-small", dtype="bfloat16", remat_policy=policy, n_layers=2)
+    row = policy_memory(cfg, batch_size=8, seq_len=1024)
+    assert abs(row.analytic_peak_bytes - row.peak_bytes) <= 0.10 * row.peak_bytes
+
+
+def test_config_for_spec_plans_auto_and_passes_other_specs_through():
+    cfg = preset("tiny", n_layers=2)
+    same, plan = config_for_spec(cfg, "full", 2)
+    assert same.remat_policy == "full" and plan is None
+    planned, plan = config_for_spec(cfg, "auto", 2, memory_budget="1")
+    assert plan is not None and planned == plan.config and plan.candidate.remat_layers == 0
