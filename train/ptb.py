@@ -483,10 +483,10 @@ def start_distributed(cfg: TrainConfig) -> bool:
 
     Raises:
       UsageError: an inconsistent multi-process environment, one without ``--mesh``, an
-        unreachable coordinator or a coordinator port already taken. Processes that do not all
-        connect within ``--init-timeout-s``, and a ``JAX_NUM_PROCESSES`` larger than the
-        coordinator's, end the process with a one-line error and exit code 2 (see
-        :func:`train.distributed.initialize_distributed`).
+        unreachable coordinator, a coordinator port already taken, or a failed start-up
+        handshake (processes missing, different ``JAX_NUM_PROCESSES``, a repeated process id).
+        Failures inside JAX's own initialization end the process with a one-line error and
+        exit code 2 (see :func:`train.distributed.initialize_distributed`).
     """
     try:
         distributed = distributed_lib.distributed_config()

@@ -30,7 +30,6 @@ from train.sharding import (
     state_shardings,
 )
 
-
 # ----------------------------------------------------------------------------- state and steps
 
 

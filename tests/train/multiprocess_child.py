@@ -20,8 +20,7 @@ import sys
 import jax
 import numpy as np
 
-from train import ptb
-from train import sharding
+from train import ptb, sharding
 
 
 def kill_at_call(n: int) -> None:
