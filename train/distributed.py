@@ -179,7 +179,7 @@ def _open_coordinator_port(address: str):
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind(("", port))
-        listener.listen(64)
+        listener.listen(1024)  # every other process connects at about the same time
     except OSError as err:
         listener.close()
         raise DistributedSetupError(
