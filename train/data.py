@@ -260,13 +260,17 @@ class Batches:
       batch_size: rows per batch.
       seq_len: tokens per row.
       split: the split's name, for error messages.
+      rows: keep only these rows of every batch (one process's share in a multi-process run,
+        ``train.sharding.process_batch_rows``); default all ``batch_size`` rows.
 
     Raises:
       DataError: if the split is too short for even one batch.
     """
 
-    def __init__(self, stream: np.ndarray, batch_size: int, seq_len: int, *, split: str):
+    def __init__(self, stream: np.ndarray, batch_size: int, seq_len: int, *, split: str, rows: slice | None = None):
         self.rows = batchify(stream, batch_size)
+        if rows is not None:
+            self.rows = np.ascontiguousarray(self.rows[rows])
         self.seq_len = seq_len
         self.num_batches = (self.rows.shape[1] - 1) // seq_len
         if self.num_batches < 1:

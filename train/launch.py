@@ -1,7 +1,7 @@
 """Start a multi-process JAX run on this machine: ``python -m train.launch --processes 2 -- python -m train.ptb ...``.
 
 For trying multi-host training on one box. Every process gets the environment that
-:func:`train.sharding.initialize_distributed` reads on a real cluster:
+:func:`train.distributed.initialize_distributed` reads on a real cluster:
 ``JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`` (a free local port unless ``--port`` is given),
 ``JAX_NUM_PROCESSES`` and its own ``JAX_PROCESS_ID``; with ``--cpu-devices N`` also
 ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (N simulated CPU

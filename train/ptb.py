@@ -33,6 +33,8 @@ from jremat import registry
 from train import cli
 from models import policy_memory
 from train import data as data_lib
+from train import distributed as distributed_lib
+from train import sharded_steps
 from train import sharding as sharding_lib
 from train import step as step_lib
 from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
@@ -198,8 +200,8 @@ def compiled_steps(model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, param
     """AOT-compiled ``(train_step, eval_step)`` for these configs and shapes (sharded on ``mesh``), cached per process."""
     key = (model_cfg, opt_cfg, batch_size, seq_len, mesh)
     if key not in _STEP_CACHE and mesh is not None:
-        _STEP_CACHE[key] = sharding_lib.compile_steps(graphdef, opt_cfg.build(), mesh, params, opt_state,
-                                                      batch_size, seq_len)
+        _STEP_CACHE[key] = sharded_steps.compile_steps(graphdef, opt_cfg.build(), mesh, params, opt_state,
+                                                       batch_size, seq_len)
     if key not in _STEP_CACHE:
         tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
         train = step_lib.make_train_step(graphdef, opt_cfg.build())
@@ -242,7 +244,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     """
     from tqdm import tqdm
 
-    primary = sharding_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
+    primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
     if not primary:
         log, progress = (lambda _line: None), False
     ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints) if cfg.ckpt_dir else None
@@ -259,9 +261,14 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
 
     data_dir, source = data_lib.locate(cfg.data_dir)
     corpus = data_lib.load_corpus(data_dir)
-    train_batches = data_lib.Batches(corpus.train, cfg.batch_size, cfg.seq_len, split="train")
-    valid_batches = data_lib.Batches(corpus.valid, cfg.batch_size, cfg.seq_len, split="valid")
-    test_batches = data_lib.Batches(corpus.test, cfg.batch_size, cfg.seq_len, split="test")
+    try:
+        mesh = sharding_lib.mesh_from_flag(cfg.mesh)
+        rows = None if mesh is None else sharding_lib.process_batch_rows(mesh, cfg.batch_size)  # this process's rows
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    train_batches = data_lib.Batches(corpus.train, cfg.batch_size, cfg.seq_len, split="train", rows=rows)
+    valid_batches = data_lib.Batches(corpus.valid, cfg.batch_size, cfg.seq_len, split="valid", rows=rows)
+    test_batches = data_lib.Batches(corpus.test, cfg.batch_size, cfg.seq_len, split="test", rows=rows)
     per_epoch = len(train_batches)
     total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
 
@@ -271,17 +278,13 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
         check_compatible(meta, model_cfg, corpus.vocab_md5(), ckpts.path)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
-    try:
-        mesh = sharding_lib.mesh_from_flag(cfg.mesh)
-    except ValueError as err:
-        raise UsageError(f"--mesh: {err}") from None
-    put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a))
+    put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))
     if mesh is None:
         graphdef, params = step_lib.init_params(model_cfg, cfg.seed)
         opt_state = tx.init(params)
     else:
-        graphdef, params = sharding_lib.init_params(model_cfg, cfg.seed, mesh)
-        opt_state = sharding_lib.init_opt_state(tx, params, mesh)
+        graphdef, params = sharded_steps.init_params(model_cfg, cfg.seed, mesh)
+        opt_state = sharded_steps.init_opt_state(tx, params, mesh)
     base_key = jax.random.key(cfg.seed) if mesh is None else sharding_lib.replicated_key(cfg.seed, mesh)
 
     start_step = 0
@@ -310,11 +313,11 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     if cfg.memory_report and primary:
         log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
         if mesh is not None:
-            log(sharding_lib.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
+            log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
     t_compile = time.perf_counter()
     train_step, eval_step = compiled_steps(model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh)
     log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
-    sharding_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
+    distributed_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
     result = RunResult(status="done", steps_done=start_step, losses={})
@@ -365,7 +368,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
                     last_saved = step
-                if sharding_lib.agree_any(interrupt.raised):  # every process stops after the same step
+                if distributed_lib.agree_any(interrupt.raised):  # every process stops after the same step
                     if ckpts and last_saved != step:
                         save(step)
                         last_saved = step
@@ -424,13 +427,13 @@ def start_distributed(cfg: TrainConfig) -> bool:
 
     Raises:
       UsageError: an inconsistent multi-process environment, one without ``--mesh``, an
-        unreachable coordinator or a coordinator port already taken. Processes that do not all
-        connect within ``--init-timeout-s``, and a ``JAX_NUM_PROCESSES`` larger than the
-        coordinator's, end the process with a one-line error and exit code 2 (see
-        :func:`train.sharding.initialize_distributed`).
+        unreachable coordinator, a coordinator port already taken, or a failed start-up
+        handshake (processes missing, different ``JAX_NUM_PROCESSES``, a repeated process id).
+        Failures inside JAX's own initialization end the process with a one-line error and
+        exit code 2 (see :func:`train.distributed.initialize_distributed`).
     """
     try:
-        distributed = sharding_lib.distributed_config()
+        distributed = distributed_lib.distributed_config()
         if distributed is None:
             return False
         if cfg.mesh is None:
@@ -439,8 +442,8 @@ def start_distributed(cfg: TrainConfig) -> bool:
                 "but --mesh is not given; pass --mesh over the devices of all processes, e.g. "
                 "--mesh data=4,fsdp=2 for 2 processes with 4 devices each"
             )
-        return sharding_lib.initialize_distributed(timeout_s=cfg.init_timeout_s)
-    except sharding_lib.DistributedSetupError as err:
+        return distributed_lib.initialize_distributed(timeout_s=cfg.init_timeout_s)
+    except distributed_lib.DistributedSetupError as err:
         raise UsageError(str(err)) from None
     except ValueError as err:
         if isinstance(err, UsageError):
@@ -463,11 +466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.status == "nonfinite":
-        if sharding_lib.is_primary():
+        if distributed_lib.is_primary():
             print(f"error: {result.message}", file=sys.stderr)
         return EXIT_NONFINITE
     if result.status == "interrupted":
-        if sharding_lib.is_primary():
+        if distributed_lib.is_primary():
             print(result.message, file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK

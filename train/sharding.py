@@ -1,4 +1,4 @@
-"""Multi-device training with ``jax.sharding``: data parallel, FSDP (ZeRO-3), tensor and sequence parallel.
+"""Where every tensor lives on a device mesh: data parallel, FSDP (ZeRO-3), tensor and sequence parallel.
 
 A run names its device mesh with a string, ``--mesh data=4,fsdp=2`` (axes left out have size 1;
 the sizes must multiply to the number of devices). The mesh always has the four axes of
@@ -19,30 +19,22 @@ logical axis names to mesh axes, :data:`PARAM_LOGICAL_AXES` names the dimensions
 parameter of :class:`models.GPT`, and :data:`ACTIVATION_AXES` / :data:`BATCH_AXES` name those
 of the residual stream and the token batches.
 
-Multi-host: call :func:`initialize_distributed` before anything else touches JAX; it calls
-``jax.distributed.initialize`` when ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID``) or a cluster scheduler (SLURM, Open MPI) is found in the environment.
-See "Multi-device training" in README.md.
+Related modules: :mod:`train.sharded_steps` creates sharded state and compiles the sharded
+steps (and reads their per-device memory); :mod:`train.distributed` joins a multi-process run.
+See docs/multiprocess.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-
-import jremat
-from models import GPT, ModelConfig, cross_entropy_loss
 
 #: The mesh axes, in mesh order (outermost first).
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence")
@@ -336,19 +328,72 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] or None for a in BATCH_AXES)))
 
 
-def shard_batch(mesh: Mesh, batch) -> jax.Array:
-    """Put a global ``[batch, seq]`` array (the same on every process) onto ``mesh``, split per :func:`batch_sharding`.
+def _row_span(index: tuple, batch_size: int) -> tuple[int, int]:
+    rows = index[0]
+    return (rows.start or 0, batch_size if rows.stop is None else rows.stop)
 
-    Works on one host and on many: each process contributes the pieces its devices hold.
+
+def rows_held(spans: Sequence[tuple[int, int]]) -> slice:
+    """The one contiguous range of batch rows that the ``(start, stop)`` row spans of some devices cover.
 
     Raises:
-      ValueError: if the batch does not split evenly (see :func:`check_batch`).
+      ValueError: if there are no spans or they leave a gap.
     """
-    batch = np.asarray(batch)
-    if batch.ndim != 2:
-        raise ValueError(f"expected a [batch, seq] token array, got shape {batch.shape}")
-    check_batch(mesh, *batch.shape)
-    return jax.make_array_from_callback(batch.shape, batch_sharding(mesh), lambda index: batch[index])
+    spans = sorted(set(spans))
+    if not spans:
+        raise ValueError("this process holds no device of the mesh")
+    stop = spans[0][0]
+    for lo, hi in spans:
+        if lo > stop:
+            raise ValueError(f"this process's devices hold batch rows with a gap ({stop} to {lo - 1} missing); "
+                             "order the mesh so each process's devices take one contiguous block of the batch")
+        stop = max(stop, hi)
+    return slice(spans[0][0], stop)
+
+
+def process_batch_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows of a global ``[batch_size, seq]`` batch that this process's devices hold.
+
+    In a multi-process run each process loads and places only these rows (see :func:`shard_batch`);
+    in a single process (or when the batch is not split over processes) they are all rows.
+
+    Raises:
+      ValueError: if the batch does not split over the mesh, or this process's rows are not contiguous.
+    """
+    check_batch(mesh, batch_size, mesh.shape["sequence"])
+    shape = (batch_size, mesh.shape["sequence"])
+    indices = batch_sharding(mesh).addressable_devices_indices_map(shape).values()
+    return rows_held([_row_span(index, batch_size) for index in indices])
+
+
+def shard_batch(mesh: Mesh, rows, batch_size: int | None = None) -> jax.Array:
+    """The global ``[batch_size, seq]`` array on ``mesh`` (split per :func:`batch_sharding`) from this process's rows.
+
+    Args:
+      mesh: the device mesh.
+      rows: this process's rows of the batch, ``batch[process_batch_rows(mesh, batch_size)]``;
+        each device's shard is cut from them, so no process needs the other processes' rows.
+      batch_size: the global batch size (default: ``len(rows)``, a process holding every row).
+
+    Raises:
+      ValueError: if the batch does not split evenly (see :func:`check_batch`) or ``rows`` is
+        not this process's share of it.
+    """
+    rows = np.asarray(rows)
+    if rows.ndim != 2:
+        raise ValueError(f"expected a [batch, seq] token array, got shape {rows.shape}")
+    batch_size = rows.shape[0] if batch_size is None else int(batch_size)
+    check_batch(mesh, batch_size, rows.shape[1])
+    own = process_batch_rows(mesh, batch_size)
+    if rows.shape[0] != own.stop - own.start:
+        raise ValueError(f"this process holds rows {own.start} to {own.stop - 1} of a batch of {batch_size} "
+                         f"({own.stop - own.start} rows), got {rows.shape[0]} rows")
+
+    def piece(index):
+        lo, hi = _row_span(index, batch_size)
+        return rows[(slice(lo - own.start, hi - own.start),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback((batch_size, rows.shape[1]), batch_sharding(mesh), piece)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,407 +415,3 @@ class ActivationSharding:
         """Constrain ``x`` (rank 3) to :attr:`sharding`, dropping mesh axes that do not divide its dims."""
         spec = logical_to_spec(ACTIVATION_AXES, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-
-# ----------------------------------------------------------------------------- state and steps
-
-
-def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
-    """``(graphdef, params)`` of :class:`models.GPT` with sequence-parallel activations, as shapes (nothing allocated).
-
-    The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
-    """
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0),
-                                                            activation_sharding=ActivationSharding(mesh))))
-    shardings = state_shardings(shapes, mesh)
-    return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-
-
-def init_params(model_cfg: ModelConfig, seed: int, mesh: Mesh) -> tuple[Any, Any]:
-    """``(graphdef, params)`` of a freshly initialized :class:`models.GPT`, created sharded on ``mesh``.
-
-    The values of ``train.step.init_params(model_cfg, seed)`` (up to float rounding: the
-    initializers run under ``jit``); each device only ever holds its own shards. The graph definition carries :class:`ActivationSharding` for ``mesh``.
-    """
-    graphdef, abstract = abstract_params(model_cfg, mesh)
-    shardings = jax.tree.map(lambda s: s.sharding, abstract)
-
-    def init():
-        return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(seed)))[1]
-
-    params = jax.jit(init, out_shardings=shardings)()
-    return graphdef, params
-
-
-def shard_params(params: Any, mesh: Mesh) -> Any:
-    """``params`` (or any parameter-like tree) moved onto ``mesh`` per :func:`state_shardings`."""
-    return jax.device_put(params, state_shardings(params, mesh))
-
-
-def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
-    """``tx.init(params)`` created sharded: moment estimates like their parameters, counters replicated."""
-    shardings = state_shardings(jax.eval_shape(tx.init, params), mesh)
-    return jax.jit(tx.init, out_shardings=shardings)(params)
-
-
-def _shardings_of(tree: Any) -> Any:
-    return jax.tree.map(lambda leaf: leaf.sharding, tree)
-
-
-def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any) -> Callable:
-    """``train.step.make_train_step`` jitted with explicit shardings on ``mesh``.
-
-    ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``; params and
-    optimizer state keep the shardings they came in with (``params``/``opt_state`` here are the
-    sharded trees, or shape structs with shardings), batches are split per
-    :func:`batch_sharding`, key and loss are replicated. ``params`` and ``opt_state`` are donated.
-    """
-    from train import step as step_lib  # the single-device step: the same update, here partitioned
-
-    p_sh, o_sh = _shardings_of(params), _shardings_of(opt_state)
-    b_sh, r_sh = batch_sharding(mesh), replicated(mesh)
-    return jremat.jit(
-        step_lib.train_step_fn(graphdef, tx),
-        in_shardings=(p_sh, o_sh, b_sh, b_sh, r_sh),
-        out_shardings=(p_sh, o_sh, r_sh),
-        donate_argnums=(0, 1),
-    )
-
-
-def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
-    """``train.step.make_eval_step`` jitted with explicit shardings: ``(params, tokens, targets) -> loss``."""
-    from train import step as step_lib
-
-    b_sh = batch_sharding(mesh)
-    return jremat.jit(step_lib.eval_step_fn(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
-                      out_shardings=replicated(mesh))
-
-
-def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
-    """A sharded jitted ``(params, tokens, targets, key) -> (loss, grads)``; grads sharded like params."""
-    p_sh, b_sh, r_sh = _shardings_of(params), batch_sharding(mesh), replicated(mesh)
-
-    def loss_and_grads(p, tokens, targets, key):
-        return jax.value_and_grad(lambda q: cross_entropy_loss(nnx.merge(graphdef, q), tokens, targets, key))(p)
-
-    return jremat.jit(loss_and_grads, in_shardings=(p_sh, b_sh, b_sh, r_sh), out_shardings=(r_sh, p_sh))
-
-
-def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any,
-                  batch_size: int, seq_len: int) -> tuple[Any, Any]:
-    """AOT-compiled sharded ``(train_step, eval_step)`` for ``[batch_size, seq_len]`` batches.
-
-    Raises:
-      ValueError: if the batch does not split over the mesh (see :func:`check_batch`).
-    """
-    check_batch(mesh, batch_size, seq_len)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
-    key = jax.random.key(0)
-    train_c = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key).compile()
-    eval_c = make_eval_step(graphdef, mesh, params).lower(params, tokens, tokens).compile()
-    return train_c, eval_c
-
-
-# ----------------------------------------------------------------------------- per-device memory
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    """XLA's compile-time memory figures of a sharded step, per device (bytes).
-
-    Attributes:
-      mesh: the mesh spec (``"data=4,fsdp=2"``).
-      devices: number of devices in the mesh.
-      temp: temporaries (saved activations, gradients in flight, workspace) on one device.
-      argument: this device's shards of the arguments.
-      output: this device's shards of the outputs.
-      alias: output bytes that reuse (donated) argument buffers.
-      peak: ``argument + output + temp - alias``, the figure to compare with device memory.
-    """
-
-    mesh: str
-    devices: int
-    temp: int
-    argument: int
-    output: int
-    alias: int
-
-    @property
-    def peak(self) -> int:
-        """``argument + output + temp - alias``."""
-        return self.argument + self.output + self.temp - self.alias
-
-    def format(self) -> str:
-        """One line: ``mesh data=4,fsdp=2 (8 devices), per device: peak ... temp ... args ... out ...``."""
-        mib = 1 << 20
-        return (f"mesh {self.mesh} ({self.devices} devices), per device: peak {self.peak / mib:.2f} MiB, "
-                f"temp {self.temp / mib:.2f} MiB, arguments {self.argument / mib:.2f} MiB, "
-                f"outputs {self.output / mib:.2f} MiB, aliased {self.alias / mib:.2f} MiB")
-
-
-def sharded_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int,
-                        tx: optax.GradientTransformation | None = None) -> DeviceMemory:
-    """Per-device memory of a sharded step on ``mesh``, from XLA's analysis of the compiled program (nothing runs).
-
-    Args:
-      model_cfg: the model (its remat policy included).
-      mesh: the device mesh (:func:`make_mesh`).
-      batch_size, seq_len: the global batch shape.
-      tx: with an optimizer, the whole train step (:func:`make_train_step`, params and
-        optimizer state donated); ``None``: forward + backward only (:func:`make_grad_fn`).
-
-    Raises:
-      ValueError: if the batch does not split over the mesh.
-    """
-    check_batch(mesh, batch_size, seq_len)
-    graphdef, params = abstract_params(model_cfg, mesh)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    if tx is None:
-        lowered = make_grad_fn(graphdef, mesh, params).lower(params, tokens, tokens, key)
-    else:
-        opt_shapes = jax.eval_shape(tx.init, params)
-        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                 opt_shapes, state_shardings(opt_shapes, mesh))
-        lowered = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key)
-    analysis = lowered.compile().memory_analysis()
-    return DeviceMemory(
-        mesh=format_mesh(mesh),
-        devices=mesh.size,
-        temp=int(analysis.temp_size_in_bytes),
-        argument=int(analysis.argument_size_in_bytes),
-        output=int(analysis.output_size_in_bytes),
-        alias=int(analysis.alias_size_in_bytes),
-    )
-
-
-# ----------------------------------------------------------------------------- multi-host
-
-
-#: The variables that name a multi-process run explicitly (all three, or none).
-DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def distributed_config(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """The ``jax.distributed.initialize`` arguments the environment asks for, or ``None`` (single process).
-
-    * ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0), ``JAX_NUM_PROCESSES`` and
-      ``JAX_PROCESS_ID``: explicit; returns those three arguments.
-    * otherwise a multi-task SLURM job (``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1) or Open MPI
-      run (``OMPI_COMM_WORLD_SIZE`` > 1): returns ``{}`` (JAX detects the rest itself).
-
-    Raises:
-      ValueError: if only some of :data:`DISTRIBUTED_ENV` are set, or a number is malformed
-        or out of range.
-    """
-    env = os.environ if env is None else env
-    given = [v for v in DISTRIBUTED_ENV if env.get(v)]
-    if given:
-        missing = [v for v in DISTRIBUTED_ENV if v not in given]
-        if missing:
-            raise ValueError(
-                f"multi-host setup: {', '.join(given)} set but {', '.join(missing)} missing; set all of "
-                f"{', '.join(DISTRIBUTED_ENV)} (or none for a single process)"
-            )
-        address = env["JAX_COORDINATOR_ADDRESS"]
-        if not re.match(r"^[^:\s]+:\d+$", address):
-            raise ValueError(f"JAX_COORDINATOR_ADDRESS must be HOST:PORT of process 0, got {address!r}")
-        try:
-            n, pid = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
-        except ValueError:
-            raise ValueError(
-                f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got "
-                f"{env['JAX_NUM_PROCESSES']!r} and {env['JAX_PROCESS_ID']!r}"
-            ) from None
-        if n < 1 or not 0 <= pid < n:
-            raise ValueError(f"need JAX_NUM_PROCESSES >= 1 and 0 <= JAX_PROCESS_ID < JAX_NUM_PROCESSES, got {n} and {pid}")
-        return dict(coordinator_address=address, num_processes=n, process_id=pid)
-
-    def count(name):
-        try:
-            return int(env.get(name, "1"))
-        except ValueError:
-            return 1
-
-    if (env.get("SLURM_JOB_ID") and count("SLURM_NTASKS") > 1) or count("OMPI_COMM_WORLD_SIZE") > 1:
-        return {}
-    return None
-
-
-class DistributedSetupError(ValueError):
-    """A multi-process run cannot start: coordinator unreachable, port taken, or inconsistent process counts."""
-
-
-#: Seconds between connection attempts while waiting for the coordinator.
-_POLL_INTERVAL_S = 0.2
-
-#: Extra seconds JAX's own initialization deadline gets beyond ``timeout_s``, so that the
-#: watchdog of :func:`initialize_distributed` (a clear one-line message) fires before JAX
-#: aborts the process (a fatal C++ log with a stack trace).
-_JAX_DEADLINE_GRACE_S = 15
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, port = address.rsplit(":", 1)
-    return host, int(port)
-
-
-def wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Wait until a TCP connection to the coordinator at ``address`` (``host:port``) succeeds.
-
-    Args:
-      address: ``JAX_COORDINATOR_ADDRESS``, the host and port of process 0.
-      timeout_s: how long to keep trying.
-
-    Raises:
-      DistributedSetupError: if no connection succeeded within ``timeout_s``; the message names
-        the address, the timeout and the last connection error.
-    """
-    import socket
-    import time
-
-    host, port = _split_address(address)
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return
-        except OSError as err:
-            last = err.strerror or type(err).__name__
-        if time.monotonic() >= deadline:
-            raise DistributedSetupError(
-                f"could not reach the coordinator at {address} within {timeout_s:g} s ({last}); start process 0 "
-                "with the same JAX_COORDINATOR_ADDRESS, check that HOST:PORT names its host and an open port, "
-                "or allow longer with --init-timeout-s"
-            )
-        time.sleep(_POLL_INTERVAL_S)
-
-
-def check_coordinator_port(address: str) -> None:
-    """Check that process 0 can open the coordinator's port (it listens there on every interface).
-
-    Raises:
-      DistributedSetupError: if the port cannot be bound (typically: already in use).
-    """
-    import socket
-
-    _, port = _split_address(address)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as err:
-            raise DistributedSetupError(
-                f"process 0 cannot open the coordinator port {port} of JAX_COORDINATOR_ADDRESS={address} "
-                f"({err.strerror or err}); choose a free port"
-            ) from None
-
-
-def _exit_with_message(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-    os._exit(2)
-
-
-def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: float = 300,
-                           fail: Callable[[str], None] = _exit_with_message) -> bool:
-    """Call ``jax.distributed.initialize`` if :func:`distributed_config` finds a multi-process run.
-
-    Must run before any other JAX call in the process. On CPU, cross-process collectives use
-    gloo. With the explicit variables, process 0 first checks that it can open the coordinator
-    port and every other process waits (at most ``timeout_s``) until the coordinator accepts
-    connections; afterwards every process checks that the coordinator counts as many processes
-    as its ``JAX_NUM_PROCESSES`` says.
-
-    Two failures happen once JAX's distributed runtime is running, where an ordinary exit would
-    wait for (or be aborted by) the other processes: not all processes reaching the coordinator
-    within ``timeout_s`` (one was not started, or process 0 was given a larger
-    ``JAX_NUM_PROCESSES``; JAX itself would abort with a fatal log), and a ``JAX_NUM_PROCESSES``
-    larger than the coordinator's. For those ``fail(message)`` is called (from a watchdog thread
-    for the first); it must end the process. The default prints ``error: message`` to stderr and
-    exits at once with code 2.
-
-    Args:
-      env: the environment to read (default ``os.environ``).
-      timeout_s: seconds to wait for the coordinator and for every process to connect.
-      fail: called with a one-line message on the two failures above; must not return.
-
-    Returns:
-      Whether it initialized (``False``: a single-process run, nothing done).
-
-    Raises:
-      ValueError: on an inconsistent environment (see :func:`distributed_config`).
-      DistributedSetupError: coordinator unreachable or its port taken (before JAX's runtime starts).
-    """
-    import threading
-
-    config = distributed_config(env)
-    if config is None:
-        return False
-    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    address = config.get("coordinator_address")
-    if address is not None:
-        if config["process_id"] == 0:
-            check_coordinator_port(address)
-        else:
-            wait_for_coordinator(address, timeout_s)
-    where = f"the coordinator at {address}" if address else "the coordinator found in the scheduler's environment"
-    expected = f"JAX_NUM_PROCESSES={config['num_processes']}" if address else "the scheduler's task count"
-    this = f" (this is process {config['process_id']})" if address else ""
-    message = (
-        f"not every process reached {where} within {timeout_s:g} s{this}; start all {expected} processes, "
-        "each with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES and its own JAX_PROCESS_ID, "
-        "or allow longer with --init-timeout-s"
-    )
-    done = threading.Event()
-
-    def watchdog():
-        if not done.wait(timeout_s):
-            fail(message)
-
-    threading.Thread(target=watchdog, name="jremat-distributed-watchdog", daemon=True).start()
-    try:
-        jax.distributed.initialize(**config, initialization_timeout=math.ceil(timeout_s) + _JAX_DEADLINE_GRACE_S)
-    finally:
-        done.set()
-    if address is not None and jax.process_count() != config["num_processes"]:
-        fail(f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but {where} runs "
-             f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES")
-    return True
-
-
-def is_primary() -> bool:
-    """Whether this is process 0 (the one that prints, writes metrics and shows progress)."""
-    return jax.process_index() == 0
-
-
-def wait_for_all_processes(name: str, timeout_s: float) -> None:
-    """Block until every process reaches the barrier ``name`` (nothing to do in a single process).
-
-    A barrier of the coordination service (through orbax's multihost helpers), so it waits up to
-    ``timeout_s``; used after compiling, where processes may finish far apart: the first CPU
-    collective otherwise gives up when a peer is more than about 30 s late (gloo's connection
-    timeout). Every process must call it with the same unique ``name``.
-
-    Raises:
-      jax.errors.JaxRuntimeError: if some process did not arrive within ``timeout_s``.
-    """
-    if jax.process_count() == 1:
-        return
-    from orbax.checkpoint import multihost
-
-    multihost.get_barrier_sync_fn()(key=name, timeout_ms=int(timeout_s * 1000))
-
-
-def agree_any(flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (a small all-gather; the flag itself on one process).
-
-    Every process must call it at the same point of the program.
-    """
-    if jax.process_count() == 1:
-        return bool(flag)
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))

@@ -5,15 +5,22 @@ a multi-process run at the same point with no chance to clean up:
 ``python -m tests.train.multiprocess_child N -- <train.ptb flags>``. Call N starts optimizer
 step N (with ``--accum 1``), so steps up to N - 1 have finished on every process (each step
 is a collective over all of them) and a checkpoint saved after step N - 1 is complete.
+
+With ``JREMAT_TEST_ROWS_DIR`` set, each process also writes ``rows.<process>.json`` there: the
+batch rows it was assigned and the rows it handed to ``train.sharding.shard_batch`` first.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 
-from train import ptb
+import jax
+import numpy as np
+
+from train import ptb, sharding
 
 
 def kill_at_call(n: int) -> None:
@@ -37,12 +44,34 @@ def kill_at_call(n: int) -> None:
     ptb.compiled_steps = patched
 
 
+def record_rows(directory: str) -> None:
+    """Write this process's row range and the first rows it places to ``directory/rows.<process>.json``."""
+    real_rows, real_shard = sharding.process_batch_rows, sharding.shard_batch
+    seen = {}
+
+    def rows(mesh, batch_size):
+        own = real_rows(mesh, batch_size)
+        seen["rows"] = [own.start, own.stop]
+        return own
+
+    def shard(mesh, local, batch_size=None):
+        if "first" not in seen:
+            seen["first"] = np.asarray(local).tolist()
+            with open(os.path.join(directory, f"rows.{jax.process_index()}.json"), "w") as handle:
+                json.dump(seen, handle)
+        return real_shard(mesh, local, batch_size)
+
+    sharding.process_batch_rows, sharding.shard_batch = rows, shard
+
+
 def main(argv: list[str]) -> int:
     """``N -- FLAGS``: run ``train.ptb`` with ``FLAGS``, killed at the N-th train-step call."""
     if len(argv) < 2 or argv[1] != "--" or not argv[0].isdigit() or int(argv[0]) < 1:
         print("usage: python -m tests.train.multiprocess_child N -- TRAIN_PTB_FLAGS (N >= 1)", file=sys.stderr)
         return 2
     kill_at_call(int(argv[0]))
+    if os.environ.get("JREMAT_TEST_ROWS_DIR"):
+        record_rows(os.environ["JREMAT_TEST_ROWS_DIR"])
     return ptb.main(argv[2:])
 
 

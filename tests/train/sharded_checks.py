@@ -26,6 +26,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models import cross_entropy_loss, preset  # noqa: E402
+from train import sharded_steps as steps  # noqa: E402
 from train import sharding as sh  # noqa: E402
 from train import step as step_lib  # noqa: E402
 
@@ -74,15 +75,15 @@ def check_grads(spec: str = "data=4,fsdp=2") -> dict:
     tokens, targets = _batch(base)
     key = jax.random.key(7)
     loss0, grads0 = _single_grads(base, params, tokens, targets, key)
-    sharded = sh.shard_params(params, mesh)
+    sharded = steps.shard_params(params, mesh)
     batch = sh.shard_batch(mesh, tokens), sh.shard_batch(mesh, targets)
     out = {"loss_single": float(loss0)}
     for policy in POLICIES:
         if policy.split(":")[0] not in registered:
             out[policy] = {"skipped": f"policy {policy!r} is not registered"}
             continue
-        graphdef, _ = sh.abstract_params(base.replace(remat_policy=policy), mesh)
-        loss1, grads1 = sh.make_grad_fn(graphdef, mesh, sharded)(sharded, *batch, key)
+        graphdef, _ = steps.abstract_params(base.replace(remat_policy=policy), mesh)
+        loss1, grads1 = steps.make_grad_fn(graphdef, mesh, sharded)(sharded, *batch, key)
         out[policy] = {
             "loss_sharded": float(loss1),
             "grad_max_rel_diff": _max_rel(grads1, grads0),
@@ -92,9 +93,9 @@ def check_grads(spec: str = "data=4,fsdp=2") -> dict:
         }
     # Every mesh axis at once (fsdp + tensor + sequence parallel), one policy.
     mesh3 = sh.mesh_from_flag(SEQUENCE_MESH)
-    sharded3 = sh.shard_params(params, mesh3)
-    graphdef, _ = sh.abstract_params(base.replace(remat_policy="full", remat_granularity="sublayer"), mesh3)
-    loss3, grads3 = sh.make_grad_fn(graphdef, mesh3, sharded3)(
+    sharded3 = steps.shard_params(params, mesh3)
+    graphdef, _ = steps.abstract_params(base.replace(remat_policy="full", remat_granularity="sublayer"), mesh3)
+    loss3, grads3 = steps.make_grad_fn(graphdef, mesh3, sharded3)(
         sharded3, sh.shard_batch(mesh3, tokens), sh.shard_batch(mesh3, targets), key)
     out[SEQUENCE_MESH] = {"policy": "full (sublayer)", "loss_sharded": float(loss3),
                           "grad_max_rel_diff": _max_rel(grads3, grads0),
@@ -112,13 +113,13 @@ def check_train_step() -> dict:
     cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5, max_seq_len=SEQ, remat_policy="full")
     tx = optax.sgd(0.5, momentum=0.9)
     graphdef0, params0 = step_lib.init_params(cfg, 0)
-    graphdef, params = sh.init_params(cfg, 0, mesh)
+    graphdef, params = steps.init_params(cfg, 0, mesh)
     init_diff = _max_rel(params, params0)
-    params = sh.shard_params(params0, mesh)  # identical starting values
-    opt0, opt = tx.init(params0), sh.init_opt_state(tx, params, mesh)
+    params = steps.shard_params(params0, mesh)  # identical starting values
+    opt0, opt = tx.init(params0), steps.init_opt_state(tx, params, mesh)
     single = step_lib.make_train_step(graphdef0, tx)
     # The AOT-compiled pair, as train.ptb uses it (uncommitted key, batches from shard_batch).
-    sharded, sharded_eval = sh.compile_steps(graphdef, tx, mesh, params, opt, BATCH, SEQ)
+    sharded, sharded_eval = steps.compile_steps(graphdef, tx, mesh, params, opt, BATCH, SEQ)
     losses0, losses1 = [], []
     for step in range(2):
         tokens, targets = _batch(cfg, seed=10 + step)
@@ -131,7 +132,7 @@ def check_train_step() -> dict:
     eval0 = float(step_lib.make_eval_step(graphdef0)(params0, tokens, targets))
     eval1 = float(sharded_eval(params, sh.shard_batch(mesh, tokens), sh.shard_batch(mesh, targets)))
     adamw = step_lib.OptimizerConfig(1e-3, 0, 10, 1.0, 0.01, 2).build()
-    adam_state = sh.init_opt_state(adamw, params, mesh)
+    adam_state = steps.init_opt_state(adamw, params, mesh)
     param_specs = {sh._path_names(p): leaf.sharding.spec for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
     mismatched, matched = [], 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(adam_state):
@@ -165,14 +166,14 @@ def check_sequence_memory() -> dict:
     """
     devices = jax.devices()
     cfg = preset("tiny", max_seq_len=64, remat_policy="none")
-    without = sh.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4"), devices[:4]), 16, 64)
-    with_sp = sh.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4,sequence=2"), devices), 16, 64)
+    without = steps.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4"), devices[:4]), 16, 64)
+    with_sp = steps.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4,sequence=2"), devices), 16, 64)
     return {"without": dataclass_dict(without), "with_sequence_2": dataclass_dict(with_sp),
             "temp_ratio": with_sp.temp / without.temp}
 
 
-def dataclass_dict(memory: sh.DeviceMemory) -> dict:
-    """The fields of a :class:`train.sharding.DeviceMemory` plus its peak."""
+def dataclass_dict(memory: steps.DeviceMemory) -> dict:
+    """The fields of a :class:`train.sharded_steps.DeviceMemory` plus its peak."""
     return {"temp": memory.temp, "argument": memory.argument, "output": memory.output,
             "alias": memory.alias, "peak": memory.peak}
 
@@ -186,7 +187,7 @@ def check_errors() -> dict:
         "unknown_axis": lambda: sh.mesh_from_flag("data=4,model=2"),
         "batch": lambda: sh.shard_batch(sh.mesh_from_flag("data=4,fsdp=2"), np.zeros((6, 16), np.int32)),
         "seq": lambda: sh.check_batch(sh.mesh_from_flag("data=4,sequence=2"), 8, 15),
-        "memory_batch": lambda: sh.sharded_step_memory(preset("tiny"), sh.mesh_from_flag("data=8"), 4, 16),
+        "memory_batch": lambda: steps.sharded_step_memory(preset("tiny"), sh.mesh_from_flag("data=8"), 4, 16),
     }
     for name, fn in cases.items():
         try:

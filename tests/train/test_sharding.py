@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from models import GPT, cross_entropy_loss, preset
+from train import distributed as dist
 from train import sharding as sh
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -152,12 +153,12 @@ def test_activation_hook_sees_the_residual_stream_between_sublayers():
 
 def test_distributed_config_reads_the_three_variables():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    assert sh.distributed_config(env) == dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
-    assert sh.distributed_config({}) is None
-    assert sh.distributed_config({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
-    assert sh.distributed_config({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == {}
-    assert sh.distributed_config({"OMPI_COMM_WORLD_SIZE": "2"}) == {}
-    assert sh.initialize_distributed({}) is False
+    assert dist.distributed_config(env) == dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+    assert dist.distributed_config({}) is None
+    assert dist.distributed_config({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    assert dist.distributed_config({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == {}
+    assert dist.distributed_config({"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+    assert dist.initialize_distributed({}) is False
 
 
 @pytest.mark.parametrize("env, fragment", [
@@ -168,7 +169,7 @@ def test_distributed_config_reads_the_three_variables():
 ])
 def test_distributed_config_rejects_partial_or_bad_environments(env, fragment):
     with pytest.raises(ValueError, match=fragment):
-        sh.distributed_config(env)
+        dist.distributed_config(env)
 
 
 # ----------------------------------------------------------------------------- 8 simulated devices

@@ -1,0 +1,211 @@
+"""Sharded model state and train/eval steps on a device mesh, and their per-device memory.
+
+The layout (which mesh axes split which tensor dimension) comes from :mod:`train.sharding`;
+this module creates parameters and optimizer state with those shardings, jits the single-device
+steps of :mod:`train.step` with explicit in/out shardings, and reads a compiled sharded step's
+memory per device through :func:`jremat.memory.compiled_memory_report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import jremat
+from jremat.memory import compiled_memory_report
+from models import GPT, ModelConfig, cross_entropy_loss
+from train.sharding import (
+    ActivationSharding,
+    batch_sharding,
+    check_batch,
+    format_mesh,
+    replicated,
+    state_shardings,
+)
+
+# ----------------------------------------------------------------------------- state and steps
+
+
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of :class:`models.GPT` with sequence-parallel activations, as shapes (nothing allocated).
+
+    The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
+    """
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0),
+                                                            activation_sharding=ActivationSharding(mesh))))
+    shardings = state_shardings(shapes, mesh)
+    return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init_params(model_cfg: ModelConfig, seed: int, mesh: Mesh) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of a freshly initialized :class:`models.GPT`, created sharded on ``mesh``.
+
+    The values of ``train.step.init_params(model_cfg, seed)`` (up to float rounding: the
+    initializers run under ``jit``); each device only ever holds its own shards. The graph definition carries :class:`ActivationSharding` for ``mesh``.
+    """
+    graphdef, abstract = abstract_params(model_cfg, mesh)
+    shardings = jax.tree.map(lambda s: s.sharding, abstract)
+
+    def init():
+        return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(seed)))[1]
+
+    params = jax.jit(init, out_shardings=shardings)()
+    return graphdef, params
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """``params`` (or any parameter-like tree) moved onto ``mesh`` per :func:`state_shardings`."""
+    return jax.device_put(params, state_shardings(params, mesh))
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
+    """``tx.init(params)`` created sharded: moment estimates like their parameters, counters replicated."""
+    shardings = state_shardings(jax.eval_shape(tx.init, params), mesh)
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def _shardings_of(tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: leaf.sharding, tree)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any) -> Callable:
+    """``train.step.make_train_step`` jitted with explicit shardings on ``mesh``.
+
+    ``(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``; params and
+    optimizer state keep the shardings they came in with (``params``/``opt_state`` here are the
+    sharded trees, or shape structs with shardings), batches are split per
+    :func:`batch_sharding`, key and loss are replicated. ``params`` and ``opt_state`` are donated.
+    """
+    from train import (
+        step as step_lib,  # the single-device step: the same update, here partitioned
+    )
+
+    p_sh, o_sh = _shardings_of(params), _shardings_of(opt_state)
+    b_sh, r_sh = batch_sharding(mesh), replicated(mesh)
+    return jremat.jit(
+        step_lib.train_step_fn(graphdef, tx),
+        in_shardings=(p_sh, o_sh, b_sh, b_sh, r_sh),
+        out_shardings=(p_sh, o_sh, r_sh),
+        donate_argnums=(0, 1),
+    )
+
+
+def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
+    """``train.step.make_eval_step`` jitted with explicit shardings: ``(params, tokens, targets) -> loss``."""
+    from train import step as step_lib
+
+    b_sh = batch_sharding(mesh)
+    return jremat.jit(step_lib.eval_step_fn(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
+                      out_shardings=replicated(mesh))
+
+
+def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
+    """A sharded jitted ``(params, tokens, targets, key) -> (loss, grads)``; grads sharded like params."""
+    p_sh, b_sh, r_sh = _shardings_of(params), batch_sharding(mesh), replicated(mesh)
+
+    def loss_and_grads(p, tokens, targets, key):
+        return jax.value_and_grad(lambda q: cross_entropy_loss(nnx.merge(graphdef, q), tokens, targets, key))(p)
+
+    return jremat.jit(loss_and_grads, in_shardings=(p_sh, b_sh, b_sh, r_sh), out_shardings=(r_sh, p_sh))
+
+
+def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any,
+                  batch_size: int, seq_len: int) -> tuple[Any, Any]:
+    """AOT-compiled sharded ``(train_step, eval_step)`` for ``[batch_size, seq_len]`` batches.
+
+    Raises:
+      ValueError: if the batch does not split over the mesh (see :func:`check_batch`).
+    """
+    check_batch(mesh, batch_size, seq_len)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    key = jax.random.key(0)
+    train_c = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key).compile()
+    eval_c = make_eval_step(graphdef, mesh, params).lower(params, tokens, tokens).compile()
+    return train_c, eval_c
+
+
+# ----------------------------------------------------------------------------- per-device memory
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """XLA's compile-time memory figures of a sharded step, per device (bytes).
+
+    Read through :func:`jremat.memory.compiled_memory_report`, so the peak follows the
+    library's rules (on XLA:CPU the backend's own peak leaves temporaries out and is not used).
+
+    Attributes:
+      mesh: the mesh spec (``"data=4,fsdp=2"``).
+      devices: number of devices in the mesh.
+      temp: temporaries (saved activations, gradients in flight, workspace) on one device.
+      argument: this device's shards of the arguments.
+      output: this device's shards of the outputs.
+      alias: output bytes that reuse (donated) argument buffers.
+      peak: the figure to compare with device memory (``argument + output + temp - alias``
+        unless the backend reports a usable peak of its own).
+      peak_source: how :attr:`peak` was obtained (see :class:`jremat.memory.MemoryReport`).
+    """
+
+    mesh: str
+    devices: int
+    temp: int
+    argument: int
+    output: int
+    alias: int
+    peak: int
+    peak_source: str
+
+    def format(self) -> str:
+        """One line: ``mesh data=4,fsdp=2 (8 devices), per device: peak ... temp ... args ... out ...``."""
+        mib = 1 << 20
+        return (f"mesh {self.mesh} ({self.devices} devices), per device: peak {self.peak / mib:.2f} MiB, "
+                f"temp {self.temp / mib:.2f} MiB, arguments {self.argument / mib:.2f} MiB, "
+                f"outputs {self.output / mib:.2f} MiB, aliased {self.alias / mib:.2f} MiB")
+
+
+def sharded_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int,
+                        tx: optax.GradientTransformation | None = None) -> DeviceMemory:
+    """Per-device memory of a sharded step on ``mesh``, from XLA's analysis of the compiled program (nothing runs).
+
+    Args:
+      model_cfg: the model (its remat policy included).
+      mesh: the device mesh (:func:`train.sharding.make_mesh`).
+      batch_size, seq_len: the global batch shape.
+      tx: with an optimizer, the whole train step (:func:`make_train_step`, params and
+        optimizer state donated); ``None``: forward + backward only (:func:`make_grad_fn`).
+
+    Raises:
+      ValueError: if the batch does not split over the mesh, or the backend reports no memory
+        figures (the message gives its reason).
+    """
+    check_batch(mesh, batch_size, seq_len)
+    graphdef, params = abstract_params(model_cfg, mesh)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    if tx is None:
+        lowered = make_grad_fn(graphdef, mesh, params).lower(params, tokens, tokens, key)
+    else:
+        opt_shapes = jax.eval_shape(tx.init, params)
+        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                 opt_shapes, state_shardings(opt_shapes, mesh))
+        lowered = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key)
+    report = compiled_memory_report(lowered.compile(), platform=mesh.devices.flat[0].platform)
+    if not report.available:
+        raise ValueError(f"no per-device memory figures for mesh {format_mesh(mesh)}: {'; '.join(report.notes)}")
+    return DeviceMemory(
+        mesh=format_mesh(mesh),
+        devices=mesh.size,
+        temp=report.temp_bytes,
+        argument=report.argument_bytes,
+        output=report.output_bytes,
+        alias=report.alias_bytes,
+        peak=report.peak_bytes,
+        peak_source=report.peak_source,
+    )
