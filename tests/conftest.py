@@ -19,6 +19,11 @@ from models import GPT, cross_entropy_loss, preset  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
+# Many tests compile the same small programs (the no-remat baseline above all); XLA's compiled
+# memory figures are the same when an executable comes from JAX's persistent cache.
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 

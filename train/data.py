@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from train.config import UsageError
+from train.cli import UsageError
 
 SPLITS = ("train", "valid", "test")
 FILENAMES = {split: f"ptb.{split}.txt" for split in SPLITS}

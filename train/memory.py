@@ -28,7 +28,6 @@ prints the latter at start).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -51,7 +50,8 @@ from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
 from models import preset as model_preset
 from models.config import DTYPES
 from models.gpt import Block, make_block_fn
-from train.config import OneLineErrorParser, UsageError
+from train import cli
+from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
 from train import timeline_plot
 
 
@@ -62,86 +62,65 @@ from train import timeline_plot
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-    """What ``python -m train.memory`` measures; one field per command-line flag.
+    """What ``python -m train.memory`` measures; one field per command-line flag (``a_b`` <-> ``--a-b``).
 
-    Attributes:
-      preset: model preset name (``--preset``).
-      batch_size: sequences per batch (``--batch-size``).
-      seq_len: tokens per sequence, at most the preset's ``max_seq_len`` (default: equal).
-      dtype: compute dtype (default: the preset's).
-      policy: policy specs, one report row each (``--policy``, repeatable).
-      layers: overrides ``n_layers``.
-      d_model: overrides ``d_model``.
-      d_ff: overrides ``d_ff``.
-      heads: overrides ``n_heads``; without ``head_dim``, ``head_dim = d_model / heads``.
-      head_dim: overrides ``head_dim``.
-      dropout: attention and residual dropout rate.
-      granularity: remat granularity (``none``, ``block``, ``sublayer``).
-      unrolled: unroll the layer loop instead of ``lax.scan``.
-      policy_module: modules to import first (they may register policies), repeatable.
-      json: print a JSON list instead of a table.
-      plot: write a bar chart of peak and saved bytes per policy to this PNG file.
-      remat_head_chunks: rematerialize the head and loss over this many sequence chunks
-        (``ModelConfig.remat_head_chunks``; must divide the sequence length).
-      memory_budget: budget for ``--policy auto`` (``6GiB``, ``512MiB``, bytes, or a fraction of
-        the no-remat peak above the full-remat floor); overrides an ``auto:budget=`` key.
-      live: also run one step per policy, each in a fresh process, and report the device
-        allocator's peak next to the compiled one (GPU/TPU; on CPU a note says why not).
-      live_child: internal: measure the first policy's live peak here and print it as JSON.
-      timeline: write the memory timeline of every policy (live bytes over the compiled schedule,
-        peaks marked, top-10 buffers at each peak) to this PNG file and print the top-10 tables.
+    ``policy_keys`` collects the per-policy-key flags (``--k 4``); each applies to every
+    ``--policy`` that takes the key. Model overrides left ``None`` keep the preset's value.
     """
 
-    preset: str = "small"
-    batch_size: int = 8
-    seq_len: int | None = None
-    dtype: str | None = None
-    policy: tuple[str, ...] = ("none", "full")
-    layers: int | None = None
-    d_model: int | None = None
-    d_ff: int | None = None
-    heads: int | None = None
-    head_dim: int | None = None
-    dropout: float | None = None
-    granularity: str | None = None
-    unrolled: bool = False
-    policy_module: tuple[str, ...] = ()
-    json: bool = False
-    plot: str | None = None
-    memory_budget: str | None = None
-    remat_head_chunks: int | None = None
-    live: bool = False
-    live_child: bool = False
-    timeline: str | None = None
+    preset: str = option("small", "model preset", choices=tuple(PRESETS))
+    batch_size: int = option(8, "sequences per batch")
+    seq_len: int | None = option(None, "tokens per sequence (<= the preset's max_seq_len; default: equal)")
+    dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
+    policy: tuple[str, ...] = option(("none", "full"), "policy spec NAME or NAME:key=value, one report row each",
+                                     metavar="SPEC")
+    policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
+    layers: int | None = option(None, "override the number of layers")
+    d_model: int | None = option(None, "override d_model")
+    d_ff: int | None = option(None, "override the MLP width")
+    heads: int | None = option(None, "override the head count (head_dim = d_model / heads unless --head-dim)")
+    head_dim: int | None = option(None, "override head_dim")
+    dropout: float | None = option(None, "attention and residual dropout rate")
+    granularity: str | None = option(None, "remat granularity", choices=jremat.GRANULARITIES)
+    unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
+    policy_module: tuple[str, ...] = option((), "import a module that registers policies", metavar="MODULE")
+    json: bool = option(False, "print a JSON list, one object per policy")
+    plot: str | None = option(None, "write a bar chart (PNG) of peak and saved bytes per policy", metavar="PNG")
+    memory_budget: str | None = option(
+        None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
+    )
+    remat_head_chunks: int | None = option(
+        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)"
+    )
+    live: bool = option(
+        False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
+    )
+    live_child: bool = option(False, "measure the first policy's live peak here and print it as JSON", hidden=True)
+    timeline: str | None = option(
+        None, "write live bytes over the compiled schedule per policy (peaks marked, top-10 buffers at each peak) "
+        "to this PNG file, and print the top-10 tables", metavar="PNG",
+    )
 
     def __post_init__(self):
         if self.timeline is not None:
             problem = timeline_plot.png_path_problem(self.timeline)
             if problem:
                 raise UsageError(f"--timeline {self.timeline!r}: {problem}")
-        if self.preset not in PRESETS:
-            raise UsageError(f"unknown preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
+        require_choice("preset", self.preset, tuple(PRESETS))
         if self.remat_head_chunks is not None:
-            if not isinstance(self.remat_head_chunks, int) or self.remat_head_chunks < 0:
-                raise UsageError(f"--remat-head-chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
-            if self.remat_head_chunks and self.resolved_seq_len % self.remat_head_chunks:
-                raise UsageError(
-                    f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length {self.resolved_seq_len}"
-                )
+            require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
+            require(not self.remat_head_chunks or self.resolved_seq_len % self.remat_head_chunks == 0,
+                    f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
+                    f"{self.resolved_seq_len}")
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise UsageError(f"--{field.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
-        if self.granularity is not None and self.granularity not in jremat.GRANULARITIES:
-            raise UsageError(
-                f"--granularity must be one of {', '.join(jremat.GRANULARITIES)}, got {self.granularity!r}"
-            )
-        if not self.policy:
-            raise UsageError("give at least one --policy")
+            if getattr(self, field) is not None:
+                require_int(field, getattr(self, field))
+        if self.dtype is not None:
+            require_choice("dtype", self.dtype, DTYPES)
+        require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.granularity is not None:
+            require_choice("granularity", self.granularity, jremat.GRANULARITIES)
+        require(bool(self.policy), "give at least one --policy")
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
@@ -149,14 +128,19 @@ class MemoryConfig:
                 raise UsageError(str(err)) from None
         if self.heads is not None and self.head_dim is None:
             d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
-            if d_model % self.heads:
-                raise UsageError(
+            require(d_model % self.heads == 0,
                     f"--heads {self.heads} does not divide d_model {d_model}; give --head-dim or "
-                    "a head count that divides d_model"
-                )
+                    "a head count that divides d_model")
         max_seq = PRESETS[self.preset].max_seq_len
-        if self.seq_len is not None and self.seq_len > max_seq:
-            raise UsageError(f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}")
+        require(self.seq_len is None or self.seq_len <= max_seq,
+                f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}")
+        for module in self.policy_module:
+            try:
+                registry.load_module(module)
+            except ValueError as err:
+                raise UsageError(f"bad --policy-module: {err}") from None
+        object.__setattr__(self, "policy", apply_policy_keys(self.policy, self.policy_keys))
+        object.__setattr__(self, "policy_keys", ())
 
     def model_config(self, policy: str) -> ModelConfig:
         """The :class:`ModelConfig` for one policy spec, with every override applied.
@@ -752,68 +736,18 @@ def add_live_peaks(config: MemoryConfig, rows: Sequence[PolicyMemory]) -> tuple[
 # ---------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; policy help comes from the registry (``jremat.describe()``)."""
-    parser = OneLineErrorParser(
-        prog="python -m train.memory",
-        description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
-        epilog="registered policies:\n" + registry.describe(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--preset", default="small", help=f"model preset: {', '.join(PRESETS)}")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (<= preset max_seq_len)")
-    parser.add_argument("--dtype", default=None, help=f"compute dtype: {', '.join(DTYPES)}")
-    parser.add_argument("--policy", action="append", default=None,
-                        help="policy spec NAME or NAME:key=value (repeatable; default: none, full)")
-    parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    parser.add_argument("--d-model", type=int, default=None, help="override d_model")
-    parser.add_argument("--d-ff", type=int, default=None, help="override the MLP width")
-    parser.add_argument("--heads", type=int, default=None, help="override heads (head_dim = d_model/heads unless --head-dim)")
-    parser.add_argument("--head-dim", type=int, default=None, help="override head_dim")
-    parser.add_argument("--dropout", type=float, default=None, help="attention and residual dropout rate")
-    parser.add_argument("--granularity", default=None, help=f"remat granularity: {', '.join(jremat.GRANULARITIES)}")
-    parser.add_argument("--unrolled", action="store_true", help="unroll the layer loop instead of lax.scan")
-    parser.add_argument("--policy-module", action="append", default=None, help="import a module registering policies (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
-    parser.add_argument("--plot", default=None, help="write a bar chart (PNG) of peak and saved bytes per policy")
-    parser.add_argument("--remat-head-chunks", type=int, default=None,
-                        help="remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)")
-    parser.add_argument("--memory-budget", default=None,
-                        help="budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1]")
-    parser.add_argument("--live", action="store_true",
-                        help="also run one step per policy (fresh process each) and report the allocator's peak (GPU/TPU)")
-    parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--timeline", default=None, metavar="PNG",
-                        help="write live bytes over the compiled schedule per policy (peaks marked, top-10 buffers "
-                             "at each peak) to this PNG file, and print the top-10 tables")
-    return parser
-
-
 def parse_config(argv: Sequence[str] | None) -> MemoryConfig:
-    """Parse command-line flags into a :class:`MemoryConfig`.
-
-    Policy modules are imported before the policies are checked.
+    """Parse command-line flags into a :class:`MemoryConfig` (see :func:`train.cli.parse`).
 
     Raises:
       UsageError: on any bad flag or value.
+      SystemExit: ``--help`` (code 0).
     """
-    args = build_parser().parse_args(argv)
-    for module in args.policy_module or ():
-        try:
-            registry.load_module(module)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    values = vars(args)
-    values["policy"] = tuple(args.policy) if args.policy else MemoryConfig.policy
-    values["policy_module"] = tuple(args.policy_module or ())
-    config = MemoryConfig(**values)
-    for spec in config.policy:
-        try:
-            registry.resolve(spec)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    return config
+    return cli.parse(
+        MemoryConfig, argv, prog="python -m train.memory",
+        description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
+        epilog="registered policies:\n" + registry.describe(),
+    )
 
 
 def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:

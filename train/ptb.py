@@ -16,7 +16,6 @@ saves and restores its own checkpoint shards. See docs/multiprocess.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -31,12 +30,14 @@ import numpy as np
 
 import jremat
 from jremat import registry
+from train import cli
 from train import data as data_lib
 from train import memory as memory_cli
 from train import sharding as sharding_lib
 from train import step as step_lib
 from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
-from train.config import TRAJECTORY_FIELDS, TrainConfig, UsageError, config_fields, flag_name
+from train.cli import UsageError
+from train.config import TRAJECTORY_FIELDS, TrainConfig
 from train.metrics import MetricsFile
 
 EXIT_OK, EXIT_NONFINITE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -78,80 +79,23 @@ class RunResult:
 # ----------------------------------------------------------------------------- command line
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's default prints usage + message, exit 2; keep it short
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+DESCRIPTION = "Train the reference GPT on word-level Penn Treebank with a remat policy."
 
 
-def policy_key_flags() -> dict[str, str]:
-    """Flag name for every key of every registered policy: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
-
-    A key whose flag would collide with a training flag is spelled ``--policy-<key>``.
-    """
-    taken = {flag_name(f.name) for f in config_fields()} | {"--help"}
-    flags = {}
-    for entry in registry.entries().values():
-        for key in entry.params:
-            flag = flag_name(key)
-            flags[key] = flag if flag not in taken else "--policy-" + key.replace("_", "-")
-    return flags
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: one flag per :class:`TrainConfig` field plus one per policy key."""
-    parser = _ArgumentParser(
-        prog="python -m train.ptb",
-        description="Train the reference GPT on word-level Penn Treebank with a remat policy.",
-        epilog="Registered policies (spec keys are also flags):\n" + jremat.describe()
-        + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    for field in config_fields():
-        meta = field.metadata
-        kwargs: dict[str, Any] = {"dest": field.name, "help": meta["help"]}
-        if meta.get("action") == "store_true":
-            kwargs.update(action="store_true", default=False)
-        elif meta.get("action") == "bool":
-            kwargs.update(action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            kwargs.update(default=None, metavar=field.name.upper())
-            if "type" in meta:
-                kwargs["type"] = meta["type"]
-            if "choices" in meta:
-                kwargs.update(choices=meta["choices"], metavar="{" + ",".join(meta["choices"]) + "}")
-            if field.default is not None:
-                kwargs["help"] += f" (default {field.default})"
-        parser.add_argument(flag_name(field.name), **kwargs)
-    group = parser.add_argument_group("policy keys (each passed to the policy only when given)")
-    for key, flag in sorted(policy_key_flags().items()):
-        helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
-        group.add_argument(flag, dest="policykey__" + key, default=None, metavar="VALUE", help="; ".join(helps))
-    return parser
+def epilog() -> str:
+    """The help's epilog: the registered policies (their keys are also flags) and the exit codes."""
+    return ("Registered policies (spec keys are also flags):\n" + jremat.describe()
+            + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C).")
 
 
 def parse_config(argv: Sequence[str] | None) -> TrainConfig:
-    """Parse command-line arguments into a validated :class:`TrainConfig`.
-
-    ``--policy-module`` is imported first so that its policies' keys become flags.
+    """Parse command-line arguments into a validated :class:`TrainConfig` (see :func:`train.cli.parse`).
 
     Raises:
-      SystemExit: on argparse errors (code 2) and ``--help`` (code 0).
-      UsageError: on invalid values.
+      SystemExit: ``--help`` (code 0).
+      UsageError: on an unknown flag or an invalid value.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--policy-module", default=None)
-    known, _ = pre.parse_known_args(argv)
-    if known.policy_module:
-        try:
-            registry.load_module(known.policy_module)
-        except ValueError as err:
-            raise UsageError(f"bad --policy-module: {err}") from None
-    args = vars(build_parser().parse_args(argv))
-    keys = tuple((k.split("__", 1)[1], v) for k, v in args.items() if k.startswith("policykey__") and v is not None)
-    values = {k: v for k, v in args.items() if not k.startswith("policykey__") and v is not None}
-    return TrainConfig(policy_keys=keys, **values)
+    return cli.parse(TrainConfig, argv, prog="python -m train.ptb", description=DESCRIPTION, epilog=epilog())
 
 
 # ----------------------------------------------------------------------------- reports
@@ -259,7 +203,7 @@ def compiled_steps(model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, param
     if key not in _STEP_CACHE:
         tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
         train = step_lib.make_train_step(graphdef, opt_cfg.build())
-        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(0, 0, 0)).compile()
+        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(jax.random.key(0), 0, 0)).compile()
         eval_c = step_lib.make_eval_step(graphdef).lower(params, tokens, tokens).compile()
         _STEP_CACHE[key] = (train_c, eval_c)
     return _STEP_CACHE[key]
@@ -386,7 +330,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 micro_losses = []
                 for micro in range(cfg.accum):
                     x, y = train_batches[(step * cfg.accum + micro) % per_epoch]
-                    key = jax.random.fold_in(jax.random.fold_in(base_key, step), micro)
+                    key = step_lib.dropout_key(base_key, step, micro)
                     params, opt_state, loss = train_step(params, opt_state, put(x), put(y), key)
                     micro_losses.append(loss)
                 loss = float(np.mean([float(v) for v in micro_losses]))
@@ -510,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_config(argv)
         start_distributed(cfg)
         result = train(cfg)
-    except SystemExit as exit_:  # argparse: --help or a malformed flag (message already printed)
+    except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)

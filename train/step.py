@@ -69,9 +69,15 @@ def init_params(model_cfg: ModelConfig, seed: int) -> tuple[Any, Any]:
     return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(seed)))
 
 
-def dropout_key(seed: int, step: int, micro_step: int) -> jax.Array:
-    """The dropout key of one micro-batch: ``fold_in(fold_in(key(seed), step), micro_step)``."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro_step)
+def dropout_key(base_key: jax.Array, step: int, micro_step: int) -> jax.Array:
+    """The dropout key of one micro-batch: ``fold_in(fold_in(base_key, step), micro_step)``.
+
+    Args:
+      base_key: the run's key, ``jax.random.key(seed)`` (a replicated global array when sharded).
+      step: the optimizer step.
+      micro_step: the micro-batch within the step (gradient accumulation).
+    """
+    return jax.random.fold_in(jax.random.fold_in(base_key, step), micro_step)
 
 
 def train_step_fn(graphdef, tx: optax.GradientTransformation) -> Callable:

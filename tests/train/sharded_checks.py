@@ -122,7 +122,7 @@ def check_train_step() -> dict:
     losses0, losses1 = [], []
     for step in range(2):
         tokens, targets = _batch(cfg, seed=10 + step)
-        key = step_lib.dropout_key(0, step, 0)
+        key = step_lib.dropout_key(jax.random.key(0), step, 0)
         params0, opt0, l0 = single(params0, opt0, tokens, targets, key)
         params, opt, l1 = sharded(params, opt, sh.shard_batch(mesh, tokens), sh.shard_batch(mesh, targets), key)
         losses0.append(float(l0))

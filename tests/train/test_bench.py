@@ -101,25 +101,18 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
     assert "met    Time, block-dominated: full <= 1.35x none" in capsys.readouterr().out
 
 
-def test_unresolvable_policy_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(bench.PART_FUNCTIONS, "time", lambda config, policies: [])
-    config = BenchConfig(out=str(tmp_path), report="", parts=("time",), quick=True, policy=("none", "no_such_policy"))
-    _, _, notes = bench.run(config, "test")
-    assert notes == ["skipped policy 'no_such_policy': unknown policy 'no_such_policy'; valid policies: "
-                     + notes[0].split("valid policies: ")[1]]
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--parts", "needle,bogus"], "--parts takes a comma-separated subset"),
-        (["--policy", "every_k:k=0"], "bad --policy"),
+        (["--policy", "every_k:k=0"], "bad policy"),
         (["--policy", "no_such_policy"], "unknown policy"),
         (["--time-steps", "8", "--time-rounds", "9"], "--time-rounds 9 exceeds --time-steps 8"),
-        (["--needle-batches", "4,x"], "comma-separated integers"),
+        (["--needle-batches", "4,x"], "comma-separated int values"),
         (["--auto-budget-fractions", "0.5,1.5"], "--auto-budget-fractions must be numbers in (0, 1)"),
         (["--remat-head-chunks", "3"], "--remat-head-chunks 3 does not divide sequence length 20"),
-        (["--megatron-preset", "huge"], "is not a preset"),
+        (["--megatron-preset", "huge"], "invalid choice: 'huge'"),
+        (["--policy", "none", "--k", "4"], "--k is a key of every_k"),
         (["--no-such-flag"], "unrecognized arguments"),
     ],
 )
@@ -127,6 +120,11 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_policy_key_flags_apply_to_the_policy_that_takes_them():
+    config = bench.parse_config(["--policy", "none", "--policy", "every_k", "--k", "4", "--parts", "time,peers"])
+    assert config.policy == ("none", "every_k:k=4") and config.parts == ("time", "peers")
 
 
 def test_time_ratios_pair_rounds_so_load_drift_cancels():

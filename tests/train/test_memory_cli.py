@@ -48,7 +48,7 @@ def test_table_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--preset", "nope"], "unknown preset"),
+        (["--preset", "nope"], "invalid choice"),
         (["--preset", "tiny", "--batch-size", "0"], "--batch-size must be a positive integer"),
         (["--preset", "tiny", "--layers", "-1"], "--layers must be a positive integer"),
         (["--preset", "tiny", "--d-model", "0"], "--d-model must be a positive integer"),
@@ -59,7 +59,7 @@ def test_table_and_plot(tmp_path, capsys):
         (["--preset", "tiny", "--granularity", "layer"], "--granularity"),
         (["--preset", "tiny", "--seq-len", "4096"], "exceeds"),
         (["--preset", "tiny", "--policy-module", "no.such.module"], "cannot import policy module"),
-        (["--preset", "tiny", "--batch-size", "two"], "invalid int value"),
+        (["--preset", "tiny", "--batch-size", "two"], "expected an integer"),
         (["--preset", "tiny", "--bogus"], "unrecognized arguments"),
         (["--preset", "tiny", "--policy", "auto", "--memory-budget", "6 parsecs"], "unknown unit 'parsecs'"),
         (["--preset", "tiny", "--policy", "auto", "--memory-budget", "1KiB"], "smallest achievable peak is"),

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from models import preset
-from train.config import TrainConfig, UsageError
+from train.cli import UsageError
+from train.config import TrainConfig
 from train.step import OptimizerConfig, init_params, learning_rate_schedule, make_train_step
 
 

@@ -34,12 +34,11 @@ import sys
 import time
 from typing import Sequence
 
-from jremat import registry
 from train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
 from train.bench.harness import bench_peak, measure, time_ratios
 from train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
 from train.bench.report import check_targets, results_markdown, write_csv, write_plots
-from train.config import UsageError
+from train.cli import UsageError, run_main
 
 __all__ = ["BenchConfig", "CSV_COLUMNS", "DEFAULT_POLICIES", "PARTS", "PART_FUNCTIONS", "bench_peak",
            "check_targets", "main", "measure", "parse_config", "run", "time_ratios"]
@@ -68,28 +67,16 @@ READING_GUIDE = """\
 """
 
 
-def usable_policies(specs: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``specs`` into those that resolve and notes about those that do not (skipped)."""
-    ok, notes = [], []
-    for spec in specs:
-        try:
-            registry.resolve(spec)
-        except ValueError as err:
-            notes.append(f"skipped policy {spec!r}: {err}")
-            continue
-        ok.append(spec)
-    return ok, notes
-
-
 def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[str]]:
     """Run the configured parts; write the CSV and plots into ``config.out`` and the report.
 
     Returns:
       ``(rows, plot file names, notes)``.
+
+    Raises:
+      UsageError: if ``config.out`` cannot be created.
     """
-    policies, notes = usable_policies(config.policy)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+    policies, notes = list(config.policy), []
     try:
         os.makedirs(config.out, exist_ok=True)
     except OSError as err:
@@ -113,15 +100,12 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = parse_config(argv)
-        command = "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv)
-        rows, plots, _ = run(config, command)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
+    config = parse_config(argv)
+    rows, plots, _ = run(config, "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv))
     print(f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench.csv')}, {len(plots)} plots"
           + (f" and {config.report}" if config.report else ""))
     for target, measured, ok in check_targets(rows):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from jremat import registry
 from models import PRESETS, ModelConfig
 from models import preset as model_preset
-from train.config import OneLineErrorParser, UsageError
+from train.cli import UsageError, apply_policy_keys, option, parse
 
 PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto")
 
@@ -44,67 +43,58 @@ FULL_SIZES: dict[str, Any] = dict(
 )
 
 
+def _sized(name: str, help: str, **kwargs) -> Any:
+    """An :func:`~train.cli.option` defaulting to ``None``, whose help gives the full and quick sizes."""
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731
+    return option(None, f"{help} (default {show(FULL_SIZES[name])}; with --quick {show(QUICK_SIZES[name])})",
+                  **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     """What ``python -m train.bench`` runs; one field per command-line flag (``a_b`` <-> ``--a-b``).
 
     Size fields left ``None`` take :data:`FULL_SIZES`, or :data:`QUICK_SIZES` with ``quick``.
-
-    Attributes:
-      out: folder of the CSV and PNG plots.
-      report: the markdown report regenerated from this run ("" = none).
-      parts: parts to run, from :data:`PARTS`.
-      policy: policy specs of the ``time`` and ``auto`` parts.
-      quick: tiny sizes for a smoke test.
-      needle_batches: batch sizes of Needle figure 1.
-      needle_d_ff: ``d_ff`` of Needle figures 1 and 3.
-      needle_d_ffs: ``d_ff`` values of Needle figure 2.
-      needle_batch: batch size of Needle figure 2.
-      needle_ks: the k values of Needle figure 3 (0 = ``none``).
-      needle_time_batch: batch size of Needle figure 3.
-      megatron_preset: model preset of the Megatron comparison and the max-batch search.
-      megatron_batch: its batch size.
-      megatron_seq: its sequence length.
-      maxbatch_budget_gib: the memory budget of the max-batch search, GiB.
-      maxbatch_seq: sequence length of the max-batch search.
-      time_preset: the head-dominated model of the ``time`` part.
-      time_batch: its batch size.
-      block_batch: batch size of the block-dominated model (:data:`BLOCK_MODEL`) in ``time`` and ``peers``.
-      time_steps: timed steps per program, after one warm-up step.
-      time_rounds: interleaved rounds the steps are split into.
-      auto_budget_fractions: where the ``auto`` part's budgets sit between full's (0) and none's (1) peak.
-      seed: parameter-initialization and data seed.
-      remat_head_chunks: every policy except ``none`` also rematerializes the final LayerNorm,
-        head and loss over this many sequence chunks, so a policy covers the whole step as the
-        Needle study's does; 0 applies policies to the blocks only.
+    ``parts`` entries may be comma-separated (``--parts needle,time``). ``policy_keys`` collects
+    the per-policy-key flags (``--k 4``); each applies to every ``--policy`` that takes the key.
+    Every policy but ``none`` covers the whole step: the blocks, and the final LayerNorm, head
+    and loss over ``remat_head_chunks`` sequence chunks (0: blocks only).
     """
 
-    out: str = "docs/results"
-    report: str = "docs/RESULTS.md"
-    parts: tuple[str, ...] = PARTS
-    policy: tuple[str, ...] = DEFAULT_POLICIES
-    quick: bool = False
-    needle_batches: tuple[int, ...] | None = None
-    needle_d_ff: int | None = None
-    needle_d_ffs: tuple[int, ...] | None = None
-    needle_batch: int | None = None
-    needle_ks: tuple[int, ...] | None = None
-    needle_time_batch: int | None = None
-    megatron_preset: str | None = None
-    megatron_batch: int | None = None
-    megatron_seq: int | None = None
-    maxbatch_budget_gib: float | None = None
-    maxbatch_seq: int | None = None
-    time_preset: str | None = None
-    time_batch: int | None = None
-    block_batch: int | None = None
-    time_steps: int | None = None
-    time_rounds: int | None = None
-    auto_budget_fractions: tuple[float, ...] | None = None
-    seed: int = 0
-    remat_head_chunks: int = 4
+    out: str = option("docs/results", "folder of the CSV and PNG plots")
+    report: str = option("docs/RESULTS.md", "markdown report regenerated from this run (empty: none)")
+    parts: tuple[str, ...] = option(PARTS, f"parts to run, comma-separated: {', '.join(PARTS)}", metavar="PART")
+    policy: tuple[str, ...] = option(DEFAULT_POLICIES, "policy spec of the time and auto parts", metavar="SPEC")
+    policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
+    quick: bool = option(False, "tiny sizes (a smoke test)")
+    needle_batches: tuple[int, ...] | None = _sized("needle_batches", "Needle figure 1 batch sizes")
+    needle_d_ff: int | None = _sized("needle_d_ff", "Needle figures 1 and 3 d_ff")
+    needle_d_ffs: tuple[int, ...] | None = _sized("needle_d_ffs", "Needle figure 2 d_ff values")
+    needle_batch: int | None = _sized("needle_batch", "Needle figure 2 batch size")
+    needle_ks: tuple[int, ...] | None = _sized("needle_ks", "Needle figure 3 k values (0 = none)")
+    needle_time_batch: int | None = _sized("needle_time_batch", "Needle figure 3 batch size")
+    megatron_preset: str | None = _sized("megatron_preset", "model preset of the Megatron and max-batch parts",
+                                         choices=tuple(PRESETS))
+    megatron_batch: int | None = _sized("megatron_batch", "Megatron batch size")
+    megatron_seq: int | None = _sized("megatron_seq", "Megatron sequence length")
+    maxbatch_budget_gib: float | None = _sized("maxbatch_budget_gib", "max-batch memory budget, GiB")
+    maxbatch_seq: int | None = _sized("maxbatch_seq", "max-batch sequence length")
+    time_preset: str | None = _sized("time_preset", "the head-dominated model of the time part",
+                                     choices=tuple(PRESETS))
+    time_batch: int | None = _sized("time_batch", "batch size of the head-dominated model")
+    block_batch: int | None = _sized("block_batch", "batch size of the block-dominated model (time and peers)")
+    time_steps: int | None = _sized("time_steps", "timed steps per program, after one warm-up step")
+    time_rounds: int | None = _sized("time_rounds", "interleaved rounds the timed steps are split into")
+    auto_budget_fractions: tuple[float, ...] | None = _sized(
+        "auto_budget_fractions", "auto budgets, as fractions between full's (0) and none's (1) peak")
+    seed: int = option(0, "parameter and data seed")
+    remat_head_chunks: int = option(
+        4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)")
 
     def __post_init__(self):
+        object.__setattr__(self, "parts", tuple(p.strip() for item in self.parts for p in item.split(",") if p.strip()))
+        object.__setattr__(self, "policy", apply_policy_keys(self.policy, self.policy_keys))
+        object.__setattr__(self, "policy_keys", ())
         for name, value in (QUICK_SIZES if self.quick else FULL_SIZES).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -168,51 +158,11 @@ def _positive(name: str, value) -> None:
         raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; one flag per :class:`BenchConfig` field (help: the field's docstring line)."""
-    p = OneLineErrorParser(prog="python -m train.bench", description="Memory and time of every remat policy and "
-                           "its peers; regenerates docs/RESULTS.md.")
-    kinds = {"tuple[int, ...] | None": _ints, "tuple[float, ...] | None": _floats, "int | None": int, "int": int,
-             "float | None": float, "str | None": str, "str": str}
-    for field in dataclasses.fields(BenchConfig):
-        flag = "--" + field.name.replace("_", "-")
-        if field.name == "parts":
-            p.add_argument(flag, default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-        elif field.name == "policy":
-            p.add_argument(flag, action="append", default=None, help="policy spec (repeatable)")
-        elif field.type == "bool":
-            p.add_argument(flag, action="store_true")
-        else:
-            p.add_argument(flag, type=kinds[field.type], default=field.default)
-    return p
-
-
 def parse_config(argv: Sequence[str] | None) -> BenchConfig:
-    """Parse flags into a :class:`BenchConfig`.
+    """Parse flags into a :class:`BenchConfig` (:func:`train.cli.parse`).
 
     Raises:
       UsageError: on a bad flag or value, or a malformed / unknown policy.
     """
-    values = vars(build_parser().parse_args(argv))
-    values["parts"] = tuple(p.strip() for p in values["parts"].split(",") if p.strip())
-    for spec in values["policy"] or ():
-        try:
-            registry.resolve(spec)
-        except ValueError as err:
-            raise UsageError(f"bad --policy: {err}") from None
-    values["policy"] = tuple(values["policy"] or DEFAULT_POLICIES)
-    return BenchConfig(**values)
+    return parse(BenchConfig, argv, prog="python -m train.bench",
+                 description="Memory and time of every remat policy and its peers; regenerates docs/RESULTS.md.")

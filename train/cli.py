@@ -1,0 +1,281 @@
+"""Command-line plumbing shared by every CLI: one error type, one parser, one config-to-flags mechanism.
+
+Each CLI describes what it runs as a frozen dataclass whose fields are declared with
+:func:`option`. :func:`parse` turns that dataclass into flags (``batch_size`` <-> ``--batch-size``),
+adds one flag per key of every registered remat policy (``--k 4``), parses ``argv`` and builds the
+config; the dataclass's ``__post_init__`` validates values and raises :class:`UsageError`.
+:func:`run_main` turns a :class:`UsageError` into a one-line message and exit code 2.
+
+Flag kinds follow the field's type: ``bool`` is a switch (``--x``, or ``--x/--no-x`` when the
+default is true), ``tuple[str, ...]`` is repeatable (``--policy a --policy b``), ``tuple[int, ...]``
+and ``tuple[float, ...]`` take comma-separated values (``--needle-ks 0,1,2``), ``int``, ``float``
+and ``str`` take one value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jremat import registry
+
+EXIT_USAGE = 2
+
+#: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
+POLICY_KEYS_FIELD = "policy_keys"
+
+
+class UsageError(ValueError):
+    """Bad user input: the CLI prints the message on one line and exits with code 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors raise :class:`UsageError` (one line, exit 2, no usage dump)."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None, metavar: str | None = None,
+           cli: bool = True, hidden: bool = False) -> Any:
+    """A dataclass field that is also a command-line flag.
+
+    Args:
+      default: the field's default (also the flag's).
+      help: one line of help text; the default is appended when it is not ``None`` or empty.
+      choices: the valid values, checked by the parser and listed in the help.
+      metavar: the value's name in the help.
+      cli: ``False`` for a field that is not a flag.
+      hidden: a flag left out of ``--help`` (internal use).
+    """
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar, "cli": cli,
+                "hidden": hidden}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("option(): use a tuple for a sequence default")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field_name: str) -> str:
+    """``batch_size`` -> ``--batch-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def cli_fields(config_cls: type) -> list[dataclasses.Field]:
+    """The fields of ``config_cls`` that are command-line flags, in declaration order."""
+    return [f for f in dataclasses.fields(config_cls) if f.metadata.get("cli", True) and f.name != POLICY_KEYS_FIELD]
+
+
+def _base_type(hint: Any) -> Any:
+    """``int | None`` -> ``int``; ``tuple[int, ...] | None`` -> ``tuple[int, ...]``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _comma_list(item_type: type) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(item_type(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {item_type.__name__} values, got {text!r}"
+            ) from None
+
+    parse.__name__ = f"comma-separated {item_type.__name__}"
+    return parse
+
+
+def _scalar(item_type: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return item_type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if item_type is int else 'a number'}, "
+                                             f"got {text!r}") from None
+
+    parse.__name__ = item_type.__name__
+    return parse
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """Add one flag per :func:`option` field of ``config_cls`` to ``parser``.
+
+    Only flags the user gives reach the parsed namespace (``argparse.SUPPRESS``), so the
+    dataclass's own defaults apply to the others.
+    """
+    hints = typing.get_type_hints(config_cls)
+    for field in cli_fields(config_cls):
+        meta = field.metadata
+        kind = _base_type(hints[field.name])
+        help_text = meta["help"]
+        if field.default not in (None, (), "", False) and field.default is not dataclasses.MISSING:
+            shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else field.default
+            help_text += f" (default {shown})"
+        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
+                                  "help": argparse.SUPPRESS if meta["hidden"] else help_text}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+        elif typing.get_origin(kind) is tuple:
+            item_type = typing.get_args(kind)[0]
+            if item_type is str:
+                kwargs.update(action="append", metavar=meta["metavar"] or "VALUE")
+                kwargs["help"] = kwargs["help"] if meta["hidden"] else help_text + "; repeatable"
+            else:
+                kwargs.update(type=_comma_list(item_type), metavar=meta["metavar"] or "V1,V2,...")
+        else:
+            if kind in (int, float):
+                kwargs["type"] = _scalar(kind)
+            kwargs["metavar"] = meta["metavar"] or field.name.upper()
+        if meta["choices"]:
+            kwargs.update(choices=meta["choices"], metavar="{" + ",".join(meta["choices"]) + "}")
+        parser.add_argument(flag_name(field.name), **kwargs)
+
+
+def policy_key_flags(taken: set[str]) -> dict[str, str]:
+    """Flag name of every key of every registered policy: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
+
+    A key whose flag is in ``taken`` (a CLI flag already) is spelled ``--policy-<key>``.
+    """
+    flags = {}
+    for entry in registry.entries().values():
+        for key in entry.params:
+            flag = flag_name(key)
+            flags[key] = flag if flag not in taken else "--policy-" + key.replace("_", "-")
+    return flags
+
+
+def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> tuple[str, ...]:
+    """Each spec with the policy-key flags it accepts applied (then in canonical form); every spec is checked.
+
+    ``apply_policy_keys(["none", "every_k"], [("k", "4")])`` -> ``("none", "every_k:k=4")``.
+
+    Raises:
+      UsageError: a spec is invalid, a key is accepted by none of ``specs``, or a value is bad.
+    """
+    keys = dict(keys)
+    used: set[str] = set()
+    canonical = []
+    for spec in specs:
+        try:
+            name = registry.parse_spec(spec)[0]
+            accepted = registry.entries()[name].params if name in registry.entries() else {}
+            mine = {k: v for k, v in keys.items() if k in accepted}
+            used |= set(mine)
+            resolved = registry.resolve(spec, **mine)
+            canonical.append(resolved.spec if mine else spec)
+        except ValueError as err:
+            raise UsageError(f"bad policy {spec!r}: {err}") from None
+    unused = sorted(set(keys) - used)
+    if unused:
+        takers = {k: sorted(n for n, e in registry.entries().items() if k in e.params) for k in unused}
+        detail = "; ".join(f"--{k.replace('_', '-')} is a key of {', '.join(v)}" for k, v in takers.items())
+        raise UsageError(f"{detail}, not of the given policies ({', '.join(specs)})")
+    return tuple(canonical)
+
+
+def load_policy_modules(argv: Sequence[str]) -> None:
+    """Import every ``--policy-module`` in ``argv`` first, so their policies' keys become flags.
+
+    Raises:
+      UsageError: a module cannot be imported or registers nothing valid.
+    """
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--policy-module", action="append", default=[])
+    known, _ = pre.parse_known_args(list(argv))
+    for module in known.policy_module:
+        try:
+            registry.load_module(module)
+        except ValueError as err:
+            raise UsageError(f"bad --policy-module: {err}") from None
+
+
+def build_parser(config_cls: type, prog: str, description: str, epilog: str = "") -> OneLineErrorParser:
+    """The parser of ``config_cls``: its :func:`option` flags, plus the policy-key flags when it has
+    a ``policy_keys`` field."""
+    parser = OneLineErrorParser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, config_cls)
+    if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
+        taken = {flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"}
+        group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
+        for key, flag in sorted(policy_key_flags(taken).items()):
+            helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
+            group.add_argument(flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE",
+                               help="; ".join(helps))
+    return parser
+
+
+def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, description: str, epilog: str = ""):
+    """Parse ``argv`` (default ``sys.argv[1:]``) into a validated ``config_cls``.
+
+    ``--policy-module`` flags are imported first; repeatable flags become tuples; policy-key
+    flags go to the ``policy_keys`` field as ``(key, raw value)`` pairs.
+
+    Raises:
+      UsageError: on an unknown flag, a malformed value, or one ``config_cls`` rejects.
+      SystemExit: ``--help`` (code 0, after printing the help).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    load_policy_modules(argv)
+    values = vars(build_parser(config_cls, prog, description, epilog).parse_args(argv))
+    keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
+    if keys:
+        values[POLICY_KEYS_FIELD] = keys
+    return config_cls(**values)
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run a CLI's ``body``; a :class:`UsageError` prints ``error: <message>`` and returns 2.
+
+    ``--help`` returns 0 after the help is printed.
+    """
+    try:
+        return body()
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+
+
+# --- value checks shared by the configs' __post_init__ -------------------------------------------
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`UsageError` with ``message`` unless ``ok``."""
+    if not ok:
+        raise UsageError(message)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require_int(name: str, value, *, minimum: int = 1) -> None:
+    """``value`` must be an integer ``>= minimum``; ``name`` is the field (shown as its flag)."""
+    require(_is_int(value) and value >= minimum,
+            f"{flag_name(name)} must be {'a positive integer' if minimum == 1 else f'an integer >= {minimum}'}, "
+            f"got {value!r}")
+
+
+def require_number(name: str, value, *, minimum: float = 0.0, inclusive: bool = False) -> None:
+    """``value`` must be a finite number ``> minimum`` (``>=`` with ``inclusive``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= minimum if inclusive else value > minimum)
+    if inclusive:
+        wanted = f"a number >= {minimum:g}"
+    else:
+        wanted = "a positive number" if minimum == 0 else f"a number > {minimum:g}"
+    require(ok, f"{flag_name(name)} must be {wanted}, got {value!r}")
+
+
+def require_choice(name: str, value, choices: Sequence[str]) -> None:
+    """``value`` must be one of ``choices``."""
+    require(value in choices, f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")
