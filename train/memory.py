@@ -48,7 +48,7 @@ from jremat.explain import Explanation, explain_applied
 from policies.auto import parse_budget
 from models import GPT, PRESETS, ModelConfig, cross_entropy_loss
 from models import preset as model_preset
-from models.config import DTYPES
+from models.config import DTYPES, whole_step_head_chunks
 from models.gpt import Block, make_block_fn
 from train import cli
 from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
@@ -90,7 +90,8 @@ class MemoryConfig:
         None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
     )
     remat_head_chunks: int | None = option(
-        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)"
+        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)"
     )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
@@ -169,8 +170,8 @@ class MemoryConfig:
             overrides["remat_granularity"] = self.granularity
         if self.unrolled:
             overrides["scan_layers"] = False
-        if self.remat_head_chunks is not None:
-            overrides["remat_head_chunks"] = self.remat_head_chunks
+        overrides["remat_head_chunks"] = (self.remat_head_chunks if self.remat_head_chunks is not None
+                                          else whole_step_head_chunks(policy, self.resolved_seq_len))
         try:
             return model_preset(self.preset, **overrides)
         except ValueError as err:
@@ -498,9 +499,13 @@ def explain_step(
 
 
 def config_for_spec(
-    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
+    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None,
+    *, whole_step: bool = False,
 ):
     """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
+
+    With ``whole_step`` the head and loss are rematerialized in chunks too, unless ``spec`` is
+    ``none`` (:func:`models.config.whole_step_head_chunks`); otherwise ``base_cfg``'s chunks stay.
 
     Returns:
       ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`train.auto.AutoPlan` for ``auto``
@@ -510,6 +515,9 @@ def config_for_spec(
       ValueError: on a bad spec or budget, or a budget no plan fits.
     """
     name, values = registry.parse_spec(spec)
+    if whole_step:
+        base_cfg = base_cfg.replace(
+            remat_head_chunks=whole_step_head_chunks(spec, base_cfg.max_seq_len if seq_len is None else seq_len))
     if name != "auto":
         return base_cfg.replace(remat_policy=spec), None
     from train.auto import plan_for_budget  # train.auto builds on this module's step programs
@@ -528,6 +536,7 @@ def compare_policies(
     memory_budget: str | None = None,
     timeline: bool = False,
     explain: bool = False,
+    whole_step: bool = False,
 ) -> list[PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
@@ -535,7 +544,8 @@ def compare_policies(
     be compared with it. A row whose temp memory did not follow its saved residuals gets a note
     naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
     :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
-    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
+    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`). ``whole_step`` gives
+    every policy but ``none`` a chunked head (see :func:`config_for_spec`).
 
     Returns:
       ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
@@ -545,13 +555,14 @@ def compare_policies(
     """
     for spec in policies:
         registry.resolve(spec)
-    baseline_flops = _step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    none_cfg = base_cfg.replace(remat_policy="none", **({"remat_head_chunks": 0} if whole_step else {}))
+    baseline_flops = _step_flops(none_cfg, batch_size, seq_len)
     rows = {}
     configs = {}
     wanted = list(dict.fromkeys(policies))
     order = wanted if "none" in wanted else ["none", *wanted]
     for spec in order:
-        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
+        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget, whole_step=whole_step)
         row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
                             timeline=timeline and spec in wanted)
         if plan is not None:
@@ -763,7 +774,7 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         return compare_policies(
             base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget,
             timeline=config.timeline is not None,
-            explain=True,
+            explain=True, whole_step=config.remat_head_chunks is None,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -776,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.live_child:
             spec = config.policy[0]
             cfg, _ = config_for_spec(config.model_config(spec), spec, config.batch_size, config.resolved_seq_len,
-                                     config.memory_budget)
+                                     config.memory_budget, whole_step=config.remat_head_chunks is None)
             live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
             print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
             return 0

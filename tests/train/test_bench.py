@@ -71,6 +71,8 @@ def test_report_csv_and_plots_from_fake_rows(tmp_path):
     with open(tmp_path / "bench.csv") as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == parts.CSV_COLUMNS and len(list(reader)) == len(rows)
+    back = report.read_csv(tmp_path / "bench.csv")
+    assert report.check_targets(back) == report.check_targets(rows)
     plots = report.write_plots(rows, str(tmp_path))
     assert plots == ["needle_batch.png", "needle_dff.png", "needle_k_time.png", "time.png", "peers.png"]
     assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in plots)

@@ -24,6 +24,24 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
             writer.writerow({k: ("%.6g" % v if isinstance(v, float) else v) for k, v in r.items()})
 
 
+def read_csv(path: str) -> list[dict]:
+    """Rows written by :func:`write_csv`, with numbers as numbers ("" stays "")."""
+
+    def value(text: str):
+        if text in ("", "True", "False"):
+            return {"True": True, "False": False}.get(text, text)
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                return text
+
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def _by_part(rows: Sequence[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in rows:
