@@ -78,6 +78,7 @@ def test_report_csv_and_plots_from_fake_rows(tmp_path):
     assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in plots)
     text = report.results_markdown(rows, plots, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
     assert "```\npython -m train.bench\n```" in text and f"JAX {jax.__version__}" in text
+    assert "### Why the misses" in text and "Where a peer is smaller or faster, jremat is worse" in text
     assert "## Verdict" in text and "| **no** |" in text and "## Guide" in text and "- a note" in text
     assert "![time.png](results/time.png)" in text and "[results/bench.csv](results/bench.csv)" in text
     # a Needle table row: none, blocks, head and whole step side by side
