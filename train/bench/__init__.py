@@ -64,6 +64,10 @@ READING_GUIDE = """\
   below the bound mean the recomputed FLOPs are cheaper than the step's average FLOP on this machine (the Adam
   update, memory traffic and dispatch do not grow with recompute); ratios above it mean the recompute costs more
   than its FLOPs (extra passes over memory, lost fusion).
+* **Below 1.** In the `time` and `needle_time` tables `none` keeps the head whole while every other policy
+  runs it in chunks, so their ratios include that change too: a ratio below 1 means the chunked step ran faster
+  than `none`'s on this machine, which the blocks' recompute cannot explain. The peers table (blocks only, no
+  chunking) has no such term.
 """
 
 
