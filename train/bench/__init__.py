@@ -68,6 +68,11 @@ READING_GUIDE = """\
   runs it in chunks, so their ratios include that change too: a ratio below 1 means the chunked step ran faster
   than `none`'s on this machine, which the blocks' recompute cannot explain. The peers table (blocks only, no
   chunking) has no such term.
+* **Peers that recompute nothing.** A peer row whose FLOPs bound is 1.000 recomputes nothing and keeps `none`'s
+  peak: its checkpoint did not survive into the compiled step. A row with a FLOPs bound above 1 and `none`'s peak
+  recomputes but saves no memory: XLA scheduled the recomputation where it frees nothing. Either way the
+  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat.tie`, keeps the
+  recomputation in the backward pass).
 """
 
 
