@@ -86,6 +86,18 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def whole_step_head_chunks(policy: str, seq_len: int) -> int:
+    """The ``remat_head_chunks`` the CLIs use when none is given, so a policy covers the whole step.
+
+    0 for ``none`` (nothing is rematerialized); otherwise the first of 4 and 2 that divides
+    ``seq_len`` (0 when neither does): the final LayerNorm, head and loss are recomputed per
+    chunk as the blocks are, as the Needle study checkpoints the whole graph.
+    """
+    if str(policy).split(":")[0] == "none":
+        return 0
+    return next((n for n in (4, 2) if seq_len % n == 0), 0)
+
+
 PRESETS: dict[str, ModelConfig] = {
     # For tests: tiny and fast to compile.
     "tiny": ModelConfig(

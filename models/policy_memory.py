@@ -22,7 +22,7 @@ from jremat.explain import Explanation, explain_applied
 from jremat.live import LiveMemory, allocator_stats_missing
 from jremat.memory import format_bytes
 from jremat.timeline import MemoryTimeline
-from models.config import ModelConfig
+from models.config import ModelConfig, whole_step_head_chunks
 from models.gpt import GPT
 from models.planning import plan_for_budget
 from models.programs import analytic_peak_bytes, block_program, loss_program, step_flops, step_program, step_residuals
@@ -219,9 +219,13 @@ def explain_step(
 
 
 def config_for_spec(
-    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None
+    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None,
+    *, whole_step: bool = False,
 ):
     """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
+
+    With ``whole_step`` the head and loss are rematerialized in chunks too, unless ``spec`` is
+    ``none`` (:func:`models.config.whole_step_head_chunks`); otherwise ``base_cfg``'s chunks stay.
 
     Returns:
       ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`jremat.planner.LayerPlan` for ``auto``
@@ -230,6 +234,9 @@ def config_for_spec(
     Raises:
       ValueError: on a bad spec or budget, or a budget no plan fits.
     """
+    if whole_step:
+        base_cfg = base_cfg.replace(
+            remat_head_chunks=whole_step_head_chunks(spec, base_cfg.max_seq_len if seq_len is None else seq_len))
     name, values = registry.parse_spec(spec)
     if name != "auto":
         return base_cfg.replace(remat_policy=spec), None
@@ -247,6 +254,7 @@ def compare_policies(
     memory_budget: str | None = None,
     timeline: bool = False,
     explain: bool = False,
+    whole_step: bool = False,
 ) -> list[PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
@@ -254,7 +262,8 @@ def compare_policies(
     be compared with it. A row whose temp memory did not follow its saved residuals gets a note
     naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
     :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
-    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`).
+    row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`). ``whole_step`` gives
+    every policy but ``none`` a chunked head (see :func:`config_for_spec`).
 
     Returns:
       ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
@@ -264,13 +273,14 @@ def compare_policies(
     """
     for spec in policies:
         registry.resolve(spec)
-    baseline_flops = step_flops(base_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    none_cfg = base_cfg.replace(remat_policy="none", **({"remat_head_chunks": 0} if whole_step else {}))
+    baseline_flops = step_flops(none_cfg, batch_size, seq_len)
     rows = {}
     configs = {}
     wanted = list(dict.fromkeys(policies))
     order = wanted if "none" in wanted else ["none", *wanted]
     for spec in order:
-        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget)
+        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget, whole_step=whole_step)
         row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
                             timeline=timeline and spec in wanted)
         if plan is not None:

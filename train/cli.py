@@ -167,8 +167,8 @@ def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> 
             accepted = registry.entries()[name].params if name in registry.entries() else {}
             mine = {k: v for k, v in keys.items() if k in accepted}
             used |= set(mine)
-            resolved = registry.resolve(spec, **mine)
-            canonical.append(resolved.spec if mine else spec)
+            normalized = registry.normalize_spec(spec, **mine)
+            canonical.append(normalized if mine else spec)
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
     unused = sorted(set(keys) - used)

@@ -18,7 +18,7 @@ import jremat
 from jremat import registry
 from models import PRESETS, ModelConfig
 from models import preset as model_preset
-from models.config import DTYPES
+from models.config import DTYPES, whole_step_head_chunks
 from train import sharding
 from train.cli import UsageError, option, require, require_choice, require_int, require_number
 from jremat.planner import parse_budget
@@ -57,8 +57,9 @@ class TrainConfig:
     resume: bool = option(False, "continue from the latest checkpoint in --ckpt-dir")
     metrics_file: str | None = option(None, "per-step metrics file: JSON lines, or CSV if it ends in .csv")
     unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
-    remat_head_chunks: int = option(
-        0, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)"
+    remat_head_chunks: int | None = option(
+        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)"
     )
     data_dir: str | None = option(None, "folder with ptb.{train,valid,test}.txt (else $JREMAT_PTB_DIR, else cache)")
     memory_report: bool = option(True, "print the compile-time memory report at start")
@@ -107,6 +108,8 @@ class TrainConfig:
         require_int("eval_batches", self.eval_batches, minimum=0)
         require_int("ckpt_every", self.ckpt_every, minimum=0)
         require_int("keep_checkpoints", self.keep_checkpoints)
+        if self.remat_head_chunks is None:
+            object.__setattr__(self, "remat_head_chunks", whole_step_head_chunks(self.policy, self.seq_len))
         require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
         require_number("init_timeout_s", self.init_timeout_s)
         require(self.remat_head_chunks == 0 or self.seq_len % self.remat_head_chunks == 0,

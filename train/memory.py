@@ -26,7 +26,7 @@ from jremat.memory import format_bytes
 from jremat.planner import parse_budget
 from models import PRESETS, ModelConfig
 from models import preset as model_preset
-from models.config import DTYPES
+from models.config import DTYPES, whole_step_head_chunks
 from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
 from train import cli
 from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
@@ -68,7 +68,8 @@ class MemoryConfig:
         None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
     )
     remat_head_chunks: int | None = option(
-        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits)"
+        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)"
     )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
@@ -147,8 +148,8 @@ class MemoryConfig:
             overrides["remat_granularity"] = self.granularity
         if self.unrolled:
             overrides["scan_layers"] = False
-        if self.remat_head_chunks is not None:
-            overrides["remat_head_chunks"] = self.remat_head_chunks
+        overrides["remat_head_chunks"] = (self.remat_head_chunks if self.remat_head_chunks is not None
+                                          else whole_step_head_chunks(policy, self.resolved_seq_len))
         try:
             return model_preset(self.preset, **overrides)
         except ValueError as err:
@@ -318,7 +319,7 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         return compare_policies(
             base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget,
             timeline=config.timeline is not None,
-            explain=True,
+            explain=True, whole_step=config.remat_head_chunks is None,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -331,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.live_child:
             spec = config.policy[0]
             cfg, _ = config_for_spec(config.model_config(spec), spec, config.batch_size, config.resolved_seq_len,
-                                     config.memory_budget)
+                                     config.memory_budget, whole_step=config.remat_head_chunks is None)
             live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
             print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
             return 0

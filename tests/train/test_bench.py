@@ -1,83 +1,121 @@
-"""python -m train.bench: smoke run on tiny sizes (CSV columns, plots, summary) and exit code 2 on bad flags."""
+"""python -m train.bench: parts dispatched through the table, the report from fake measurements, one real tiny compile."""
 
 import csv
 
-import pytest
-
 import jax
+import pytest
+from flax import nnx
+
+from models import GPT
 from train import bench
+from train.bench import harness, parts, peers, report
+from train.bench.config import BenchConfig
 
 
-def test_quick_run_writes_csv_plots_and_summary(tmp_path, capsys):
-    out = tmp_path / "results"
-    code = bench.main(["--quick", "--out", str(out), "--parts", "needle,needle_time,megatron,time",
-                       "--policy", "none", "--policy", "full", "--policy", "every_k:k=4", "--policy", bench.BASELINE_JAX,
-                       "--needle-batches", "4", "--needle-d-ffs", "32", "--needle-ks", "0,2"])
-    assert code == 0
-    with open(out / "bench.csv") as f:
+def fake_rows() -> list[dict]:
+    """One set of rows for every part, as the parts would give them (numbers chosen by hand)."""
+    cfg = BenchConfig(quick=True).block_model()
+    rows = []
+    for part, (key, values) in (("needle_batch", ("batch_size", (256, 2048))), ("needle_dff", ("d_ff", (256, 2048)))):
+        for v in values:
+            for scope, red in (("none", 0.0), ("blocks", 0.05), ("head", 0.6), ("whole step", 0.7 + v / 1e5)):
+                rows.append(parts.row(part, "every_k:k=4", cfg, 2048, 20, scope=scope, model="needle",
+                                      peak_reduction_vs_none=red, peak_bytes=int(100e6 * (1 - red)),
+                                      **{key: v}))
+    for k, t in ((0, 1.0), (1, 1.1), (4, 1.2)):
+        rows.append(parts.row("needle_time", f"every_k:k={k}", cfg, 64, 20, k=k, time_ratio_vs_none=t,
+                              time_ratio_low=t - 0.01, time_ratio_high=t + 0.01, flops_bound=1.1, peak_bytes=10**7))
+    for spec, sbh, ref, err in (("none", 114.0, 114.0, -0.008), ("selective", 32.0, 34.0, 0.02),
+                                ("full", 2.0, 2.0, 0.039)):
+        rows.append(parts.row("megatron", spec, cfg, 8, 1024, model="gpt2-small", saved_bytes_per_layer=sbh * 8 * 1024,
+                              saved_per_sbh=sbh, megatron_per_sbh=ref, peak_bytes=10**9, analytic_peak_bytes=10**9,
+                              analytic_error=err))
+    for spec, batch in (("none", 8), ("full", 40)):
+        rows.append(parts.row("maxbatch", spec, cfg, batch, 1024, model="gpt2-small", budget_bytes=16 * 2**30,
+                              max_batch=batch, max_batch_verified=True, peak_bytes=15 * 2**30))
+    for model in ("head-dominated (small)", "block-dominated"):
+        for spec, t, bound in (("none", 1.0, 1.0), ("selective", 1.01, 1.02), ("every_k:k=4", 1.05, 1.1),
+                               ("full", 1.08, 1.24)):
+            rows.append(parts.row("time", spec, cfg, 8, 128, model=model, time_ratio_vs_none=t, time_ratio_low=t,
+                                  time_ratio_high=t, flops_bound=bound, peak_bytes=10**7, compile_s=2.0,
+                                  peak_reduction_vs_none=0.1))
+    for label, ours, t, peak in (("none", "", 1.0, 100), ("full", "", 1.1, 50), ("jax.checkpoint", "full", 1.2, 50),
+                                 ("linen nn.remat_scan", "full", 1.0, 60)):
+        rows.append(parts.row("peers", label, cfg, 8, 128, compared_with=ours, time_ratio_vs_none=t, time_ratio_low=t,
+                              time_ratio_high=t, flops_bound=1.2, peak_bytes=peak, temp_bytes=peak, compile_s=1.0))
+    rows.append(parts.row("auto", "auto:budget=900 (plan)", cfg, 20, 64, model="small", budget_bytes=900,
+                          peak_bytes=800, time_ratio_vs_none=1.01, best_fitting_policy="full",
+                          best_fitting_time_ratio=1.0, compile_s=3.0))
+    return rows
+
+
+def test_verdict_holds_every_target_and_says_where_jremat_is_worse():
+    verdict = {target: (measured, ok) for target, measured, ok in report.check_targets(fake_rows())}
+    assert verdict["Needle fig. 1 (whole step): peak reduction > 55% at every batch"][1]
+    assert verdict["Needle fig. 2: reduction grows with d_ff"][1]
+    assert verdict["Needle fig. 3: step time grows with k (largest k slower than smallest)"][1]
+    assert verdict["Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)"][1]
+    assert verdict["Max batch (whole step): full >= 5x none"] == ("40 vs 8 (5.00x)", True)
+    assert verdict["Time, block-dominated: full <= 1.35x none"] == ("1.080x (FLOPs bound 1.240x)", True)
+    analytic = [ok for target, (_, ok) in verdict.items() if target.startswith("Analytic peak")]
+    assert analytic == [True, True, True]
+    # jremat full beats jax.checkpoint; Linen nn.remat_scan is faster here: the verdict says no.
+    assert verdict["Peer jax.checkpoint: jremat full peak <= it and time within 5%"][1]
+    assert not verdict["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"][1]
+    assert verdict["auto fits budget 900 B"][1]
+
+
+def test_report_csv_and_plots_from_fake_rows(tmp_path):
+    rows = fake_rows()
+    report.write_csv(rows, tmp_path / "bench.csv")
+    with open(tmp_path / "bench.csv") as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
-        rows = list(reader)
-    assert {r["part"] for r in rows} == {"needle_batch", "needle_dff", "needle_time", "megatron", "time"}
-    meg = {r["policy"]: r for r in rows if r["part"] == "megatron"}
-    assert list(meg) == ["none", "full", "every_k:k=4", bench.BASELINE_JAX]
-    # full keeps one bf16 block input per layer: exactly 2 bytes per element of [b, s, h].
-    assert float(meg["full"]["saved_per_sbh"]) == pytest.approx(2.0)
-    assert float(meg[bench.BASELINE_JAX]["saved_per_sbh"]) == pytest.approx(2.0)
-    assert float(meg["none"]["saved_per_sbh"]) > float(meg["every_k:k=4"]["saved_per_sbh"]) > 2.0
-    assert int(meg["full"]["peak_bytes"]) < int(meg["none"]["peak_bytes"])
-    timed = [r for r in rows if r["part"] in ("time", "needle_time")]
-    assert {r["policy"] for r in timed} == {"none", "full", "every_k:k=4", bench.BASELINE_JAX, "every_k:k=2"}
-    for r in timed:
-        ratio, low, high = (float(r[c]) for c in ("time_ratio_vs_none", "time_ratio_low", "time_ratio_high"))
-        assert int(r["time_steps"]) == 5 and int(r["peak_bytes"]) > 0
-        # --quick times in one round: the round's ratio is the overall ratio.
-        assert low == pytest.approx(ratio) and high == pytest.approx(ratio)
-        if r["policy"] == "none":
-            assert ratio == 1.0
-    for name in ("needle_batch", "needle_dff", "needle_k_time", "megatron", "pareto"):
-        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    summary = (out / "summary.md").read_text()
-    assert "python -m train.bench --quick" in summary and f"JAX {jax.__version__}" in summary
-    assert "## Targets" in summary and "![pareto.png](pareto.png)" in summary
+        assert tuple(reader.fieldnames) == parts.CSV_COLUMNS and len(list(reader)) == len(rows)
+    back = report.read_csv(tmp_path / "bench.csv")
+    assert report.check_targets(back) == report.check_targets(rows)
+    plots = report.write_plots(rows, str(tmp_path))
+    assert plots == ["needle_batch.png", "needle_dff.png", "needle_k_time.png", "time.png", "peers.png"]
+    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in plots)
+    text = report.results_markdown(rows, plots, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
+    assert "```\npython -m train.bench\n```" in text and f"JAX {jax.__version__}" in text
+    assert "### Why the misses" in text and "Where a peer is smaller or faster, jremat is worse" in text
+    assert "## Verdict" in text and "| **no** |" in text and "## Guide" in text and "- a note" in text
+    assert "![time.png](results/time.png)" in text and "[results/bench.csv](results/bench.csv)" in text
+    # a Needle table row: none, blocks, head and whole step side by side
+    assert "| 256 | 64 | 95.37 MiB | 90.60 MiB (5.0%) | 38.15 MiB (60.0%) | 28.37 MiB (70.3%) |" in text
+    assert "run " not in text.lower().replace("one run", "")
 
 
-def test_quick_maxbatch_and_auto_parts(tmp_path, capsys):
-    out = tmp_path / "results"
-    code = bench.main(["--quick", "--out", str(out), "--parts", "maxbatch,auto", "--policy", "none", "--policy", "full"])
-    assert code == 0
-    with open(out / "bench.csv") as f:
-        rows = list(csv.DictReader(f))
-    maxb = {r["policy"]: int(r["max_batch"]) for r in rows if r["part"] == "maxbatch"}
-    assert maxb["full"] >= maxb["none"] >= 1
-    [auto] = [r for r in rows if r["part"] == "auto"]
-    assert int(auto["peak_bytes"]) <= int(auto["budget_bytes"])
-    assert auto["best_fitting_policy"] in ("none", "full") and float(auto["time_ratio_vs_none"]) > 0
-    assert "## auto at 1 budgets" in (out / "summary.md").read_text()
-    for name in ("maxbatch", "pareto"):
-        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    seen = []
 
+    def fake_part(config, policies):
+        seen.append(tuple(policies))
+        return [r for r in fake_rows() if r["part"] == "time"]
 
-def test_unregistered_default_policy_is_skipped_with_a_note(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "DEFAULT_POLICIES", ("none", "no_such_policy_yet"))
-    config = bench.BenchConfig(out=str(tmp_path), parts=("megatron",), quick=True, policy=bench.DEFAULT_POLICIES)
-    rows, _, notes = bench.run(config, "test")
-    assert [r["policy"] for r in rows] == ["none"]
-    assert "skipped policy 'no_such_policy_yet'" in capsys.readouterr().out
+    monkeypatch.setitem(bench.PART_FUNCTIONS, "time", fake_part)
+    out, md = tmp_path / "results", tmp_path / "RESULTS.md"
+    code = bench.main(["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none",
+                       "--policy", "full", "--quick"])
+    assert code == 0 and seen == [("none", "full")]
+    assert (out / "bench.csv").exists() and (out / "time.png").exists()
+    text = md.read_text()
+    assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text
+    assert "met    Time, block-dominated: full <= 1.35x none" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--parts", "needle,bogus"], "unknown part 'bogus'"),
-        (["--policy", "every_k:k=0"], "bad --policy"),
+        (["--parts", "needle,bogus"], "--parts takes a comma-separated subset"),
+        (["--policy", "every_k:k=0"], "bad policy"),
         (["--policy", "no_such_policy"], "unknown policy"),
-        (["--time-steps", "3"], "--time-steps must be an integer >= 5"),
         (["--time-steps", "8", "--time-rounds", "9"], "--time-rounds 9 exceeds --time-steps 8"),
-        (["--needle-batches", "4,x"], "comma-separated integers"),
+        (["--needle-batches", "4,x"], "comma-separated int values"),
         (["--auto-budget-fractions", "0.5,1.5"], "--auto-budget-fractions must be numbers in (0, 1)"),
         (["--remat-head-chunks", "3"], "--remat-head-chunks 3 does not divide sequence length 20"),
-        (["--megatron-preset", "huge"], "is not a preset"),
+        (["--megatron-preset", "huge"], "invalid choice: 'huge'"),
+        (["--policy", "none", "--k", "4"], "--k is a key of every_k"),
         (["--no-such-flag"], "unrecognized arguments"),
     ],
 )
@@ -85,6 +123,11 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_policy_key_flags_apply_to_the_policy_that_takes_them():
+    config = bench.parse_config(["--policy", "none", "--policy", "every_k", "--k", "4", "--parts", "time,peers"])
+    assert config.policy == ("none", "every_k:k=4") and config.parts == ("time", "peers")
 
 
 def test_time_ratios_pair_rounds_so_load_drift_cancels():
@@ -97,16 +140,45 @@ def test_time_ratios_pair_rounds_so_load_drift_cancels():
     assert bench.time_ratios(times, "none")["none"] == (1.0, 1.0, 1.0)
 
 
-def test_max_batch_bisects_when_the_affine_prediction_is_off(monkeypatch):
+def test_max_batch_bisects_when_the_affine_prediction_is_off():
     # peak rises 1 per sequence up to 8, then only 0.4: the prediction from batches 1 and 8 says
     # 8, the answer is 9; walking down one batch at a time from 16 would run out of compiles
-    peaks = {}
+    calls = []
 
-    def fake_peak(batch):
-        peaks[batch] = 10 + (batch - 1 if batch <= 8 else 7 + 0.4 * (batch - 8))
-        return peaks[batch]
+    def peak(batch):
+        calls.append(batch)
+        return 10 + (batch - 1 if batch <= 8 else 7 + 0.4 * (batch - 8))
 
-    monkeypatch.setattr(bench, "step_memory", lambda cfg, batch, seq: batch)
-    monkeypatch.setattr(bench, "bench_peak", fake_peak)
-    assert bench.max_batch(None, budget=17.5, seq=16) == (9, True)
-    assert len(peaks) <= 8
+    assert parts.max_batch(peak, budget=17.5) == (9, True)
+    assert len(set(calls)) == len(calls) <= 8
+
+
+def test_needle_scopes_cover_blocks_head_and_whole_step():
+    assert parts.needle_scopes(4) == [("none", "none", 0), ("blocks", "every_k:k=4", 0), ("head", "none", 4),
+                                      ("whole step", "every_k:k=4", 4)]
+    assert [s for s, _, _ in parts.needle_scopes(0)] == ["none", "blocks"]
+    config = BenchConfig(quick=True)
+    assert config.whole_step(config.block_model(), "full").remat_head_chunks == 4
+    assert config.whole_step(config.block_model(), "none").remat_head_chunks == 0
+
+
+def test_linen_port_has_the_nnx_model_parameters():
+    cfg = BenchConfig(quick=True).block_model()
+    _, nnx_params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    linen_params = jax.eval_shape(
+        lambda: peers.LinenGPT(cfg, "remat_scan").init(jax.random.key(0), jax.numpy.zeros((1, 16), "int32")))
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    assert count(linen_params) == count(nnx_params)
+
+
+def test_one_real_tiny_compile_and_timed_step():
+    config = BenchConfig(quick=True)
+    cfg = config.block_model()
+    programs = [harness.gpt_program("none", cfg.replace(remat_policy="none"), 2),
+                harness.gpt_program("full", config.whole_step(cfg, "full"), 2)]
+    measured = harness.measure(programs, steps=2, rounds=2)
+    none, full = measured["none"], measured["full"]
+    assert harness.bench_peak(full.memory) < harness.bench_peak(none.memory)
+    assert full.flops > none.flops > 0 and none.compile_s > 0
+    assert [len(r) for r in full.rounds] == [1, 1]
+    assert harness.measured_ratios(measured, "none")["none"] == (1.0, 1.0, 1.0)

@@ -1,0 +1,288 @@
+"""The bench's parts: each is a function ``(config, policies) -> rows``, listed in :data:`PART_FUNCTIONS`.
+
+Rows are dicts with the columns :data:`CSV_COLUMNS` ("" where a column does not apply).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from models import ModelConfig
+from models import preset as model_preset
+from train.bench import harness, peers
+from train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
+from train.bench.harness import GIB, MIB, bench_peak, gpt_program, log, measure, measured_ratios, memory_fields
+from models.policy_memory import policy_memory
+
+CSV_COLUMNS = (
+    "part", "model", "policy", "scope", "compared_with", "n_layers", "batch_size", "seq_len", "d_model", "d_ff",
+    "vocab_size", "dtype", "head_chunks", "k", "peak_bytes", "temp_bytes", "argument_bytes", "output_bytes",
+    "alias_bytes", "peak_source", "peak_reduction_vs_none", "flops", "xla_flops", "flops_bound", "compile_s",
+    "saved_bytes_per_layer", "saved_per_sbh", "megatron_per_sbh", "analytic_peak_bytes", "analytic_error",
+    "budget_bytes", "max_batch", "max_batch_verified", "time_ratio_vs_none", "time_ratio_low", "time_ratio_high",
+    "time_steps", "best_fitting_policy", "best_fitting_time_ratio",
+)
+
+
+def row(part: str, policy: str, cfg: ModelConfig, batch: int, seq: int, **values) -> dict:
+    """One CSV row: the shape columns of ``cfg`` plus ``values``."""
+    out = {c: "" for c in CSV_COLUMNS}
+    out.update(part=part, policy=policy, n_layers=cfg.n_layers, batch_size=batch, seq_len=seq, d_model=cfg.d_model,
+               d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, dtype=cfg.dtype, head_chunks=cfg.remat_head_chunks)
+    out.update(values)
+    return out
+
+
+def needle_config(d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
+    """Preset ``needle`` with ``d_ff`` and ``policy`` at block granularity, its one layer unrolled.
+
+    Unrolled, not under ``lax.scan``: XLA turns a scan of length 1 into straight-line code and
+    merges the recomputation with the forward pass; unrolled layers get the cotangent tie
+    (:mod:`jremat.tie`), which keeps the recomputation in the backward pass.
+    """
+    return model_preset("needle", d_ff=d_ff, remat_policy=policy, remat_granularity="block", scan_layers=False,
+                        remat_head_chunks=head_chunks)
+
+
+def needle_scopes(head_chunks: int) -> list[tuple[str, str, int]]:
+    """``(scope, policy, head chunks)`` of the Needle memory figures: none, blocks only, head only, whole step."""
+    scopes = [("none", "none", 0), ("blocks", "every_k:k=4", 0)]
+    if head_chunks:
+        scopes += [("head", "none", head_chunks), ("whole step", "every_k:k=4", head_chunks)]
+    return scopes
+
+
+def part_needle(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """Needle figures 1 and 2: Adam-step peak of ``every_k:k=4`` vs ``none`` on blocks, head, whole step."""
+    rows = []
+    points = [("needle_batch", b, config.needle_d_ff) for b in config.needle_batches]
+    points += [("needle_dff", config.needle_batch, d) for d in config.needle_d_ffs]
+    for part, batch, d_ff in points:
+        found = {}
+        for scope, spec, chunks in needle_scopes(config.remat_head_chunks):
+            cfg = needle_config(d_ff, spec, chunks)
+            found[scope] = (cfg, harness.step_memory(cfg, batch))
+        base = bench_peak(found["none"][1].memory)
+        log(f"[{part}] batch {batch} d_ff {d_ff}: " + ", ".join(
+            f"{s} {bench_peak(m.memory) / MIB:.0f} MiB" for s, (_, m) in found.items()))
+        for scope, (cfg, m) in found.items():
+            rows.append(row(part, cfg.remat_policy, cfg, batch, cfg.max_seq_len, model="needle", scope=scope,
+                            k=4 if cfg.remat_policy != "none" else 0, flops=m.flops, xla_flops=m.xla_flops,
+                            compile_s=m.compile_s,
+                            peak_reduction_vs_none=1 - bench_peak(m.memory) / base, **memory_fields(m.memory)))
+    return rows
+
+
+def _timed_rows(part: str, model: str, configs: dict[str, ModelConfig], batch: int, config: BenchConfig,
+                **extra) -> list[dict]:
+    """Time ``configs`` (label -> model; the first is the baseline) and give one row per label."""
+    programs = [gpt_program(label, cfg, batch) for label, cfg in configs.items()]
+    measured = measure(programs, steps=config.time_steps, rounds=config.time_rounds, seed=config.seed)
+    base = next(iter(configs))
+    ratios = measured_ratios(measured, base)
+    base_m = measured[base]
+    rows = []
+    for label, cfg in configs.items():
+        m = measured[label]
+        ratio, low, high = ratios[label]
+        rows.append(row(part, label, cfg, batch, cfg.max_seq_len, model=model,
+                        scope="whole step" if cfg.remat_head_chunks else "blocks",
+                        flops=m.flops, xla_flops=m.xla_flops,
+                        flops_bound=m.flops / base_m.flops if base_m.flops else "",
+                        compile_s=m.compile_s, time_ratio_vs_none=ratio, time_ratio_low=low, time_ratio_high=high,
+                        time_steps=config.time_steps,
+                        peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base_m.memory),
+                        **memory_fields(m.memory), **extra.get(label, {})))
+    return rows
+
+
+def part_needle_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """Needle figure 3: step time of ``every_k:k=K`` vs ``none`` (K = 0), whole step."""
+    configs = {}
+    for k in sorted({0, *config.needle_ks}):
+        spec = "none" if k == 0 else f"every_k:k={k}"
+        configs[spec] = config.whole_step(needle_config(config.needle_d_ff, spec), spec)
+    log(f"[needle_time] timing {len(configs)} steps at batch {config.needle_time_batch}")
+    extra = {spec: {"k": 0 if spec == "none" else int(spec.split("=")[1])} for spec in configs}
+    return _timed_rows("needle_time", "needle", configs, config.needle_time_batch, config, **extra)
+
+
+def megatron_formulas(s: int, b: int, h: int, a: int) -> dict[str, float]:
+    """Megatron-LM's activation bytes per layer (16-bit activations), in units of ``s*b*h``.
+
+    ``none``: ``34 + 5*a*s/h``; ``selective``: 34; ``full``: 2 (Korthikanti et al. 2022, table 2).
+    """
+    return {"none": 34 + 5 * a * s / h, "selective": 34.0, "full": 2.0}
+
+
+def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """Per-layer saved activations vs Megatron-LM's formulas, and the analytic peak vs the compiled one.
+
+    The step is the gradient step of :func:`train.memory.policy_memory` (what ``train.memory``
+    reports and its analytic estimate models), blocks only.
+    """
+    b, s = config.megatron_batch, config.megatron_seq
+    none_cfg = config.megatron_config("none")
+    sbh = s * b * none_cfg.d_model
+    formulas = megatron_formulas(s, b, none_cfg.d_model, none_cfg.n_heads)
+    rows, base = [], None
+    for spec in MEGATRON_POLICIES:
+        cfg = config.megatron_config(spec)
+        t0 = time.perf_counter()
+        r = policy_memory(cfg, b, s, baseline_step_flops=base.step_flops if base else None)
+        base = base or r
+        err = r.analytic_peak_bytes / r.peak_bytes - 1
+        log(f"[megatron] {spec}: saved/layer {r.saved_bytes_per_layer / sbh:.2f} sbh, peak {r.peak_bytes / GIB:.2f} "
+            f"GiB, analytic {100 * err:+.1f}% ({time.perf_counter() - t0:.1f} s)")
+        rows.append(row("megatron", spec, cfg, b, s, model=config.megatron_preset, scope="blocks",
+                        saved_bytes_per_layer=r.saved_bytes_per_layer, saved_per_sbh=r.saved_bytes_per_layer / sbh,
+                        megatron_per_sbh=formulas.get(spec, ""), peak_bytes=r.peak_bytes, temp_bytes=r.temp_bytes,
+                        peak_source=r.peak_source, peak_reduction_vs_none=1 - r.peak_bytes / base.peak_bytes,
+                        flops=r.step_flops, flops_bound=r.step_flops / base.step_flops,
+                        analytic_peak_bytes=r.analytic_peak_bytes, analytic_error=err))
+    return rows
+
+
+def max_batch(peak: Callable[[int], int], budget: int, *, max_compiles: int = 8) -> tuple[int, bool]:
+    """Largest batch ``b`` with ``peak(b) <= budget``; ``peak`` is a compile, so few are made.
+
+    Peak is close to affine in the batch size, so the answer is predicted from batch 1 and 8 and
+    then checked: the search ends when ``b`` fits and ``b + 1`` does not. Falls back to bisection
+    when the prediction is off.
+
+    Returns:
+      ``(batch, verified)``; ``verified`` is False if ``max_compiles`` ran out before the
+      boundary was bracketed (``batch`` then fits and is a lower bound). ``(0, True)`` if even
+      batch 1 does not fit.
+    """
+    peaks: dict[int, int] = {}
+
+    def fits(batch):
+        if batch not in peaks:
+            peaks[batch] = peak(batch)
+        return peaks[batch] <= budget
+
+    if not fits(1):
+        return 0, True
+    lo, hi = (8, None) if fits(8) else (1, 8)
+    slope = max(1.0, (peaks[8] - peaks[1]) / 7)
+    guess = max(1, int(1 + (budget - peaks[1]) // slope))
+    guided = 2  # the prediction and its neighbour; after that, bisect
+    while len(peaks) < max_compiles and not (hi is not None and hi == lo + 1):
+        if hi is None:
+            candidate = guess if guided > 0 and guess > lo else 2 * lo
+        else:
+            candidate = guess if guided > 0 and lo < guess < hi else (lo + hi) // 2
+        guided -= 1
+        if fits(candidate):
+            lo, guess = candidate, candidate + 1
+        else:
+            hi, guess = candidate, candidate - 1
+    return lo, hi is not None and hi == lo + 1
+
+
+def part_maxbatch(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """Largest batch per policy (whole step) whose compiled Adam-step peak fits the budget."""
+    budget = int(config.maxbatch_budget_gib * GIB)
+    seq = config.maxbatch_seq
+    rows = []
+    for spec in MAXBATCH_POLICIES:
+        cfg = config.whole_step(config.megatron_config(spec), spec)
+        t0 = time.perf_counter()
+        batch, verified = max_batch(lambda b: bench_peak(harness.step_memory(cfg, b, seq).memory), budget)
+        log(f"[maxbatch] {spec}: {batch}{'' if verified else ' (lower bound)'} ({time.perf_counter() - t0:.1f} s)")
+        fields = memory_fields(harness.step_memory(cfg, batch, seq).memory) if batch else {}
+        rows.append(row("maxbatch", spec, cfg, batch, seq, model=config.megatron_preset,
+                        scope="whole step" if cfg.remat_head_chunks else "none", budget_bytes=budget,
+                        max_batch=batch, max_batch_verified=verified, **fields))
+    return rows
+
+
+def part_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """Step time, FLOPs bound, peak and compile time of every policy on a head- and a block-dominated model."""
+    rows = []
+    for model, cfg, batch in ((f"head-dominated ({config.time_preset})", model_preset(config.time_preset),
+                               config.time_batch),
+                              ("block-dominated", config.block_model(), config.block_batch)):
+        configs = {spec: config.whole_step(cfg, spec) for spec in dict.fromkeys(["none", *policies])}
+        log(f"[time] {model}: {len(configs)} policies at batch {batch}")
+        rows += _timed_rows("time", model, configs, batch, config)
+    return rows
+
+
+def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """jremat next to ``jax.checkpoint``, ``nnx.remat``, Linen ``nn.remat`` / ``nn.remat_scan`` (blocks only)."""
+    cfg, batch = config.block_model(), config.block_batch
+    ours = {"none": cfg.replace(remat_policy="none"), "full": cfg.replace(remat_policy="full"),
+            "full (unrolled)": cfg.replace(remat_policy="full", scan_layers=False),
+            "dots_no_batch": cfg.replace(remat_policy="dots_no_batch")}
+    programs = [gpt_program(label, c, batch) for label, c in ours.items()]
+    programs.append(peers.linen_program("linen (no remat)", cfg, batch, "plain"))
+    compared = {"linen (no remat)": "none"}
+    for spec, program in peers.peer_programs(cfg, batch, gpt_program):
+        programs.append(program)
+        compared[program.label] = spec
+    log(f"[peers] {len(programs)} programs at batch {batch}")
+    measured = measure(programs, steps=config.time_steps, rounds=config.time_rounds, seed=config.seed)
+    ratios = measured_ratios(measured, "none")
+    base = measured["none"]
+    rows = []
+    for program in programs:
+        m = measured[program.label]
+        ratio, low, high = ratios[program.label]
+        rows.append(row("peers", program.label, cfg, batch, cfg.max_seq_len, model="block-dominated", scope="blocks",
+                        compared_with=compared.get(program.label, ""), flops=m.flops, xla_flops=m.xla_flops,
+                        flops_bound=m.flops / base.flops if base.flops else "", compile_s=m.compile_s,
+                        time_ratio_vs_none=ratio, time_ratio_low=low, time_ratio_high=high,
+                        time_steps=config.time_steps,
+                        peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
+                        **memory_fields(m.memory)))
+    return rows
+
+
+def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """``auto`` at budgets between full's and none's Adam-step peak, timed against the built-ins.
+
+    Each budget's plan is solved and verified on the step the bench measures; the built-ins and
+    plans are timed in one interleaved run, and each budget's row names the fastest built-in that
+    fits it. ``compile_s`` of an ``auto`` row is the planning time (solve + verification compiles).
+    """
+    from models.planning import plan_for_budget
+
+    cfg, batch = model_preset(config.time_preset), config.time_batch
+
+    def peak(model_cfg: ModelConfig) -> int:
+        return bench_peak(harness.step_memory(model_cfg, batch).memory)
+
+    specs = [p for p in policies if p in MEGATRON_POLICIES] or list(policies)
+    builtins = {spec: cfg.replace(remat_policy=spec) for spec in dict.fromkeys(["none", "full", *specs])}
+    peaks = {spec: peak(c) for spec, c in builtins.items()}
+    budgets = [int(peaks["full"] + f * (peaks["none"] - peaks["full"])) for f in config.auto_budget_fractions]
+    plans, plan_s = {}, {}
+    for budget in budgets:
+        t0 = time.perf_counter()
+        plan = plan_for_budget(cfg, batch, str(budget), measure_peak_bytes=peak)
+        label = f"auto:budget={budget} ({plan.candidate.describe(cfg.n_layers)})"
+        plans[label], plan_s[label] = plan, time.perf_counter() - t0
+        log(f"[auto] budget {budget:,} B -> {plan.candidate.describe(cfg.n_layers)} ({plan_s[label]:.1f} s)")
+    configs = {**builtins, **{label: plan.config for label, plan in plans.items()}}
+    timed = {r["policy"]: r for r in _timed_rows("auto", config.time_preset, configs, batch, config)}
+    rows = []
+    for (label, plan), budget in zip(plans.items(), budgets):
+        best = min((s for s in builtins if peaks[s] <= budget), key=lambda s: timed[s]["time_ratio_vs_none"])
+        rows.append({**timed[label], "budget_bytes": budget, "compile_s": plan_s[label], "best_fitting_policy": best,
+                     "best_fitting_time_ratio": timed[best]["time_ratio_vs_none"]})
+    return rows
+
+
+#: Part name -> part function, in run order.
+PART_FUNCTIONS: dict[str, Callable[[BenchConfig, Sequence[str]], list[dict]]] = {
+    "needle": part_needle,
+    "needle_time": part_needle_time,
+    "megatron": part_megatron,
+    "maxbatch": part_maxbatch,
+    "time": part_time,
+    "peers": part_peers,
+    "auto": part_auto,
+}
