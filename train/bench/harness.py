@@ -27,6 +27,7 @@ from flax import nnx
 from jremat import memory as jmem
 from jremat.flops import jaxpr_flops
 from models import GPT, ModelConfig
+from models.programs import adam_train_step
 from train.step import make_train_step
 
 GIB = 2**30
@@ -36,24 +37,6 @@ MIB = 2**20
 def log(message: str) -> None:
     """Progress on stderr (the CSV and the report carry the results)."""
     print(message, file=sys.stderr, flush=True)
-
-
-def adam_train_step(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None, *, lr: float = 1e-3):
-    """The jitted Adam train step of ``GPT(model_cfg)`` and its abstract arguments; nothing is allocated.
-
-    Parameters and optimizer state are donated (as a training loop does), so the compiled
-    program holds parameters, gradients and both Adam moments.
-
-    Returns:
-      ``(step, graphdef, tx, args)`` where ``args`` are :class:`jax.ShapeDtypeStruct` pytrees.
-    """
-    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
-    tx = optax.adam(lr)
-    opt_state = jax.eval_shape(tx.init, params)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return make_train_step(graphdef, tx), graphdef, tx, (params, opt_state, tokens, tokens, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +61,12 @@ class Program:
 
 
 def gpt_program(label: str, cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> Program:
-    """The :class:`Program` of ``GPT(cfg)``'s Adam step (:func:`adam_train_step`)."""
+    """The :class:`Program` of ``GPT(cfg)``'s Adam step (:func:`models.programs.adam_train_step`)."""
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
 
     def build():
-        step, _, _, args = adam_train_step(cfg, batch_size, seq_len)
-        return step, args
+        _, graphdef, tx, args = adam_train_step(cfg, batch_size, seq_len)
+        return make_train_step(graphdef, tx), args
 
     def init(seed):
         _, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(seed)))
