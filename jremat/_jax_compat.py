@@ -35,7 +35,7 @@ PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     "jax_remat3 (saved-residual reports), and the base of jremat's remat3 name tag, which also batches",
     ("jax._src.config", "remat3"): "switching between JAX's remat engines (the jax_remat3 flag)",
     ("jax._src.core", "trace_ctx"): "telling forward-mode differentiation (jvp, linearize) from reverse "
-    "mode, under which the cotangent tie (jremat.tie) cannot apply",
+    "mode, under which the cotangent tie (jremat._tie) cannot apply",
 }
 
 

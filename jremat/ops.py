@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jremat import engine as _engine
+from jremat import _engine
 
 
 @_engine.checkpoint

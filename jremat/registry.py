@@ -32,7 +32,7 @@ import numbers
 import re
 from typing import Any, Callable
 
-from jremat.policy import Policy
+from jremat._policy import Policy
 
 ENTRY_POINT_GROUP = "jremat.policies"
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jremat import registry
-from jremat.decorator import policy as _decorate_with
-from jremat.policy import Policy
+from jremat._decorator import policy as _decorate_with
+from jremat._policy import Policy
 
 #: Causes a mismatch is attributed to (see :class:`RematMismatch`).
 CAUSE_RANDOM = "a random value drawn differently on recompute"
@@ -377,7 +377,7 @@ def _compare(got, ref, rtol: float, atol: float):
 
 def _random_primitives(jaxpr) -> set[str]:
     """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
-    from jremat.program import nested_jaxprs
+    from jremat._program import nested_jaxprs
 
     found: set[str] = set()
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]

@@ -204,7 +204,7 @@ def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: j
     """Mean next-token cross-entropy in float32.
 
     With ``cfg.remat_head_chunks > 0`` the final LayerNorm, head and loss run over that many
-    sequence chunks, each recomputed in the backward pass (:func:`jremat.remat.rematerialized_chunks`).
+    sequence chunks, each recomputed in the backward pass (:func:`jremat.rematerialized_chunks`).
 
     Args:
       model: the :class:`GPT`.
@@ -226,5 +226,5 @@ def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: j
             ln_f, head = nnx.merge(head_graphdef, params)
             return _summed_token_loss(head(ln_f(x_chunk)), target_chunk)
 
-        total = jremat.remat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
+        total = jremat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
     return total / targets.size

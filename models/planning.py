@@ -1,4 +1,4 @@
-"""``--policy auto --memory-budget B`` for the reference GPT: :func:`jremat.planner.plan_layers` on its programs.
+"""``--policy auto --memory-budget B`` for the reference GPT: :func:`jremat.plan_layers` on its programs.
 
 A plan becomes an ordinary config (:func:`apply_candidate`): ``remat_policy="names:save=..."``
 (``full`` for the empty set; ``offload:names=...,save=...`` when some names go to host memory)
@@ -15,8 +15,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 import jremat
-from jremat import host_offload, planner
-from jremat.planner import Budget, Candidate, LayerPlan
+from jremat import Budget, Candidate, LayerPlan
 from models.config import ModelConfig
 from models.programs import block_program, step_flops, step_program
 
@@ -66,12 +65,12 @@ def plan_for_budget(
       measure_peak_bytes: compiles a config and returns its peak; default: the gradient step
         (:func:`compiled_peak_bytes`).
       offload: consider offloading names to host memory; ``None`` (default): on accelerators
-        with ``pinned_host`` memory (:func:`jremat.host_offload.host_offload_available`).
+        with ``pinned_host`` memory (:func:`jremat.host_offload_available`).
       offload_cost_per_byte: FLOP-equivalents per offloaded byte; default: measured by
-        :func:`jremat.host_offload.offload_flops_per_byte`.
+        :func:`jremat.offload_flops_per_byte`.
 
     Returns:
-      The :class:`jremat.planner.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
+      The :class:`jremat.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
 
     Raises:
       ValueError: on a bad budget, when no plan fits (with the smallest achievable peak), or
@@ -80,13 +79,13 @@ def plan_for_budget(
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     none_cfg = cfg.replace(remat_policy="none", remat_granularity="block")
     block_fn, block_args = block_program(none_cfg, batch_size, seq_len)
-    costs = planner.name_costs(jremat.trace_program(block_fn, *block_args))
+    costs = jremat.name_costs(jremat.trace_program(block_fn, *block_args))
     if offload is None:
-        offload = host_offload.host_offload_available()
+        offload = jremat.host_offload_available()
     if offload and offload_cost_per_byte is None:
-        offload_cost_per_byte = host_offload.offload_flops_per_byte(cfg.dtype)
+        offload_cost_per_byte = jremat.offload_flops_per_byte(cfg.dtype)
     measure = measure_peak_bytes or (lambda c: compiled_peak_bytes(c, batch_size, seq_len))
-    return planner.plan_layers(
+    return jremat.plan_layers(
         budget,
         costs=costs,
         n_layers=cfg.n_layers,

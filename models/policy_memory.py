@@ -17,11 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jremat
-from jremat import registry
-from jremat.explain import Explanation, explain_applied
-from jremat.live import LiveMemory, allocator_stats_missing
-from jremat.memory import format_bytes
-from jremat.timeline import MemoryTimeline
+from jremat import (
+    Explanation,
+    LiveMemory,
+    MemoryTimeline,
+    allocator_stats_missing,
+    explain_applied,
+    format_bytes,
+    registry,
+)
 from models.config import ModelConfig, whole_step_head_chunks
 from models.gpt import GPT
 from models.planning import plan_for_budget
@@ -46,7 +50,7 @@ class PolicyMemory:
       batch_size: sequences per batch.
       seq_len: tokens per sequence.
       peak_bytes: compiled peak estimate.
-      peak_source: how :attr:`peak_bytes` was obtained (see :mod:`jremat.memory`).
+      peak_source: how :attr:`peak_bytes` was obtained (see :class:`jremat.MemoryReport`).
       temp_bytes: compiled temp bytes.
       argument_bytes: compiled argument bytes (parameters, tokens, key).
       output_bytes: compiled output bytes (parameter gradients).
@@ -64,7 +68,7 @@ class PolicyMemory:
       notes: caveats (backend, truthfulness checks).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
       explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
-      timeline: the :class:`jremat.timeline.MemoryTimeline` of the compiled step (``--timeline``),
+      timeline: the :class:`jremat.MemoryTimeline` of the compiled step (``--timeline``),
         or ``None``; JSON carries its summary, not the per-position curve.
     """
 
@@ -196,7 +200,7 @@ def explain_step(
     temp_bytes: int | None = None,
     baseline_temp_bytes: int | None = None,
 ) -> Explanation:
-    """What ``model_cfg``'s policy does to the step (:func:`jremat.explain.explain_applied`); nothing runs.
+    """What ``model_cfg``'s policy does to the step (:func:`jremat.explain_applied`); nothing runs.
 
     Reads every checkpoint of the traced loss (per layer, inside the layer scan) with its own
     policy, checks the names the policy mentions against the model's tags, and, given both temp
@@ -228,7 +232,7 @@ def config_for_spec(
     ``none`` (:func:`models.config.whole_step_head_chunks`); otherwise ``base_cfg``'s chunks stay.
 
     Returns:
-      ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`jremat.planner.LayerPlan` for ``auto``
+      ``(model_config, auto_plan)``; ``auto_plan`` is a :class:`jremat.LayerPlan` for ``auto``
       specs (budget from ``memory_budget``, else the spec's ``budget=`` key), else ``None``.
 
     Raises:
@@ -260,7 +264,7 @@ def compare_policies(
 
     ``none`` is measured too (first; returned as a row only if asked for) so that every row can
     be compared with it. A row whose temp memory did not follow its saved residuals gets a note
-    naming the likely cause (:func:`jremat.memory.diagnose_remat`). ``timeline=True`` fills
+    naming the likely cause (:func:`jremat.diagnose_remat`). ``timeline=True`` fills
     :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
     row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`). ``whole_step`` gives
     every policy but ``none`` a chunked head (see :func:`config_for_spec`).
@@ -334,7 +338,7 @@ def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | Non
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
 
     Returns:
-      The :class:`jremat.live.LiveMemory`; ``available`` is False, and nothing runs, on a
+      The :class:`jremat.LiveMemory`; ``available`` is False, and nothing runs, on a
       backend without allocator statistics (XLA:CPU).
     """
     missing = allocator_stats_missing()

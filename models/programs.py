@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import jremat
-from jremat.residuals import ResidualsReport
+from jremat import ResidualsReport
 from models.config import ModelConfig
 from models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 
@@ -116,14 +116,14 @@ def analytic_peak_bytes(
     Model: the peak falls at the start of the backward pass, when every residual of the
     forward pass is alive together with the loss-side buffers. So peak = parameters + tokens
     (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
-    forward pass computes (:attr:`jremat.residuals.ResidualsReport.computed_bytes`: every
+    forward pass computes (:attr:`jremat.ResidualsReport.computed_bytes`: every
     non-constant residual that is not an argument) + the head's backward working set: the f32
     gradient of the logits plus the logits-sized buffer that feeds the two head matmuls (its
     cast to the compute dtype), ``(4 + itemsize(dtype)) x batch x seq x vocab`` bytes (divided
     by ``remat_head_chunks`` when the head is rematerialized in chunks).
 
     It assumes the step is compiled as :func:`jremat.jit` compiles it (on XLA:CPU, without
-    loop-invariant code motion; see :mod:`jremat.compile`). It leaves out the transient
+    loop-invariant code motion; see :func:`jremat.compiler_options`). It leaves out the transient
     working set of one block's backward pass, so it underestimates when that, not the head,
     sets the peak (small vocabularies with long sequences; see docs/RESULTS.md).
 

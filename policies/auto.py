@@ -1,21 +1,20 @@
-"""``auto``: fit a memory budget, with the planner of :mod:`jremat.planner`.
+"""``auto``: fit a memory budget, with the planner of :mod:`jremat._planner`.
 
 On one checkpointed function, ``auto:budget=B`` keeps the compute ops that save the most
 recompute FLOPs while their outputs fit in ``B`` bytes (or the fraction ``B`` of what the
-function keeps without remat): :func:`jremat.planner.plan_function`. In the CLIs,
+function keeps without remat): :func:`jremat.plan_function`. In the CLIs,
 ``--policy auto --memory-budget B`` plans the whole step with the same algorithm
-(:func:`jremat.planner.plan_layers`, wired to the reference model by ``models.planning``).
+(:func:`jremat.plan_layers`, wired to the reference model by ``models.planning``).
 """
 
 from __future__ import annotations
 
-from jremat import Param, Plan, PlanPolicy, register
-from jremat.planner import Budget, as_budget, parse_budget, plan_function
-from jremat.program import Program
+from jremat import Budget, Param, Plan, PlanPolicy, Program, parse_budget, plan_function, register
+from jremat._planner import as_budget
 
 
 class BudgetPlan(PlanPolicy):
-    """Keep what :func:`jremat.planner.plan_function` chooses for ``budget``."""
+    """Keep what :func:`jremat.plan_function` chooses for ``budget``."""
 
     def __init__(self, budget: Budget):
         self.budget = budget
@@ -26,10 +25,10 @@ class BudgetPlan(PlanPolicy):
 
 @register(
     "auto",
-    doc="Fit a memory budget at the least recompute (jremat.planner). On one function: keep the ops "
-    "that save the most recompute FLOPs while they fit in budget bytes (or that fraction of the "
-    "no-remat residuals). In the CLIs (--policy auto --memory-budget B): pick which names to save "
-    "and how many layers to remat so the compiled step's peak fits B.",
+    doc="Fit a memory budget at the least recompute (jremat.plan_function, jremat.plan_layers). On one "
+    "function: keep the ops that save the most recompute FLOPs while they fit in budget bytes (or that "
+    "fraction of the no-remat residuals). In the CLIs (--policy auto --memory-budget B): pick which names "
+    "to save and how many layers to remat so the compiled step's peak fits B.",
     params={
         "budget": Param(
             "str", "0.5", "a size (6GiB, 512MiB) or a fraction in (0, 1]", parse=parse_budget, format=lambda b: b.text

@@ -19,7 +19,7 @@ found (never a policy that silently saves nothing).
   (``pinned_host``) in the forward pass and brings them back for the backward pass, saves
   ``c`` on the device, and recomputes everything else (JAX's
   ``save_and_offload_only_these_names``). On a backend without host memory it raises
-  :class:`ValueError` (see :func:`jremat.policy.require_host_memory`).
+  :class:`ValueError` (see :func:`jremat.require_host_memory`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,19 @@ import jax.numpy as jnp
 
 from jax.extend import core as jcore
 
-from jremat import CallbackPolicy, Param, Plan, PlanPolicy, engine, register
+from jremat import (
+    CallbackPolicy,
+    Param,
+    Plan,
+    PlanPolicy,
+    Program,
+    register,
+    require_host_memory,
+    trace_program,
+)
+from jremat import _engine as engine
+from jremat._program import SHAPE_ONLY_PRIMITIVES, evaluate_tagged, jaxpr_tags
 from jremat.names import check_found
-from jremat.policy import require_host_memory
-from jremat.program import SHAPE_ONLY_PRIMITIVES, Program, evaluate_tagged, jaxpr_tags, trace_program
 from jremat.registry import REQUIRED
 
 

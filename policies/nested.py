@@ -18,7 +18,7 @@ It is a layer-stack entry (``stack=True``), not a policy of one function: it sta
 from __future__ import annotations
 
 from jremat import Param, register, resolve
-from jremat.remat import parse_nest
+from jremat._remat import parse_nest
 
 
 def _parse_block(raw: str):

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from jax.extend import core as jcore
 
-from jremat import Plan, PlanPolicy, names, register
-from jremat.program import Program
+from jremat import Plan, PlanPolicy, Program, names, register
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
 CORE_INPUTS = (names.QUERY, names.KEY, names.VALUE)

@@ -1,6 +1,6 @@
 """``skip_cheap``: keep only values that are expensive to recompute per byte kept.
 
-Cost model (from :func:`jremat.program.equation_flops`): the FLOPs to recompute an op's output
+Cost model (from :func:`jremat._program.equation_flops`): the FLOPs to recompute an op's output
 from its inputs divided by the bytes its output takes. Elementwise ops (about one FLOP per
 element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_general`` costs
 ``2 x contracted`` FLOPs per output element, so a matmul over 64 features in bf16 is
@@ -9,8 +9,7 @@ element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_g
 
 from __future__ import annotations
 
-from jremat import Param, Plan, PlanPolicy, register
-from jremat.program import Op, Program
+from jremat import Op, Param, Plan, PlanPolicy, Program, register
 
 DEFAULT_MIN_FLOPS_PER_BYTE = 8.0
 

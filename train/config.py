@@ -15,13 +15,12 @@ import dataclasses
 from typing import Any
 
 import jremat
-from jremat import registry
+from jremat import parse_budget, registry
 from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES, whole_step_head_chunks
 from train import sharding
 from train.cli import UsageError, option, require, require_choice, require_int, require_number
-from jremat.planner import parse_budget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,10 +20,7 @@ import sys
 from typing import Sequence
 
 import jremat
-from jremat import registry
-from jremat.live import allocator_stats_missing
-from jremat.memory import format_bytes
-from jremat.planner import parse_budget
+from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
 from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES, whole_step_head_chunks

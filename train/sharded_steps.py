@@ -3,7 +3,7 @@
 The layout (which mesh axes split which tensor dimension) comes from :mod:`train.sharding`;
 this module creates parameters and optimizer state with those shardings, jits the single-device
 steps of :mod:`train.step` with explicit in/out shardings, and reads a compiled sharded step's
-memory per device through :func:`jremat.memory.compiled_memory_report`.
+memory per device through :func:`jremat.compiled_memory_report`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jremat
-from jremat.memory import compiled_memory_report
+from jremat import compiled_memory_report
 from models import GPT, ModelConfig, cross_entropy_loss
 from train.sharding import (
     ActivationSharding,
@@ -138,7 +138,7 @@ def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params
 class DeviceMemory:
     """XLA's compile-time memory figures of a sharded step, per device (bytes).
 
-    Read through :func:`jremat.memory.compiled_memory_report`, so the peak follows the
+    Read through :func:`jremat.compiled_memory_report`, so the peak follows the
     library's rules (on XLA:CPU the backend's own peak leaves temporaries out and is not used).
 
     Attributes:
@@ -150,7 +150,7 @@ class DeviceMemory:
       alias: output bytes that reuse (donated) argument buffers.
       peak: the figure to compare with device memory (``argument + output + temp - alias``
         unless the backend reports a usable peak of its own).
-      peak_source: how :attr:`peak` was obtained (see :class:`jremat.memory.MemoryReport`).
+      peak_source: how :attr:`peak` was obtained (see :class:`jremat.MemoryReport`).
     """
 
     mesh: str

@@ -3,7 +3,7 @@
 One curve per policy on shared axes (schedule position, MiB), each policy's peak marked and its
 compiled peak drawn as a dashed line; the spans of the top-level layer loops are shaded (a loop
 body is scheduled once, so positions inside a span show one iteration; see
-:mod:`jremat.timeline`). Below the curves, one table per policy lists the ten largest buffers
+:mod:`jremat._timeline`). Below the curves, one table per policy lists the ten largest buffers
 live at its peak. The same tables are printed as text by :func:`format_timelines`.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jremat import timeline as jtl
+from jremat import MemoryTimeline, TimelineBuffer
 
 #: Buffers listed per policy, in the figure and in the printed tables.
 TOP_BUFFERS = 10
@@ -41,7 +41,7 @@ def png_path_problem(path) -> str | None:
     return None
 
 
-def timeline_json(timeline: jtl.MemoryTimeline, top: int = TOP_BUFFERS) -> dict:
+def timeline_json(timeline: MemoryTimeline, top: int = TOP_BUFFERS) -> dict:
     """A JSON-ready summary of ``timeline``: peak, agreement with the compiled peak, loops, the ``top``
     largest buffers at the peak (``top_buffers``) and all of them (``buffers_at_peak``); not the curve."""
     return {
@@ -61,7 +61,7 @@ def timeline_json(timeline: jtl.MemoryTimeline, top: int = TOP_BUFFERS) -> dict:
     }
 
 
-def _buffer_json(b: jtl.TimelineBuffer) -> dict:
+def _buffer_json(b: TimelineBuffer) -> dict:
     return {"name": b.name, "kind": b.kind, "size_bytes": b.size_bytes, "shape": b.shape, "instruction": b.instruction,
             "source": b.source, "start_position": b.start_position, "end_position": b.end_position}
 
@@ -79,7 +79,7 @@ def format_timelines(rows: Sequence, top: int = TOP_BUFFERS) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def _table_lines(timeline: jtl.MemoryTimeline, top: int) -> list[str]:
+def _table_lines(timeline: MemoryTimeline, top: int) -> list[str]:
     lines = [f"{'MiB':>8}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>9}  source"]
     for b in timeline.top_buffers[:top]:
         lines.append(f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "

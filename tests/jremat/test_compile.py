@@ -1,11 +1,11 @@
-"""jremat.compile: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
+"""jremat._compile: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import compile as jcompile
+from jremat import _compile as jcompile
 
 _ROWS, _WIDTH = 256, 512
 

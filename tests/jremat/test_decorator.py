@@ -16,7 +16,7 @@ from jremat import registry
 from tests.conftest import saved_residuals
 
 
-#: Names jremat.engine gives the values a callback keeps under jax_remat3 (equation index in group 1).
+#: Names jremat._engine gives the values a callback keeps under jax_remat3 (equation index in group 1).
 CALLBACK_TAG_RE = re.compile(r"^named 'jremat_cb\d+/(\d+)'")
 
 

@@ -216,7 +216,7 @@ def test_every_canonical_spec_resolves_to_an_equal_policy(name):
 
 
 def test_budget_numbers_without_a_unit():
-    from jremat.planner import parse_budget
+    from jremat import parse_budget
 
     assert parse_budget("1").fraction == 1.0 and parse_budget("1.0").fraction == 1.0
     assert parse_budget("1000000").bytes == 1_000_000 and parse_budget("1.5GB").bytes == 1_500_000_000

@@ -1,4 +1,4 @@
-"""jremat.engine: each policy keeps the same values under JAX's classic engine and jax_remat3."""
+"""jremat._engine: each policy keeps the same values under JAX's classic engine and jax_remat3."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
 import jremat
-from jremat import engine
+from jremat import _engine as engine
 from tests.conftest import saved_residuals
 
 

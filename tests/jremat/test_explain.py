@@ -8,7 +8,8 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat.explain import EXCLUDE, RECOMPUTE, SAVE, explain_applied
+from jremat import explain_applied
+from jremat._explain import EXCLUDE, RECOMPUTE, SAVE
 
 
 def mlp(w1, w2, x):

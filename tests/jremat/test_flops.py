@@ -1,4 +1,4 @@
-"""jremat.flops: cost-model FLOPs of a traced program, loop iterations and recomputation counted."""
+"""jremat._flops: cost-model FLOPs of a traced program, loop iterations and recomputation counted."""
 
 import jax
 import jax.numpy as jnp

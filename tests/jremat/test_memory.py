@@ -1,10 +1,10 @@
-"""jremat.memory: the compiled memory report (compile-only, tiny) and the remat diagnosis."""
+"""jremat._memory: the compiled memory report (compile-only, tiny) and the remat diagnosis."""
 
 import jax
 import jax.numpy as jnp
 
 import jremat
-from jremat import memory as jmem
+from jremat import _memory as jmem
 
 
 def test_memory_report_fields_positive_and_consistent():

@@ -1,12 +1,12 @@
-"""jremat.planner: budgets, candidate sets, the frontier walk and the layer planner, on fake measurements."""
+"""jremat._planner: budgets, candidate sets, the frontier walk and the layer planner, on fake measurements."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import host_offload, planner
-from jremat.planner import Budget, Candidate, NameCost, parse_budget, plan_layers, save_sets, solve
+from jremat import Budget, Candidate, NameCost, parse_budget, plan_layers
+from jremat._planner import save_sets, solve
 
 N_LAYERS = 4
 COSTS = (NameCost("q", 100, 50.0), NameCost("k", 100, 10.0), NameCost("mlp_act", 400, 400.0))
@@ -139,7 +139,7 @@ def test_plan_function_fits_and_keeps_more_as_the_budget_rises():
     args = (jnp.ones((32, 64)), jnp.ones((64, 64)), jnp.ones((16, 32)))
     program = jremat.trace_program(mlp, *args)
     by_index = {op.index: op.out_bytes for op in program.ops}
-    kept = [sum(by_index[i] for i in planner.plan_function(program, str(b))) for b in (16, 4096, 8192, 65536)]
+    kept = [sum(by_index[i] for i in jremat.plan_function(program, str(b))) for b in (16, 4096, 8192, 65536)]
     assert all(k <= b for k, b in zip(kept, (16, 4096, 8192, 65536)))
     assert kept == sorted(kept) and kept[-1] > kept[0] == 0
 
@@ -147,6 +147,6 @@ def test_plan_function_fits_and_keeps_more_as_the_budget_rises():
 def test_offload_is_off_on_cpu_and_its_price_is_measured():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU default")
-    assert not host_offload.host_offload_available()  # pinned_host is listed, but it is the same RAM
-    per_byte = host_offload.offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
+    assert not jremat.host_offload_available()  # pinned_host is listed, but it is the same RAM
+    per_byte = jremat.offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
     assert 0 < per_byte < float("inf")

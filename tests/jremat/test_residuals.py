@@ -1,4 +1,4 @@
-"""jremat.residuals: the saved-residual breakdown of a block and of a scanned stack (traced, tiny)."""
+"""jremat._residuals: the saved-residual breakdown of a block and of a scanned stack (traced, tiny)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat import residuals as jres
+from jremat import _residuals as jres
 from models import preset
 from models.gpt import Block, make_block_fn
 

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat.policy import Policy
+from jremat import Policy
 from jremat.testing import (
     CAUSE_RANDOM,
     CAUSE_STATE,

@@ -6,7 +6,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat import timeline as jtl
+from jremat import _timeline as jtl
 
 LAYERS, BATCH, WIDTH = 3, 64, 128
 
@@ -134,11 +134,11 @@ def test_timeline_compiles_past_the_persistent_cache(tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     try:
         grad = jax.grad(_loss(None))
-        jax.jit(grad).lower(*ARGS).compile(jremat.compile.compiler_options())  # now in the cache
+        jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())  # now in the cache
         assert list(tmp_path.iterdir()), "the compile was not cached, so this test checks nothing"
         timeline = jremat.memory_timeline(grad, *ARGS)
         assert timeline.peak_bytes > 0 and timeline.top_buffers
-        jax.jit(grad).lower(*ARGS).compile(jremat.compile.compiler_options())
+        jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())
         assert jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_compilation_cache_dir", previous_dir)

@@ -3,7 +3,7 @@
 import pytest
 
 import jremat
-from jremat.planner import Candidate
+from jremat import Candidate
 from models import preset
 from models.planning import apply_candidate, compiled_peak_bytes, plan_for_budget
 

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import jremat
-from jremat.policy import Policy
+from jremat import Policy
 from models import preset
 from tests.conftest import loss_and_grads, max_relative_error
 

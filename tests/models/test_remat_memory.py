@@ -49,7 +49,7 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
 
 @pytest.mark.parametrize("policy, max_fraction_of_none", [("full", 0.6), ("every_k:k=4", 0.75)])
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
-    """Unrolled stacks save memory too, thanks to the cotangent tie (jremat.tie)."""
+    """Unrolled stacks save memory too, thanks to the cotangent tie (jremat._tie)."""
     cfg = small(n_layers=3, scan_layers=False)
     none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_bytes
     temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_bytes
@@ -75,8 +75,8 @@ def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
 def test_cotangent_tie_only_where_xla_could_merge_recomputation(
     monkeypatch, n_layers, scan, policy, layer_policies, head_chunks, ties
 ):
-    """Ties per layout: jremat.tie.needs_tie is asked by every layout jremat builds."""
-    from jremat import tie
+    """Ties per layout: jremat._tie.needs_tie is asked by every layout jremat builds."""
+    from jremat import _tie as tie
 
     made = []
     real = tie.tie_to_cotangent

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat.policy import require_host_memory
+from jremat import require_host_memory
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ READING_GUIDE = """\
   optimizer state donated), except the Megatron table, which is the gradient step that `python -m train.memory`
   reports and `analytic_peak_bytes` models.
 * **FLOPs bound.** `1 + recompute FLOPs / step FLOPs`: the policy's step FLOPs over `none`'s, counted on the
-  traced step (`jremat.memory.program_flops`, which multiplies a scan body by its length). XLA:CPU's
+  traced step (`jremat.program_flops`, which multiplies a scan body by its length). XLA:CPU's
   `cost_analysis()` of the compiled step counts a loop body once, so with scanned layers or a chunked head it
   undercounts (its figure is in the CSV, column `xla_flops`, and can fall below `none`'s). The bound is the time ratio if every FLOP cost the same. When the vocabulary head dominates the
   step (the head-dominated model), the recompute is a small share of the FLOPs, the bound is near 1, and no time
@@ -71,7 +71,7 @@ READING_GUIDE = """\
 * **Peers that recompute nothing.** A peer row whose FLOPs bound is 1.000 recomputes nothing and keeps `none`'s
   peak: its checkpoint did not survive into the compiled step. A row with a FLOPs bound above 1 and `none`'s peak
   recomputes but saves no memory: XLA scheduled the recomputation where it frees nothing. Either way the
-  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat.tie`, keeps the
+  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat._tie`, keeps the
   recomputation in the backward pass).
 """
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jremat import memory as jmem
-from jremat.flops import jaxpr_flops
+from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
+from jremat._memory import PEAK_FROM_SUM
 from models import GPT, ModelConfig
 from models.programs import adam_train_step
 from train.step import make_train_step
@@ -81,7 +81,7 @@ class Measured:
 
     Attributes:
       memory: the compiled step's memory report.
-      flops: FLOPs of the traced step (:func:`jremat.memory.program_flops`: scan bodies times
+      flops: FLOPs of the traced step (:func:`jremat.program_flops`: scan bodies times
         their length, recomputation included).
       xla_flops: ``compiled.cost_analysis()["flops"]`` (0.0 when the backend gives none); XLA
         counts a loop body once, so with scanned layers or a chunked head it undercounts.
@@ -89,7 +89,7 @@ class Measured:
       rounds: per interleaved round, the step seconds (empty when not timed).
     """
 
-    memory: jmem.MemoryReport
+    memory: MemoryReport
     flops: float
     xla_flops: float
     compile_s: float
@@ -104,7 +104,7 @@ def compiled_flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def bench_peak(report: jmem.MemoryReport) -> int:
+def bench_peak(report: MemoryReport) -> int:
     """The peak the bench reports: ``argument + output - alias + temp`` on XLA:CPU, else the report's.
 
     XLA:CPU's ``peak_memory_in_bytes`` counts arguments and outputs only, so the sum is used on
@@ -113,9 +113,9 @@ def bench_peak(report: jmem.MemoryReport) -> int:
     return report.summed_peak_bytes if report.platform == "cpu" else report.peak_bytes
 
 
-def memory_fields(report: jmem.MemoryReport) -> dict:
+def memory_fields(report: MemoryReport) -> dict:
     """The CSV memory columns of one report."""
-    source = jmem.PEAK_FROM_SUM if report.platform == "cpu" else report.peak_source
+    source = PEAK_FROM_SUM if report.platform == "cpu" else report.peak_source
     return dict(peak_bytes=bench_peak(report), temp_bytes=report.temp_bytes, argument_bytes=report.argument_bytes,
                 output_bytes=report.output_bytes, alias_bytes=report.alias_bytes, peak_source=source)
 
@@ -127,7 +127,7 @@ def compile_program(program: Program):
     traced = step.trace(*args)
     compiled = traced.lower().compile()
     compile_s = time.perf_counter() - t0
-    report = jmem.compiled_memory_report(compiled)
+    report = compiled_memory_report(compiled)
     if not report.available:
         raise RuntimeError("; ".join(report.notes))
     flops = jaxpr_flops(traced.jaxpr)

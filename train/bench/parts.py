@@ -39,7 +39,7 @@ def needle_config(d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
 
     Unrolled, not under ``lax.scan``: XLA turns a scan of length 1 into straight-line code and
     merges the recomputation with the forward pass; unrolled layers get the cotangent tie
-    (:mod:`jremat.tie`), which keeps the recomputation in the backward pass.
+    (:mod:`jremat._tie`), which keeps the recomputation in the backward pass.
     """
     return model_preset("needle", d_ff=d_ff, remat_policy=policy, remat_granularity="block", scan_layers=False,
                         remat_head_chunks=head_chunks)

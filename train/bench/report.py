@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import jax
 
-from jremat.memory import format_bytes
+from jremat import format_bytes
 from train.bench.harness import GIB, MIB
 from train.bench.parts import CSV_COLUMNS
 

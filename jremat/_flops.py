@@ -1,4 +1,4 @@
-"""Recompute FLOPs: a traced function priced with the cost model of :func:`jremat.program.equation_flops`.
+"""Recompute FLOPs: a traced function priced with the cost model of :func:`jremat._program.equation_flops`.
 
 The FLOPs a policy adds by recomputation are ``program_flops(grad under policy) -
 program_flops(grad without remat)``.
@@ -10,11 +10,11 @@ from typing import Callable
 
 import jax
 
-from jremat import program as _program
+from jremat import _program
 
 
 def jaxpr_flops(jaxpr) -> float:
-    """Cost-model FLOPs of a jaxpr (see :func:`jremat.program.equation_flops`).
+    """Cost-model FLOPs of a jaxpr (see :func:`jremat._program.equation_flops`).
 
     Loop bodies count once per iteration (``scan``: ``length`` times; ``while``: once, its trip
     count being unknown); ``cond`` counts its costliest branch; calls, checkpoints and

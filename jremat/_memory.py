@@ -1,11 +1,11 @@
 """Compiled memory: compile a function (nothing runs) and read XLA's buffer assignment.
 
 :func:`memory_report` is the one way to compile a step and read its memory: it compiles as
-:func:`jremat.jit` does (:mod:`jremat.compile`) and reads argument, output, alias, temp and
+:func:`jremat.jit` does (:mod:`jremat._compile`) and reads argument, output, alias, temp and
 generated-code bytes and a peak estimate into a :class:`MemoryReport`;
 :func:`compiled_memory_report` reads an executable already compiled (one that is also run).
 Arguments may be :class:`jax.ShapeDtypeStruct`. :func:`diagnose_remat` says when compiled temp
-memory did not follow the saved residuals (:mod:`jremat.residuals`), and why that usually
+memory did not follow the saved residuals (:mod:`jremat._residuals`), and why that usually
 happens.
 """
 
@@ -17,7 +17,7 @@ from typing import Callable
 
 import jax
 
-from jremat import compile as _compile
+from jremat import _compile
 
 #: How ``MemoryReport.peak_bytes`` was obtained.
 PEAK_FROM_BACKEND = "backend peak_memory_in_bytes"
@@ -152,7 +152,7 @@ def memory_report(
         with its own donation). Typically ``jax.grad(loss)`` or a whole train step.
       *args: arrays or :class:`jax.ShapeDtypeStruct` (shapes suffice).
       compiler_options: XLA options to compile with; ``None`` means
-        :func:`jremat.compile.compiler_options` (what :func:`jremat.jit` uses), ``{}`` plain
+        :func:`jremat.compiler_options` (what :func:`jremat.jit` uses), ``{}`` plain
         ``jax.jit``.
       donate_argnums: arguments whose buffers the step donates (a train step donates its
         parameters and optimizer state), so that the report counts them as aliased.
@@ -179,7 +179,7 @@ def memory_report(
     if options.get("xla_disable_hlo_passes") == _compile.CPU_HOISTING_PASS:
         report = dataclasses.replace(report, notes=report.notes + (
             f"compiled as jremat.jit compiles: XLA pass {_compile.CPU_HOISTING_PASS} off; plain jax.jit "
-            "can keep an extra f32 copy of every scan-stacked bf16 residual (see jremat.compile)",))
+            "can keep an extra f32 copy of every scan-stacked bf16 residual (see jremat.compiler_options)",))
     return report
 
 

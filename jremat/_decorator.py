@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from jremat import registry
-from jremat.policy import CallbackPolicy, Plan, PlanPolicy, Policy
-from jremat.program import Program
+from jremat._policy import CallbackPolicy, Plan, PlanPolicy, Policy
+from jremat._program import Program
 
 
 def _is_dynamic(leaf) -> bool:
@@ -97,7 +97,7 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
        same bits when recomputed.
 
     With ``prevent_cse=True`` (the default) the checkpoint is tied to its cotangent
-    (:mod:`jremat.tie`), so it saves memory in unrolled code too.
+    (:mod:`jremat._tie`), so it saves memory in unrolled code too.
 
     Args:
       spec: a spec string (``"every_k:k=4"``, ``"every_k"``) or a :class:`Policy`.

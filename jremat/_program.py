@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
-from jremat import engine as _engine
+from jremat import _engine
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(

@@ -10,7 +10,7 @@ can run only in that checkpoint's backward step.
 The rule lives in :func:`needs_tie` alone: a checkpoint is tied when it runs as straight-line
 code, outside any ``lax.scan`` or in a scan of one step (which XLA flattens); in a scan of more
 steps each iteration is its own computation and it stays untied. Every layout jremat builds
-(:mod:`jremat.remat`: layers, layer groups, nested groups, head chunks) asks :func:`needs_tie`
+(:mod:`jremat._remat`: layers, layer groups, nested groups, head chunks) asks :func:`needs_tie`
 and passes the answer as ``prevent_cse`` (JAX's own meaning of the flag: the checkpoint may sit
 in straight-line code); :meth:`jremat.Policy.wrap` ties a checkpoint built with
 ``prevent_cse=True`` when it recomputes anything.

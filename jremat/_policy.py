@@ -4,7 +4,7 @@ A :class:`Policy` turns a function into its checkpointed version. Three kinds ex
 
 * :class:`NoRemat` keeps everything (the function is returned unchanged).
 * :class:`CallbackPolicy` wraps one of JAX's per-primitive policy callbacks.
-* :class:`PlanPolicy` decides from the whole traced program (see :mod:`jremat.program`):
+* :class:`PlanPolicy` decides from the whole traced program (see :mod:`jremat._program`):
   it returns a :class:`Plan` of equations to save or offload, which is applied by tagging
   those outputs with unique names and checkpointing with a names policy.
 """
@@ -19,9 +19,9 @@ from typing import Callable
 
 import jax
 
-from jremat import engine as _engine
-from jremat import program as _program
-from jremat import tie as _tie
+from jremat import _engine
+from jremat import _program
+from jremat import _tie
 
 _tag_counter = itertools.count()
 
@@ -52,12 +52,12 @@ class Policy(abc.ABC):
         """Return ``fn`` rematerialized under this policy.
 
         With ``prevent_cse=True`` a checkpoint that recomputes anything is also tied to its
-        cotangent (:mod:`jremat.tie`), so that XLA cannot merge the recomputation back into the
+        cotangent (:mod:`jremat._tie`), so that XLA cannot merge the recomputation back into the
         forward pass of straight-line code.
 
         Args:
           fn: a function of positional pytrees of arrays.
-          prevent_cse: :func:`jremat.tie.needs_tie` of where the checkpoint runs: ``True`` in
+          prevent_cse: :func:`jremat._tie.needs_tie` of where the checkpoint runs: ``True`` in
             straight-line code, ``False`` inside a ``lax.scan`` of more than one step.
         """
         checkpointed = self.checkpoint(fn, prevent_cse=prevent_cse)

@@ -6,7 +6,7 @@
 * ``*after_optimizations.txt``: the scheduled HLO, with each instruction's JAX name stack
   (``op_name``), Python stack frame, operands, and the module's while loops.
 
-:mod:`jremat.timeline` builds the memory timeline from them.
+:mod:`jremat._timeline` builds the memory timeline from them.
 """
 
 from __future__ import annotations

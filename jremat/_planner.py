@@ -18,11 +18,11 @@ bytes) and walks it from the cheapest plan, measuring each plan predicted to fit
 
 Where the backend has separate host memory (``pinned_host`` on GPU, TPU), a unit that is not
 kept on the device is offloaded instead of recomputed when moving its bytes to the host and back
-costs less (:func:`jremat.host_offload.offload_flops_per_byte` prices a byte in FLOP-equivalents,
+costs less (:func:`jremat.offload_flops_per_byte` prices a byte in FLOP-equivalents,
 measured once).
 
 Budgets are written ``6GiB``, ``512MiB``, ``1.5GB``, ``1000000`` (bytes), or a fraction in
-``(0, 1]`` such as ``0.5``: half of the no-remat memory (:func:`jremat.budget.parse_budget`).
+``(0, 1]`` such as ``0.5``: half of the no-remat memory (:func:`jremat.parse_budget`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import time
 from typing import Any, Callable, Collection, Generic, Sequence, TypeVar
 
 from jremat import names as tensor_names
-from jremat.budget import Budget, as_budget, parse_budget
-from jremat.program import Program
-from jremat.residuals import PLAN_TAG_RE
+from jremat._budget import Budget, as_budget, parse_budget
+from jremat._program import Program
+from jremat._residuals import PLAN_TAG_RE
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
 ALWAYS_KEPT = (tensor_names.BLOCK_INPUT, tensor_names.BLOCK_OUTPUT)

@@ -135,10 +135,10 @@ def checkpoint(
     save_names = tuple(save_names)
     offload_names = tuple(offload_names)
     if callback is not None and (save_names or offload_names):
-        raise ValueError("jremat.engine.checkpoint: give save_names/offload_names or a callback, not both")
+        raise ValueError("jremat._engine.checkpoint: give save_names/offload_names or a callback, not both")
     both = sorted(set(save_names) & set(offload_names))
     if both:
-        raise ValueError(f"jremat.engine.checkpoint: {both} listed both to save and to offload; give each name once")
+        raise ValueError(f"jremat._engine.checkpoint: {both} listed both to save and to offload; give each name once")
 
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
@@ -188,7 +188,7 @@ def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kw
     """``jax.checkpoint(fn, policy=policy)`` under remat3, ``fn`` traced once with the classic
     primitives and re-bound: its name tags become :func:`name_tag` (which batches), the values
     named in ``offload`` go through :func:`offload_function`."""
-    from jremat import program as _program
+    from jremat import _program
 
     for src, dst in offload.values():
         offload_function(src, dst)  # check the memory kinds before tracing anything
@@ -204,7 +204,7 @@ def callback_decisions(program, callback: Callable) -> tuple[frozenset[int], dic
     """Ask ``callback`` about every equation of ``program``, as the classic engine does.
 
     Args:
-      program: a :class:`jremat.program.Program` (nested ``jit`` inlined).
+      program: a :class:`jremat.Program` (nested ``jit`` inlined).
       callback: ``(prim, *in_avals, **params)`` returning a bool or ``Saveable`` /
         ``Recompute`` / ``Offloadable``.
 
@@ -228,7 +228,7 @@ _callback_tag_counter = iter(range(1 << 62))
 
 
 def _remat3_callback(fn, callback, args, kwargs):
-    from jremat import program as _program
+    from jremat import _program
 
     prog = _program.trace_program(fn, *args, **kwargs)
     eqns = prog.closed_jaxpr.jaxpr.eqns
@@ -331,7 +331,7 @@ def bind_translated(eqn, invals) -> list:
 def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]]) -> list:
     """Evaluate a (classic) jaxpr, re-emitting name tags and checkpoints for the active engine
     and offloading the values tagged with the names in ``offload``."""
-    from jremat import program as _program
+    from jremat import _program
 
     def offload_named(eqn, outs):
         if eqn.primitive.name == NAME_PRIMITIVE and eqn.params["name"] in offload:

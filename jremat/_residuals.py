@@ -16,8 +16,8 @@ import jax
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
-from jremat import engine as _engine
-from jremat import program as _program
+from jremat import _engine
+from jremat import _program
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -29,8 +29,8 @@ RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 #: Primitives that return their input unchanged; a residual is looked through them.
 IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
 
-#: Names that :class:`jremat.policy.PlanPolicy` gives the values it chose (``jremat3/17``), and
-#: that :func:`jremat.engine.checkpoint` gives the values a callback keeps under jax_remat3
+#: Names that :class:`jremat.PlanPolicy` gives the values it chose (``jremat3/17``), and
+#: that :func:`jremat._engine.checkpoint` gives the values a callback keeps under jax_remat3
 #: (``jremat_cb2/5``).
 PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
 

@@ -2,7 +2,7 @@
 
 :func:`memory_timeline` compiles a function once with XLA's dump options set for that compile
 only (``xla_dump_to`` in ``compiler_options``, a temporary folder, removed afterwards) and reads
-three files XLA writes for the optimized module (parsed by :mod:`jremat.xla_dump`):
+three files XLA writes for the optimized module (parsed by :mod:`jremat._xla_dump`):
 
 * ``*buffer-assignment.txt``: every allocation (parameter, output, preallocated temp ...) and the
   logical buffers (HLO values) placed in it, with size and offset;
@@ -15,7 +15,7 @@ three files XLA writes for the optimized module (parsed by :mod:`jremat.xla_dump
 (parameter allocation) and every output allocation for the whole program (the runtime allocates
 both before the program starts); and the temp values live at ``t``, counted by the bytes of the preallocated temp block
 they occupy (values that share memory, like an in-place update and its operand, count once).
-The compiled peak of :func:`jremat.memory.memory_report` is ``argument + output - alias + temp``,
+The compiled peak of :func:`jremat.memory_report` is ``argument + output - alias + temp``,
 where ``temp`` is the size of the temp block, i.e. the heap's high-water mark including
 fragmentation; the timeline's maximum is at most that, and :attr:`MemoryTimeline.agreement`
 says how close it came. Constants and thread-local scratch (``thread-local`` allocations:
@@ -60,10 +60,10 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from jremat import _jax_compat
-from jremat import memory as _memory
-from jremat import program as _program
-from jremat import compile as _compile
-from jremat.xla_dump import (
+from jremat import _memory
+from jremat import _program
+from jremat import _compile
+from jremat._xla_dump import (
     Hlo,
     Value,
     parse_buffer_assignment,
@@ -145,14 +145,14 @@ class MemoryTimeline:
       peak_bytes: ``max(live_bytes)``.
       top_buffers: the buffers live at the peak, largest first (all, or as many as asked for).
       loops: top-level ``while`` loop spans.
-      compiled_peak_bytes: :attr:`jremat.memory.MemoryReport.peak_bytes` of the same executable.
+      compiled_peak_bytes: :attr:`jremat.MemoryReport.peak_bytes` of the same executable.
       argument_bytes: bytes of the argument allocations (live throughout).
       output_bytes: bytes of the output allocations that are not arguments.
       temp_bytes: size of the preallocated temp block(s) (``0`` where none).
       unmodelled_bytes: constants and thread-local scratch, not in :attr:`live_bytes`.
       platform: the backend the program was compiled for.
       notes: what was and was not modelled, and disagreements with the compiled peak.
-      report: the :class:`jremat.memory.MemoryReport` of the same executable (``None`` when built
+      report: the :class:`jremat.MemoryReport` of the same executable (``None`` when built
         from dump text without one).
     """
 
@@ -300,7 +300,7 @@ def build_timeline(
       live_range: text of ``*after_optimizations-live-range.txt``.
       hlo_text: text of ``*after_optimizations.txt`` (or ``compiled.as_text()``).
       tags: ``(source file, line) -> {checkpoint_name tags}`` used to name buffers.
-      report: the compiled :class:`jremat.memory.MemoryReport` to compare the maximum with.
+      report: the compiled :class:`jremat.MemoryReport` to compare the maximum with.
       top: how many buffers at the peak to keep (``None``: all of them).
 
     Raises:
@@ -562,14 +562,14 @@ def memory_timeline(
 ) -> MemoryTimeline:
     """Compile ``fn(*args, **kwargs)`` (nothing runs) and return its :class:`MemoryTimeline`.
 
-    The compile uses the same options as :func:`jremat.memory.memory_report` plus XLA's dump
+    The compile uses the same options as :func:`jremat.memory_report` plus XLA's dump
     options pointed at a temporary folder (removed afterwards), so the compiled peak it is
     compared with is that of this very executable.
 
     Args:
       fn: a function of pytrees of arrays, jitted or not.
       *args: arrays or :class:`jax.ShapeDtypeStruct`.
-      compiler_options: XLA options; ``None`` means :func:`jremat.compile.compiler_options`.
+      compiler_options: XLA options; ``None`` means :func:`jremat.compiler_options`.
       top: how many of the largest buffers at the peak to keep (``None``: all of them).
       **kwargs: keyword arguments of ``fn``.
 

@@ -4,7 +4,7 @@
   out of the backward loop; :func:`compiler_options` turns the pass off on CPU and :func:`jit`
   applies it. :func:`jremat.memory_report` compiles this way by default.
 * The concurrency-optimized scheduler stays on: turning it off (:data:`CPU_SCHEDULER_FLAG`) helps
-  plain ``jax.checkpoint`` in unrolled code but hurts the cotangent tie (:mod:`jremat.tie`). The
+  plain ``jax.checkpoint`` in unrolled code but hurts the cotangent tie (:mod:`jremat._tie`). The
   memory report names the flag when it finds it set.
 
 Measurements for both: docs/xla-notes.md.

@@ -14,7 +14,7 @@ does. It reports:
   of the gradient, without and with the policy; when the temp did not fall although the policy
   recomputes (XLA merged the recomputation back, or the checkpoint covers the whole
   differentiated function) a line says so and names the likely cause
-  (:func:`jremat.memory.diagnose_remat`).
+  (:func:`jremat.diagnose_remat`).
 
 ``print(jremat.explain(f, "full", w, x))`` prints plain text; :meth:`Explanation.to_json` gives
 the same as a dict.
@@ -33,13 +33,13 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
-from jremat import memory as _memory
-from jremat import residuals as _residuals
-from jremat import program as _program
+from jremat import _memory
+from jremat import _residuals
+from jremat import _program
 from jremat import registry
-from jremat.decorator import policy as _decorate_with
-from jremat.decorator import split_static
-from jremat.policy import NoRemat, Policy
+from jremat._decorator import policy as _decorate_with
+from jremat._decorator import split_static
+from jremat._policy import NoRemat, Policy
 
 SAVE = "save"
 OFFLOAD = "offload"
@@ -394,7 +394,7 @@ def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, save
                     whole_function: bool, scan_layers: bool | None) -> str | None:
     """One line when compiled temp memory did not fall although the policy recomputes, else ``None``.
 
-    Any fall of the residuals counts (:func:`jremat.memory.diagnose_remat` with
+    Any fall of the residuals counts (:func:`jremat.diagnose_remat` with
     ``min_saved_drop=0``): the temp must show at least a quarter of it.
     """
     if not recomputed:

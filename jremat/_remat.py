@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jremat import names, registry
-from jremat import tie as _tie
-from jremat.policy import CallbackPolicy, Policy
+from jremat import _tie
+from jremat._policy import CallbackPolicy, Policy
 
 GRANULARITIES = ("none", "block", "sublayer")
 
@@ -241,7 +241,7 @@ _MANY_STEPS = 2
 
 class _InScan(Policy):
     """``policy`` for layers that :func:`run_layers` calls in a ``lax.scan`` of ``scan_length``
-    steps (``None``: unrolled); the cotangent tie follows :func:`jremat.tie.needs_tie`."""
+    steps (``None``: unrolled); the cotangent tie follows :func:`jremat._tie.needs_tie`."""
 
     def __init__(self, policy: Policy, scan_length: int | None):
         self.policy = policy
@@ -269,7 +269,7 @@ def run_layers(
         has :func:`remat_at` applied at its block/sublayer boundaries with that policy.
       stacked_params: pytree whose leaves have a leading layer axis.
       x: the activation entering the first layer.
-      keys: per-layer keys of shape ``(n_layers,)`` (see :func:`jremat.rng.layer_keys`) or ``None``.
+      keys: per-layer keys of shape ``(n_layers,)`` (see :func:`jremat.layer_keys`) or ``None``.
       config: the :class:`RematConfig`.
 
     Returns:
