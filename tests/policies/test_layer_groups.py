@@ -76,7 +76,9 @@ def no_remat_reference(cfg):
     return loss_and_grads(cfg.replace(remat_policy="none", remat_granularity="none"))
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize(
+    "scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scan", "unrolled"]
+)
 @pytest.mark.parametrize(
     "spec, layer_policies",
     [("every_k:k=2", "1:full"), ("none", "1:selective,rest:every_k:k=3"), ("nested:block=2,layer=full", "")],

@@ -9,7 +9,7 @@ the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCT
     ``d_ff`` (blocks only, chunked head only, whole step), and step time against k.
 ``megatron``
     Per-layer saved activations next to Megatron-LM's formulas, and the analytic peak estimate
-    (:func:`train.memory.analytic_peak_bytes`) against the compiled peak.
+    (:func:`models.programs.analytic_peak_bytes`) against the compiled peak.
 ``maxbatch``
     The largest batch whose compiled Adam-step peak fits a budget.
 ``time``

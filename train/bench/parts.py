@@ -119,7 +119,7 @@ def megatron_formulas(s: int, b: int, h: int, a: int) -> dict[str, float]:
 def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Per-layer saved activations vs Megatron-LM's formulas, and the analytic peak vs the compiled one.
 
-    The step is the gradient step of :func:`train.memory.policy_memory` (what ``train.memory``
+    The step is the gradient step of :func:`models.policy_memory.policy_memory` (what ``train.memory``
     reports and its analytic estimate models), blocks only.
     """
     b, s = config.megatron_batch, config.megatron_seq

@@ -235,7 +235,7 @@ MISS_NOTES = {
         "The block's saved activations differ from Megatron-LM's accounting for this policy; the Megatron table "
         "gives the bytes per layer."),
     "Analytic peak": (
-        "The estimate (`train.memory.analytic_peak_bytes`) leaves out one block's transient backward working set; "
+        "The estimate (`models.programs.analytic_peak_bytes`) leaves out one block's transient backward working set; "
         "when that, not the head, sets the peak, it underestimates."),
     "Max batch": (
         "Under `full` the peak is mostly parameters, gradients and both Adam moments, which do not shrink with the "
