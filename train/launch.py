@@ -73,9 +73,12 @@ def process_env(base: Mapping[str, str], process_id: int, num_processes: int, po
 
 
 def _forward(stream: IO[str], sink: IO[str], prefix: str) -> None:
-    for line in stream:
-        sink.write(prefix + line)
-        sink.flush()
+    try:
+        for line in stream:
+            sink.write(prefix + line)
+            sink.flush()
+    except (ValueError, OSError):  # the launcher closed the pipe while a grandchild still held it
+        pass
 
 
 def _exit_code(returncode: int) -> int:
@@ -121,6 +124,7 @@ class Launch:
                 )
             except OSError as err:
                 self.stop()
+                self._close_pipes()
                 raise UsageError(f"cannot start {self.command[0]!r}: {err.strerror or err}") from None
             self.procs.append(proc)
             if piped:
@@ -185,8 +189,15 @@ class Launch:
                     return EXIT_TIMEOUT, f"the processes did not finish within {timeout_s:g} s; stopped them"
                 time.sleep(0.05)
         finally:
-            for thread in self._threads:
-                thread.join(timeout=5)
+            self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for proc in self.procs:
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
 
 
 def build_parser() -> OneLineErrorParser:
