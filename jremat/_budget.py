@@ -78,7 +78,7 @@ def parse_budget(text: str) -> Budget:
     return Budget(bytes=int(size), fraction=None, text=str(text).strip())
 
 
-def as_budget(budget: "str | Budget") -> Budget:
+def as_budget(budget: str | Budget) -> Budget:
     """``budget`` parsed if it is a string."""
     return budget if isinstance(budget, Budget) else parse_budget(budget)
 

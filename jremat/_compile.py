@@ -12,7 +12,8 @@ Measurements for both: docs/xla-notes.md.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

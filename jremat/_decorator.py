@@ -22,7 +22,7 @@ name, after which every spec string, decorator and ``--policy`` flag accepts it.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -56,7 +56,9 @@ def call_rematerialized(fn: Callable, policy: Policy, args: tuple, kwargs: dict,
     return policy.wrap(with_dynamic, prevent_cse=prevent_cse)(*[leaves[i] for i in dynamic_positions])
 
 
-def split_static(fn: Callable, args: tuple, kwargs: dict, is_dynamic: Callable = _is_dynamic) -> tuple[Callable, list, list[int]]:
+def split_static(
+    fn: Callable, args: tuple, kwargs: dict, is_dynamic: Callable = _is_dynamic
+) -> tuple[Callable, list, list[int]]:
     """``fn(*args, **kwargs)`` as a function of its array leaves alone, the others closed over.
 
     Args:
@@ -82,7 +84,7 @@ def split_static(fn: Callable, args: tuple, kwargs: dict, is_dynamic: Callable =
     return with_dynamic, leaves, dynamic_positions
 
 
-def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), prevent_cse: bool = True, **keys):
+def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), prevent_cse: bool = True, **keys):
     """Decorator applying a rematerialization policy to a function or a Flax module.
 
     Works on:
@@ -146,7 +148,7 @@ def policy(spec: "str | Policy", /, *, methods: Iterable[str] = ("__call__",), p
     return decorate
 
 
-def checkpoint(fn: Callable, policy: "str | Policy" = "full", *, prevent_cse: bool = True, **keys) -> Callable:
+def checkpoint(fn: Callable, policy: str | Policy = "full", *, prevent_cse: bool = True, **keys) -> Callable:
     """Rematerialize ``fn`` under a policy: ``jremat.checkpoint(f, "every_k:k=4")``.
 
     The same as ``jremat.policy(policy, prevent_cse=prevent_cse, **keys)(fn)``: non-array

@@ -32,11 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend import core as jcore
 
-from jremat import _jax_compat
-from jremat import _memory
-from jremat import _residuals
-from jremat import _program
-from jremat import registry
+from jremat import _jax_compat, _memory, _program, _residuals, registry
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
 from jremat._policy import NoRemat, Policy
@@ -143,20 +139,30 @@ class Explanation:
 
     def text(self) -> str:
         """Plain text: a header, one line per decision and name, memory figures, then messages."""
-        lines = [(f"policy {self.policy!r} on {self.function}: {self.checkpoints} checkpoint"
-                 f"{'' if self.checkpoints == 1 else 's'}")]
+        lines = [
+            (
+                f"policy {self.policy!r} on {self.function}: {self.checkpoints} checkpoint"
+                f"{'' if self.checkpoints == 1 else 's'}"
+            )
+        ]
         for d in self.decisions:
             per = f" per iteration, x{d.iterations} = {_memory.format_bytes(d.total_bytes)}" if d.iterations > 1 else ""
             tagged = f"  [names: {', '.join(d.names)}]" if d.names else ""
-            lines.append(f"  {d.decision:<9} {d.count:>5} values {_memory.format_bytes(d.bytes):>11}{per}  {d.where}{tagged}")
+            lines.append(
+                f"  {d.decision:<9} {d.count:>5} values {_memory.format_bytes(d.bytes):>11}{per}  {d.where}{tagged}"
+            )
         for m in self.names:
             lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
         if self.saved_bytes is not None:
-            lines.append(f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
-                         f"{_memory.format_bytes(self.saved_bytes)} with the policy")
+            lines.append(
+                f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
+                f"{_memory.format_bytes(self.saved_bytes)} with the policy"
+            )
         if self.temp_bytes is not None:
-            lines.append(f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
-                         f"{_memory.format_bytes(self.temp_bytes)} with the policy")
+            lines.append(
+                f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
+                f"{_memory.format_bytes(self.temp_bytes)} with the policy"
+            )
         lines.extend(self.messages)
         return "\n".join(lines)
 
@@ -384,14 +390,30 @@ def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
             return flat_fn(*full)
 
         out, vjp = jax.vjp(of_diff, *[values[i] for i in floats])
-        return vjp(jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
-                                else jnp.zeros(o.shape, jax.dtypes.float0), out))
+        return vjp(
+            jax.tree.map(
+                lambda o: (
+                    jnp.ones(o.shape, o.dtype)
+                    if jnp.issubdtype(o.dtype, jnp.inexact)
+                    else jnp.zeros(o.shape, jax.dtypes.float0)
+                ),
+                out,
+            )
+        )
 
     return grad_fn
 
 
-def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, saved: int, base_saved: int,
-                    whole_function: bool, scan_layers: bool | None) -> str | None:
+def _no_saving_line(
+    label: str,
+    recomputed: int,
+    temp: int,
+    base_temp: int,
+    saved: int,
+    base_saved: int,
+    whole_function: bool,
+    scan_layers: bool | None,
+) -> str | None:
     """One line when compiled temp memory did not fall although the policy recomputes, else ``None``.
 
     Any fall of the residuals counts (:func:`jremat.diagnose_remat` with
@@ -403,15 +425,19 @@ def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, save
     if note is None and temp < base_temp:
         return None
     if whole_function:  # the known cause: diagnose_remat's list of XLA causes does not apply first
-        return (f"no saving ({label}): residuals for the backward pass fell {base_saved:,} -> {saved:,} bytes but "
-                f"compiled temp memory did not ({base_temp:,} -> {temp:,} bytes); cause: the one checkpoint wraps "
-                "the whole differentiated function, so the backward pass recomputes all of it at once and every "
-                "intermediate is alive again; apply the policy to smaller pieces (each layer or block: "
-                "@jremat.policy on the block, jremat.run_layers)")
+        return (
+            f"no saving ({label}): residuals for the backward pass fell {base_saved:,} -> {saved:,} bytes but "
+            f"compiled temp memory did not ({base_temp:,} -> {temp:,} bytes); cause: the one checkpoint wraps "
+            "the whole differentiated function, so the backward pass recomputes all of it at once and every "
+            "intermediate is alive again; apply the policy to smaller pieces (each layer or block: "
+            "@jremat.policy on the block, jremat.run_layers)"
+        )
     if note is None:
-        note = (f"the policy recomputes {recomputed} values but compiled temp memory did not fall "
-                f"({base_temp:,} -> {temp:,} bytes); likely cause: XLA merged the recomputation back into the "
-                "forward pass or scheduled it early")
+        note = (
+            f"the policy recomputes {recomputed} values but compiled temp memory did not fall "
+            f"({base_temp:,} -> {temp:,} bytes); likely cause: XLA merged the recomputation back into the "
+            "forward pass or scheduled it early"
+        )
     return f"no saving ({label}): {note}"
 
 
@@ -420,8 +446,14 @@ def _no_saving_line(label: str, recomputed: int, temp: int, base_temp: int, save
 # ---------------------------------------------------------------------------------------------
 
 
-def explain(fn: Callable, policy: str | Policy, *args: Any, compile: bool = True,
-            param_argnums: Iterable[int] = (), **kwargs: Any) -> Explanation:
+def explain(
+    fn: Callable,
+    policy: str | Policy,
+    *args: Any,
+    compile: bool = True,
+    param_argnums: Iterable[int] = (),
+    **kwargs: Any,
+) -> Explanation:
     """Explain what ``policy`` does to ``fn(*args, **kwargs)``; nothing is executed.
 
     The policy is applied around ``fn`` as ``@jremat.policy(policy)`` would. For a function
@@ -450,14 +482,30 @@ def explain(fn: Callable, policy: str | Policy, *args: Any, compile: bool = True
         remat_fn = _decorate_with(chosen)(fn)
     except ValueError as err:
         return _failed(label, fn, err)
-    return explain_applied(remat_fn, *args, policy=chosen, baseline=fn, compile=compile,
-                           param_argnums=param_argnums, whole_function=True, _label=label,
-                           _name=getattr(fn, "__name__", repr(fn)), **kwargs)
+    return explain_applied(
+        remat_fn,
+        *args,
+        policy=chosen,
+        baseline=fn,
+        compile=compile,
+        param_argnums=param_argnums,
+        whole_function=True,
+        _label=label,
+        _name=getattr(fn, "__name__", repr(fn)),
+        **kwargs,
+    )
 
 
 def _failed(label, fn, err) -> Explanation:
-    return Explanation(label, getattr(fn, "__name__", repr(fn)), 0, (), (), (),
-                       messages=(f"error ({label}): applying the policy raised: {err}",))
+    return Explanation(
+        label,
+        getattr(fn, "__name__", repr(fn)),
+        0,
+        (),
+        (),
+        (),
+        messages=(f"error ({label}): applying the policy raised: {err}",),
+    )
 
 
 def explain_applied(
@@ -522,7 +570,8 @@ def explain_applied(
         if not hits:
             messages.append(
                 f"unmatched name ({label}): {role} name {tag!r} matched nothing; the traced function tags "
-                + (", ".join(found) if found else "no values (no checkpoint_name at all)"))
+                + (", ".join(found) if found else "no values (no checkpoint_name at all)")
+            )
     try:
         with _jax_compat.classic_remat_context():
             jaxpr = jax.make_jaxpr(flat_remat)(*structs).jaxpr
@@ -546,12 +595,31 @@ def explain_applied(
             temp_bytes, baseline_temp_bytes = temps
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
-        line = _no_saving_line(label, recomputed, temp_bytes, baseline_temp_bytes, saved, base_saved,
-                               whole_function and n_checkpoints == 1, scan_layers)
+        line = _no_saving_line(
+            label,
+            recomputed,
+            temp_bytes,
+            baseline_temp_bytes,
+            saved,
+            base_saved,
+            whole_function and n_checkpoints == 1,
+            scan_layers,
+        )
         if line:
             messages.append(line)
-    return Explanation(label, name, n_checkpoints, tuple(decisions), tuple(matches), found, saved, base_saved,
-                       temp_bytes, baseline_temp_bytes, tuple(messages))
+    return Explanation(
+        label,
+        name,
+        n_checkpoints,
+        tuple(decisions),
+        tuple(matches),
+        found,
+        saved,
+        base_saved,
+        temp_bytes,
+        baseline_temp_bytes,
+        tuple(messages),
+    )
 
 
 __all__ = [

@@ -6,7 +6,7 @@ program_flops(grad without remat)``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

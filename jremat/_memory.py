@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -101,13 +101,23 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
     platform = platform or jax.default_backend()
     try:
         stats = compiled.memory_analysis()
-    except Exception as err:  # noqa: BLE001 - backends raise various errors for "unsupported"
+    except Exception as err:
         stats, error = None, f"memory_analysis() raised {type(err).__name__}: {err}"
     else:
         error = "memory_analysis() returned None"
     if stats is None:
-        return MemoryReport(False, platform, None, None, None, None, None, None, PEAK_UNAVAILABLE,
-                            (f"{platform}: {error}; no compiled memory figures (see jax issue #18954)",))
+        return MemoryReport(
+            False,
+            platform,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            PEAK_UNAVAILABLE,
+            (f"{platform}: {error}; no compiled memory figures (see jax issue #18954)",),
+        )
     fields = {
         "argument_bytes": _stat(stats, "argument_size_in_bytes"),
         "output_bytes": _stat(stats, "output_size_in_bytes"),
@@ -117,10 +127,22 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
     }
     core = [fields[k] for k in ("argument_bytes", "output_bytes", "temp_bytes")]
     if any(v is None for v in core) or not any(core):
-        return MemoryReport(False, platform, None, None, None, None, None, None, PEAK_UNAVAILABLE,
-                            (f"{platform}: memory_analysis() reported zero or missing argument, output "
-                             "and temp sizes, which means the backend does not fill them (jax issue "
-                             "#18954), not that the program needs no memory",))
+        return MemoryReport(
+            False,
+            platform,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            PEAK_UNAVAILABLE,
+            (
+                f"{platform}: memory_analysis() reported zero or missing argument, output "
+                "and temp sizes, which means the backend does not fill them (jax issue "
+                "#18954), not that the program needs no memory",
+            ),
+        )
     fields["alias_bytes"] = fields["alias_bytes"] or 0
     fields["generated_code_bytes"] = fields["generated_code_bytes"] or 0
     summed = fields["argument_bytes"] + fields["output_bytes"] - fields["alias_bytes"] + fields["temp_bytes"]
@@ -173,13 +195,21 @@ def memory_report(
     elif compiler_options is None:
         compiled = _compile.jit(fn, donate_argnums=donate_argnums).lower(*args, **kwargs).compile()
     else:
-        compiled = jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options or None).lower(
-            *args, **kwargs).compile()
+        compiled = (
+            jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options or None)
+            .lower(*args, **kwargs)
+            .compile()
+        )
     report = compiled_memory_report(compiled)
     if options.get("xla_disable_hlo_passes") == _compile.CPU_HOISTING_PASS:
-        report = dataclasses.replace(report, notes=report.notes + (
-            f"compiled as jremat.jit compiles: XLA pass {_compile.CPU_HOISTING_PASS} off; plain jax.jit "
-            "can keep an extra f32 copy of every scan-stacked bf16 residual (see jremat.compiler_options)",))
+        report = dataclasses.replace(
+            report,
+            notes=report.notes
+            + (
+                f"compiled as jremat.jit compiles: XLA pass {_compile.CPU_HOISTING_PASS} off; plain jax.jit "
+                "can keep an extra f32 copy of every scan-stacked bf16 residual (see jremat.compiler_options)",
+            ),
+        )
     return report
 
 

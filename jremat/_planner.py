@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Callable, Collection, Generic, Sequence, TypeVar
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Generic, TypeVar
 
 from jremat import names as tensor_names
 from jremat._budget import Budget, as_budget, parse_budget
@@ -209,7 +210,7 @@ def solve(
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_function(program: Program, budget: "str | Budget") -> frozenset[int]:
+def plan_function(program: Program, budget: str | Budget) -> frozenset[int]:
     """The compute ops of one checkpointed function to keep under ``budget`` (op indices).
 
     Units are the compute ops (outputs of PRNG-only ops are always recomputed); a fractional
@@ -299,8 +300,10 @@ class LayerPlan:
     def table(self) -> str:
         """Every tensor name with its decision, then predicted vs compiled peak and overhead."""
         cand = self.candidate
-        lines = [f"auto plan for budget {self.budget_bytes:,} bytes ({self.budget_bytes / 2**30:.3f} GiB): "
-                 f"{cand.describe(self.n_layers)}"]
+        lines = [
+            f"auto plan for budget {self.budget_bytes:,} bytes ({self.budget_bytes / 2**30:.3f} GiB): "
+            f"{cand.describe(self.n_layers)}"
+        ]
         lines.append(f"  {'tensor':<14} {'bytes/layer':>14} {'recompute FLOPs':>16}  decision")
         for nc in self.names:
             if cand.remat_layers == 0 or nc.name in cand.save:
@@ -322,7 +325,7 @@ class LayerPlan:
 
 
 def plan_layers(
-    budget: "str | Budget",
+    budget: str | Budget,
     *,
     costs: Sequence[NameCost],
     n_layers: int,
@@ -382,8 +385,14 @@ def plan_layers(
         moved = tuple(c.name for c in costs if c.offloaded and c.name not in subset)
         candidates.extend(Candidate(subset, g, moved) for g in range(1, n_layers + 1))
     budget_bytes = budget.resolve(none_peak, floor_bytes=full_peak if budget.fraction is not None else 0)
-    solution = solve(budget_bytes, candidates, predict_peak_bytes=predict, recompute_flops=cost,
-                     measure_peak_bytes=measure, describe=lambda c: c.describe(n_layers))
+    solution = solve(
+        budget_bytes,
+        candidates,
+        predict_peak_bytes=predict,
+        recompute_flops=cost,
+        measure_peak_bytes=measure,
+        describe=lambda c: c.describe(n_layers),
+    )
     return LayerPlan(
         config=apply(solution.candidate),
         candidate=solution.candidate,

@@ -15,13 +15,11 @@ import abc
 import dataclasses
 import functools
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
-from jremat import _engine
-from jremat import _program
-from jremat import _tie
+from jremat import _engine, _program, _tie
 
 _tag_counter = itertools.count()
 
@@ -131,9 +129,7 @@ class PlanPolicy(Policy):
             prefix = f"jremat{next(_tag_counter)}"
             tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
             save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]
-            offload_names = [
-                n for i in chosen.offload for n in _program.tag_names(tags[i], prog.ops[i])
-            ]
+            offload_names = [n for i in chosen.offload for n in _program.tag_names(tags[i], prog.ops[i])]
             if offload_names:
                 require_host_memory(self.offload_dst)
             tagged = _engine.checkpoint(

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _jax_compat
-from jremat import _engine
+from jremat import _engine, _jax_compat
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -158,13 +158,19 @@ class Op:
     @property
     def is_elementwise(self) -> bool:
         """True for counted ops that are neither matmuls nor calls nor reductions."""
-        return self.counted and not self.is_matmul and self.primitive not in (
-            "remat2",
-            "checkpoint",
-            "custom_jvp_call",
-            "custom_vjp_call",
-            "custom_vjp_call_jaxpr",
-        ) and not self.primitive.startswith("reduce_")
+        return (
+            self.counted
+            and not self.is_matmul
+            and self.primitive
+            not in (
+                "remat2",
+                "checkpoint",
+                "custom_jvp_call",
+                "custom_vjp_call",
+                "custom_vjp_call_jaxpr",
+            )
+            and not self.primitive.startswith("reduce_")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +276,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
         name = eqn.primitive.name
         has_data = any(data_dep.get(v, False) for v in ins)
         has_key = (
-            name in KEY_MAKING_PRIMITIVES
-            or any(key_dep.get(v, False) for v in ins)
-            or any(is_key(v.aval) for v in ins)
+            name in KEY_MAKING_PRIMITIVES or any(key_dep.get(v, False) for v in ins) or any(is_key(v.aval) for v in ins)
         )
         for v in eqn.outvars:
             data_dep[v] = has_data

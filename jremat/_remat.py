@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jremat import names, registry
-from jremat import _tie
+from jremat import _tie, names, registry
 from jremat._policy import CallbackPolicy, Policy
 
 GRANULARITIES = ("none", "block", "sublayer")
@@ -62,9 +62,7 @@ class RematConfig:
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
-            raise ValueError(
-                f"unknown remat granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}"
-            )
+            raise ValueError(f"unknown remat granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}")
         fields = registry.stack_fields(self.policy)  # the one place a ``nested:`` spec is read
         if fields is not None:
             if self.nest is not None:
@@ -212,7 +210,7 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
     return tuple(groups)
 
 
-def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: "Policy | None" = None) -> Callable:
+def remat_at(fn: Callable, level: str, config: RematConfig, *, policy: Policy | None = None) -> Callable:
     """Checkpoint ``fn`` if ``level`` is the configured granularity, else return it unchanged.
 
     Args:
@@ -307,7 +305,7 @@ def _run_layers(make_layer_fn, stacked_params, x, keys, config):
     param_parts = jax.tree.map(lambda a: jax.lax.split(a, sizes, axis=0), stacked_params)
     start = 0
     for g, (count, group_policy) in enumerate(groups):
-        params_g = jax.tree.map(lambda parts: parts[g], param_parts, is_leaf=lambda t: isinstance(t, list))
+        params_g = jax.tree.map(lambda parts, g=g: parts[g], param_parts, is_leaf=lambda t: isinstance(t, list))
         keys_g = None if keys is None else keys[start : start + count]
         x = _run_stack(layer_fn(group_policy, count), params_g, x, keys_g, config.scan_layers)
         start += count
@@ -318,6 +316,7 @@ def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any,
     """Run ``layer_fn`` over the leading layer axis of ``stacked_params`` (scan or unrolled)."""
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
     if scan:
+
         def body(carry, layer_inputs):
             params_i, key_i = layer_inputs
             return layer_fn(params_i, carry, key_i), None
@@ -328,12 +327,14 @@ def _run_stack(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any,
     # transpose into a full-size padded gradient buffer per layer.
     per_layer = jax.tree.map(lambda a: jax.lax.split(a, (1,) * n_layers, axis=0), stacked_params)
     for i in range(n_layers):
-        params_i = jax.tree.map(lambda parts: parts[i][0], per_layer, is_leaf=lambda t: isinstance(t, list))
+        params_i = jax.tree.map(lambda parts, i=i: parts[i][0], per_layer, is_leaf=lambda t: isinstance(t, list))
         x = layer_fn(params_i, x, None if keys is None else keys[i])
     return x
 
 
-def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, config: RematConfig, size: int) -> jax.Array:
+def _run_nested(
+    layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any, config: RematConfig, size: int
+) -> jax.Array:
     """Outer loop over groups of ``size`` layers, each group one checkpoint around an inner loop."""
     n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
     n_groups = n_layers // size
@@ -356,7 +357,7 @@ def _run_nested(layer_fn: Callable, stacked_params: Any, x: jax.Array, keys: Any
     checkpointed = save_inputs_only.wrap(group_fn, prevent_cse=_tie.needs_tie(None))
     parts = jax.tree.map(lambda a: jax.lax.split(a, (size,) * n_groups, axis=0), stacked_params)
     for g in range(n_groups):
-        params_g = jax.tree.map(lambda p: p[g], parts, is_leaf=lambda t: isinstance(t, list))
+        params_g = jax.tree.map(lambda p, g=g: p[g], parts, is_leaf=lambda t: isinstance(t, list))
         keys_g = None if keys is None else keys[g * size : (g + 1) * size]
         x = checkpointed(params_g, x, keys_g)
     return x
@@ -385,7 +386,9 @@ def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunk
     """
     length = arrays[0].shape[axis]
     if n_chunks <= 0 or length % n_chunks:
-        raise ValueError(f"n_chunks must be a positive divisor of the length {length} along axis {axis}, got {n_chunks}")
+        raise ValueError(
+            f"n_chunks must be a positive divisor of the length {length} along axis {axis}, got {n_chunks}"
+        )
 
     def split(a):
         shape = a.shape[:axis] + (n_chunks, length // n_chunks) + a.shape[axis + 1 :]

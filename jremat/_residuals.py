@@ -10,14 +10,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 from jax.extend import core as jcore
 
-from jremat import _jax_compat
-from jremat import _engine
-from jremat import _program
+from jremat import _engine, _jax_compat, _program
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -176,9 +174,13 @@ class ResidualsReport:
         lines = [f"{'kind':<10} {'label':<28} {'count':>5} {'bytes':>14} {'bytes/layer':>14}  shapes"]
         for g in self.groups(kinds):
             shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in g.shapes[:3])
-            lines.append(f"{g.kind:<10} {g.label:<28} {g.count:>5} {g.bytes:>14,} {g.bytes_per_layer:>14,.0f}  {shapes}")
+            lines.append(
+                f"{g.kind:<10} {g.label:<28} {g.count:>5} {g.bytes:>14,} {g.bytes_per_layer:>14,.0f}  {shapes}"
+            )
         for kind in kinds:
-            lines.append(f"total {kind}: {self.bytes_of(kind):,} bytes ({self.bytes_of(kind) / self.n_layers:,.0f} per layer)")
+            lines.append(
+                f"total {kind}: {self.bytes_of(kind):,} bytes ({self.bytes_of(kind) / self.n_layers:,.0f} per layer)"
+            )
         return "\n".join(lines)
 
 
@@ -187,7 +189,7 @@ def _summarize_source(eqn) -> str:
         return "unknown"
     try:
         return _jax_compat.source_summarize(eqn.source_info) or "inside a JAX library function"
-    except Exception:  # noqa: BLE001 - best effort, never fail a report over a line number
+    except Exception:
         return "unknown"
 
 
@@ -214,7 +216,7 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
     # jit merely forwards become the same variable (no double counting).
     inlined = _program.inline_calls(closed, leaves)
     jaxpr = inlined.jaxpr
-    return jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_res:], leaves, in_tree
+    return jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_res :], leaves, in_tree
 
 
 def _leaf_paths(args, kwargs) -> list[str]:
@@ -235,6 +237,7 @@ def _argnum_of_leaves(args, kwargs) -> list[int | str]:
 
 _PARAM, _DATA, _KEY = 1, 2, 4
 
+
 def _in_masks(eqn, deps) -> list[int]:
     return [0 if isinstance(v, jcore.Literal) else deps.get(v, 0) for v in eqn.invars]
 
@@ -252,9 +255,9 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
         if name == "scan":
             body = eqn.params["jaxpr"].jaxpr
             n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-            carry = masks[n_consts:n_consts + n_carry]
+            carry = masks[n_consts : n_consts + n_carry]
             for _ in range(4):
-                inner = dict(zip(body.invars, masks[:n_consts] + carry + masks[n_consts + n_carry:]))
+                inner = dict(zip(body.invars, masks[:n_consts] + carry + masks[n_consts + n_carry :]))
                 _propagate_deps(body, inner)
                 body_outs = [0 if isinstance(v, jcore.Literal) else inner.get(v, 0) for v in body.outvars]
                 new_carry = [a | b for a, b in zip(carry, body_outs[:n_carry])]
@@ -275,7 +278,6 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
             outs = [union] * len(eqn.outvars)
         for v, m in zip(eqn.outvars, outs):
             deps[v] = m
-
 
 
 def saved_residuals_report(
@@ -350,7 +352,9 @@ def saved_residuals_report(
 
     def canonical(v):
         names = []
-        while not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES:
+        while (
+            not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES
+        ):
             eqn = producer[v]
             if _primitive_name(eqn) == "name":
                 names.append(_engine.tag_name(eqn))
@@ -382,14 +386,32 @@ def saved_residuals_report(
     for v in res_vars:
         if isinstance(v, jcore.Literal):
             aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
-            residuals.append(SavedResidual(tuple(getattr(aval, "shape", ())), _dtype_name(aval),
-                                           _program.aval_bytes(aval), CONSTANT, None, "literal", "a literal"))
+            residuals.append(
+                SavedResidual(
+                    tuple(getattr(aval, "shape", ())),
+                    _dtype_name(aval),
+                    _program.aval_bytes(aval),
+                    CONSTANT,
+                    None,
+                    "literal",
+                    "a literal",
+                )
+            )
             continue
         base, chain_names = canonical(v)
         if isinstance(base, jcore.Literal):
             aval = base.aval
-            residuals.append(SavedResidual(tuple(aval.shape), _dtype_name(aval), _program.aval_bytes(aval),
-                                           CONSTANT, None, "literal", "a literal"))
+            residuals.append(
+                SavedResidual(
+                    tuple(aval.shape),
+                    _dtype_name(aval),
+                    _program.aval_bytes(aval),
+                    CONSTANT,
+                    None,
+                    "literal",
+                    "a literal",
+                )
+            )
             continue
         if base in seen_vars:
             continue
@@ -421,8 +443,11 @@ def saved_residuals_report(
             kind = PARAMETER
         else:
             kind = CONSTANT
-        residuals.append(SavedResidual(tuple(aval.shape), _dtype_name(aval), nbytes, kind, name, primitive,
-                                       source, plan_tag, stacked))
+        residuals.append(
+            SavedResidual(
+                tuple(aval.shape), _dtype_name(aval), nbytes, kind, name, primitive, source, plan_tag, stacked
+            )
+        )
     return ResidualsReport(tuple(residuals), n_layers)
 
 

@@ -46,23 +46,20 @@ source column tells the two apart.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import os
 import re
 import shutil
 import tempfile
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _jax_compat
-from jremat import _memory
-from jremat import _program
-from jremat import _compile
+from jremat import _compile, _jax_compat, _memory, _program
 from jremat._xla_dump import (
     Hlo,
     Value,
@@ -80,7 +77,6 @@ GRADIENT = "gradient"
 OUTPUT = "output"
 OTHER = "other"
 BUFFER_KINDS = (ARGUMENT, FORWARD, FORWARD_RESIDUAL, RECOMPUTATION, GRADIENT, OUTPUT, OTHER)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,14 +181,18 @@ class MemoryTimeline:
         where = f"position {self.peak_position} of {len(self.live_bytes)}"
         if loop is not None:
             where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
-        lines = [f"peak {_memory.format_bytes(self.peak_bytes)} at {where}; compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
-                 + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")]
+        lines = [
+            f"peak {_memory.format_bytes(self.peak_bytes)} at {where}; compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
+            + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")
+        ]
         header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"
         lines += [header, "  " + "-" * (len(header) - 2)]
         for b in self.top_buffers[:top]:
             shape = b.shape.split("{")[0]
-            lines.append(f"  {_memory.format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
-                         f"{b.start_position:>5}-{b.end_position:<5}  {b.source}")
+            lines.append(
+                f"  {_memory.format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
+                f"{b.start_position:>5}-{b.end_position:<5}  {b.source}"
+            )
         return "\n".join(lines)
 
 
@@ -245,8 +245,11 @@ def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> st
             return _origin(init, index, hlo, depth + 1)
         return instruction
     op_name = hlo.op_name.get(instruction, "")
-    if ("dynamic_update_slice" in op_name or opcode == "dynamic-update-slice"
-            or (opcode == "fusion" and not op_name and "dynamic-update-slice" in instruction)):
+    if (
+        "dynamic_update_slice" in op_name
+        or opcode == "dynamic-update-slice"
+        or (opcode == "fusion" and not op_name and "dynamic-update-slice" in instruction)
+    ):
         own = hlo.shape.get(instruction, "")
         updates = [o for o in operands if _elements(hlo.shape.get(o, "")) > 1 and hlo.shape.get(o) != own]
         if updates:
@@ -364,8 +367,10 @@ def build_timeline(
     top_buffers = _buffers_at(peak_position, spans, allocations, hlo, tags, backward_start, top)
     compiled_peak = report.peak_bytes if report is not None and report.available else None
     notes = [
-        ("modelled: argument and output buffers for the whole program, temp values while live (bytes of the "
-         "temp block they occupy)"),
+        (
+            "modelled: argument and output buffers for the whole program, temp values while live (bytes of the "
+            "temp block they occupy)"
+        ),
     ]
     if unmodelled:
         notes.append(f"not modelled: {_memory.format_bytes(unmodelled)} of constants and thread-local scratch")
@@ -468,7 +473,7 @@ def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward
         # Prefer the member with metadata (XLA copies and loop phis have none), then the largest.
         s, e, v, size, _ = max(members, key=lambda m: (bool(hlo.op_name.get(m[2].instruction)), m[3], -m[0]))
         alloc_kind = kinds[v.allocation]
-        index = re.findall(r"\d+", v.key[len(v.instruction):])
+        index = re.findall(r"\d+", v.key[len(v.instruction) :])
         origin = _origin(v.instruction, int(index[0]) if index else None, hlo)
         op_name = hlo.op_name.get(origin, "")
         if alloc_kind == "parameter":
@@ -483,12 +488,19 @@ def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward
                 kind = OUTPUT
         chain = hlo.source.get(origin, ())
         source = f"{os.path.basename(chain[0][0])}:{chain[0][1]}" if chain else ""
-        out.append(TimelineBuffer(
-            name=_argument_name(v.instruction) if alloc_kind == "parameter" else _name_for(origin, hlo, tags),
-            kind=kind, size_bytes=max(m[3] for m in members), shape=v.shape, instruction=v.instruction,
-            op_name=op_name, source=source, start_position=min(m[0] for m in members),
-            end_position=max(m[1] for m in members),
-        ))
+        out.append(
+            TimelineBuffer(
+                name=_argument_name(v.instruction) if alloc_kind == "parameter" else _name_for(origin, hlo, tags),
+                kind=kind,
+                size_bytes=max(m[3] for m in members),
+                shape=v.shape,
+                instruction=v.instruction,
+                op_name=op_name,
+                source=source,
+                start_position=min(m[0] for m in members),
+                end_position=max(m[1] for m in members),
+            )
+        )
     out.sort(key=lambda b: (-b.size_bytes, b.start_position))
     return tuple(out if top is None else out[:top])
 
@@ -596,13 +608,20 @@ def memory_timeline(
             _read_dump(folder, "-buffer-assignment.txt"),
             _read_dump(folder, "-live-range.txt"),
             _read_dump(folder, ".txt"),
-            tags=tags, report=report, top=top,
+            tags=tags,
+            report=report,
+            top=top,
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 __all__: Sequence[str] = (
-    "BUFFER_KINDS", "LoopSpan", "MemoryTimeline", "TimelineBuffer", "build_timeline",
-    "checkpoint_name_locations", "memory_timeline",
+    "BUFFER_KINDS",
+    "LoopSpan",
+    "MemoryTimeline",
+    "TimelineBuffer",
+    "build_timeline",
+    "checkpoint_name_locations",
+    "memory_timeline",
 )

@@ -210,7 +210,7 @@ def parse_hlo(text: str) -> Hlo:
         name, opcode = m.group(1), m.group(3)
         hlo.computation[name] = current
         hlo.shape[name], hlo.opcode[name] = m.group(2), opcode
-        args = line[m.end():].split(")", 1)[0]
+        args = line[m.end() :].split(")", 1)[0]
         hlo.operands[name] = re.findall(r"%([\w.\-]+)", args)
         if line.lstrip().startswith("ROOT "):
             hlo.root[current] = name

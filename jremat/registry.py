@@ -30,7 +30,8 @@ import importlib
 import importlib.metadata
 import numbers
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jremat._policy import Policy
 
@@ -278,7 +279,7 @@ def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
     return value
 
 
-def resolve(spec: "str | Policy", **overrides: Any) -> Policy:
+def resolve(spec: str | Policy, **overrides: Any) -> Policy:
     """Build the policy a spec names.
 
     Args:

@@ -35,8 +35,16 @@ CAUSE_VALUE = "a value that differs"
 
 #: Primitives that draw or derive random bits; their presence makes :data:`CAUSE_RANDOM` plausible.
 RANDOM_PRIMITIVES = frozenset(
-    {"random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "threefry2x32",
-     "rng_bit_generator", "rng_uniform"}
+    {
+        "random_bits",
+        "random_split",
+        "random_fold_in",
+        "random_seed",
+        "random_wrap",
+        "threefry2x32",
+        "rng_bit_generator",
+        "rng_uniform",
+    }
 )
 
 #: Relative error above which a differing float value is not plain rounding.
@@ -96,23 +104,35 @@ def policy_examples(tags: Iterable[str] = (), *, examples: Mapping[str, str] | N
     out = []
     for name, entry in sorted(entries.items()):
         if entry.stack:
-            out.append(PolicyExample(name, name, f"policy {name!r} cannot wrap a single function: {registry.stack_error(name)}"))
+            out.append(
+                PolicyExample(
+                    name, name, f"policy {name!r} cannot wrap a single function: {registry.stack_error(name)}"
+                )
+            )
             continue
         if name in examples:
             spec, reason = examples[name], None
         elif name in _NAME_KEYS:
             key = _NAME_KEYS[name]
             spec = f"{name}:{key}={'+'.join(tags)}" if tags else None
-            reason = None if tags else (
-                f"policy {name!r} needs tensor names ({key}=): pass the checkpoint_name tags your function "
-                "uses, e.g. jremat.testing.policies(tags=['q', 'k'])"
+            reason = (
+                None
+                if tags
+                else (
+                    f"policy {name!r} needs tensor names ({key}=): pass the checkpoint_name tags your function "
+                    "uses, e.g. jremat.testing.policies(tags=['q', 'k'])"
+                )
             )
         else:
             required = [k for k, p in entry.params.items() if p.default is registry.REQUIRED]
             spec = _PREFERRED.get(name, name) if not required else None
-            reason = None if not required else (
-                f"policy {name!r} needs key(s) {', '.join(required)}: give an example spec with "
-                f"jremat.testing.policies(examples={{{name!r}: '{name}:{required[0]}=...'}})"
+            reason = (
+                None
+                if not required
+                else (
+                    f"policy {name!r} needs key(s) {', '.join(required)}: give an example spec with "
+                    f"jremat.testing.policies(examples={{{name!r}: '{name}:{required[0]}=...'}})"
+                )
             )
         if spec is not None:
             try:
@@ -164,7 +184,8 @@ def policies(tags: Iterable[str] = (), *, examples: Mapping[str, str] | None = N
 
     return [
         pytest.param(ex.spec or ex.name, id=ex.name, marks=pytest.mark.skip(reason=ex.skip_reason))
-        if ex.skip_reason else pytest.param(ex.spec, id=ex.name)
+        if ex.skip_reason
+        else pytest.param(ex.spec, id=ex.name)
         for ex in policy_examples(tags, examples=examples)
     ]
 
@@ -251,16 +272,23 @@ class _Call:
 
     def __post_init__(self):
         node_types = _graph_node_types()
-        self.leaves, self.treedef = jax.tree.flatten((self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types))
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
-            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types))[0]]
+        self.leaves, self.treedef = jax.tree.flatten(
+            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types)
+        )
+        paths = [
+            p
+            for p, _ in jax.tree_util.tree_flatten_with_path(
+                (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types)
+            )[0]
+        ]
         self.labels = [self._label(p) for p in paths]
         self.node_pos = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, node_types)]
         self.array_pos = [i for i, leaf in enumerate(self.leaves) if _is_array(leaf)]
         owner = [p[1].idx if p[0].idx == 0 else None for p in paths]  # positional index, or None for kwargs
         self.diff_nodes = [j for j, i in enumerate(self.node_pos) if owner[i] in self.argnums]
-        self.diff_arrays = [j for j, i in enumerate(self.array_pos)
-                            if owner[i] in self.argnums and _is_float(self.leaves[i])]
+        self.diff_arrays = [
+            j for j, i in enumerate(self.array_pos) if owner[i] in self.argnums and _is_float(self.leaves[i])
+        ]
 
     def _label(self, path) -> str:
         head, rest = path[0], path[1:]
@@ -289,9 +317,18 @@ class _Call:
         one reference compiles the reference once.
         """
         try:
-            key = (fn, graphdef, self.treedef, tuple(self.node_pos), tuple(self.array_pos),
-                   tuple(self.diff_arrays), tuple(self.leaves[i] if not (i in self.node_pos or i in self.array_pos)
-                                                  else None for i in range(len(self.leaves))))
+            key = (
+                fn,
+                graphdef,
+                self.treedef,
+                tuple(self.node_pos),
+                tuple(self.array_pos),
+                tuple(self.diff_arrays),
+                tuple(
+                    self.leaves[i] if not (i in self.node_pos or i in self.array_pos) else None
+                    for i in range(len(self.leaves))
+                ),
+            )
             hash(key)
         except TypeError:
             return self._runner(fn, graphdef)
@@ -403,26 +440,32 @@ def _cause(where, got, ref, initial, max_rel, random_used: set[str]) -> tuple[st
                 "the value is still the one before the call, while the call without remat updated it: "
                 "the rematerialized call did not write the updated state (an RNG counter, batch "
                 "statistics) back to the object passed in; decorate with @jremat.policy, which lifts "
-                "NNX state, instead of wrapping a pure function of the state")
+                "NNX state, instead of wrapping a pure function of the state"
+            )
     a, b = _as_numpy(got), _as_numpy(ref)
-    one_zero = (a.shape == b.shape and np.issubdtype(a.dtype, np.number)
-                and bool(np.any((a == 0) != (b == 0))))
+    one_zero = a.shape == b.shape and np.issubdtype(a.dtype, np.number) and bool(np.any((a == 0) != (b == 0)))
     if random_used and (one_zero or max_rel > ROUNDING_LIMIT):
         return CAUSE_RANDOM, (
             f"the function draws random values ({', '.join(sorted(random_used))}) and "
-            + ("elements are zero in one result but not the other (a different dropout mask)" if one_zero
-               else f"the error is not rounding (relative {max_rel:.3g})")
+            + (
+                "elements are zero in one result but not the other (a different dropout mask)"
+                if one_zero
+                else f"the error is not rounding (relative {max_rel:.3g})"
+            )
             + ": the recomputation used another key or RNG counter than the forward pass; pass "
             "the key as an argument of the rematerialized function (jremat.dropout, nnx.Rngs "
-            "through @jremat.policy, Linen make_rng through a decorated Linen module)")
+            "through @jremat.policy, Linen make_rng through a decorated Linen module)"
+        )
     if max_rel <= ROUNDING_LIMIT:
         return CAUSE_VALUE, (
             f"relative error {max_rel:.3g} looks like rounding: a saved value kept at lower precision "
             "(a bf16 cast), or XLA fusing the recomputation differently from the forward pass; if "
-            "that is acceptable, pass rtol/atol")
+            "that is acceptable, pass rtol/atol"
+        )
     return CAUSE_VALUE, (
         "the rematerialized function computes another value: the policy or wrapper changes what "
-        "the backward pass sees (a saved value altered, a different function recomputed)")
+        "the backward pass sees (a saved value altered, a different function recomputed)"
+    )
 
 
 def assert_remat_exact(
@@ -485,8 +528,10 @@ def assert_remat_exact(
         nums = ()  # a module called without positional arguments: its parameters alone
     if any(not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < len(args) for n in nums):
         raise ValueError(
-            f"argnums={argnums!r} must be positions of positional arguments, 0 to {len(args) - 1} "
-            f"({len(args)} given)" if args else f"argnums={argnums!r} given, but the call has no positional arguments")
+            f"argnums={argnums!r} must be positions of positional arguments, 0 to {len(args) - 1} ({len(args)} given)"
+            if args
+            else f"argnums={argnums!r} given, but the call has no positional arguments"
+        )
     if isinstance(policy, str):
         label = policy
     elif isinstance(policy, Policy) and policy.spec:
@@ -522,7 +567,8 @@ def assert_remat_exact(
     if not call.diff_nodes and not call.diff_arrays:
         raise ValueError(
             f"nothing to differentiate: argnums={argnums!r} selects no float array and no NNX module; "
-            "choose the arguments holding parameters or float inputs")
+            "choose the arguments holding parameters or float inputs"
+        )
 
     graphdef, diff_state, other_state, arrays = call.split()
     initial_state = jax.tree.leaves(nnx.state([call.leaves[i] for i in call.node_pos]))
@@ -540,7 +586,13 @@ def assert_remat_exact(
         ("output", ref_out, got_out, lambda p: "output" + _path_text(p), None),
         ("state", ref_state, got_state, lambda p: "state of " + state_label(p), initial_state),
         ("gradient", ref_grads[0], got_grads[0], lambda p: "gradient of " + state_label(p), None),
-        ("gradient", ref_grads[1], got_grads[1], lambda p: "gradient of " + array_labels[p[0].idx] + _path_text(p[1:]), None),
+        (
+            "gradient",
+            ref_grads[1],
+            got_grads[1],
+            lambda p: "gradient of " + array_labels[p[0].idx] + _path_text(p[1:]),
+            None,
+        ),
     ]
     for where, ref_tree, got_tree, name, initial in groups:
         ref_leaves = jax.tree_util.tree_flatten_with_path(ref_tree)[0]
@@ -549,14 +601,21 @@ def assert_remat_exact(
             raise RematMismatch(
                 f"remat under {label}: the {where} has another structure with the policy "
                 f"({jax.tree.structure(got_tree)}) than without ({jax.tree.structure(ref_tree)})",
-                where=where, path=where, max_abs_error=float("inf"), max_rel_error=float("inf"),
-                mismatched=0, size=0, cause=CAUSE_VALUE)
+                where=where,
+                path=where,
+                max_abs_error=float("inf"),
+                max_rel_error=float("inf"),
+                mismatched=0,
+                size=0,
+                cause=CAUSE_VALUE,
+            )
         for k, ((path, ref_leaf), got_leaf) in enumerate(zip(ref_leaves, got_leaves)):
             bad, max_abs, max_rel = _compare(got_leaf, ref_leaf, rtol, atol)
             if not bad:
                 continue
             closed = jax.make_jaxpr(lambda d, o, a: call.runner(reference, graphdef)(d, o, a))(
-                diff_state, other_state, arrays)
+                diff_state, other_state, arrays
+            )
             init = initial[k] if initial is not None and k < len(initial) else None
             cause, why = _cause(where, got_leaf, ref_leaf, init, max_rel, _random_primitives(closed))
             size = int(np.size(_as_numpy(ref_leaf)))
@@ -564,8 +623,14 @@ def assert_remat_exact(
             raise RematMismatch(
                 f"remat under {label} changed {name(path)}: {bad} of {size} elements differ ({tol}), "
                 f"max abs error {max_abs:.3g}, max rel error {max_rel:.3g}; likely cause: {cause}: {why}",
-                where=where, path=name(path), max_abs_error=max_abs, max_rel_error=max_rel,
-                mismatched=bad, size=size, cause=cause)
+                where=where,
+                path=name(path),
+                max_abs_error=max_abs,
+                max_rel_error=max_rel,
+                mismatched=bad,
+                size=size,
+                cause=cause,
+            )
 
 
 def _call_module(module, *args, **kwargs):
@@ -574,8 +639,11 @@ def _call_module(module, *args, **kwargs):
 
 def _linen_rebuilt(module, chosen: Policy):
     """``module`` rebuilt from its class decorated with ``chosen`` (same fields, unbound)."""
-    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-              if f.init and f.name not in ("parent", "name")}
+    fields = {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(module)
+        if f.init and f.name not in ("parent", "name")
+    }
     return _decorate_with(chosen)(type(module))(**fields)
 
 

@@ -57,7 +57,11 @@ class ModelConfig:
     remat_head_chunks: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.remat_head_chunks, int) or isinstance(self.remat_head_chunks, bool) or self.remat_head_chunks < 0:
+        if (
+            not isinstance(self.remat_head_chunks, int)
+            or isinstance(self.remat_head_chunks, bool)
+            or self.remat_head_chunks < 0
+        ):
             raise ValueError(f"remat_head_chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
         for field in ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff"):
             value = getattr(self, field)
@@ -81,7 +85,7 @@ class ModelConfig:
             layer_policies=self.remat_layer_policies,
         )
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (validated)."""
         return dataclasses.replace(self, **changes)
 
@@ -100,17 +104,11 @@ def whole_step_head_chunks(policy: str, seq_len: int) -> int:
 
 PRESETS: dict[str, ModelConfig] = {
     # For tests: tiny and fast to compile.
-    "tiny": ModelConfig(
-        vocab_size=64, max_seq_len=16, n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64
-    ),
+    "tiny": ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64),
     # The benchmark's small multi-layer model: runs steps on a 2-core CPU in well under a second.
-    "small": ModelConfig(
-        vocab_size=10000, max_seq_len=64, n_layers=4, d_model=128, n_heads=4, head_dim=32, d_ff=512
-    ),
+    "small": ModelConfig(vocab_size=10000, max_seq_len=64, n_layers=4, d_model=128, n_heads=4, head_dim=32, d_ff=512),
     # The configuration of the Needle gradient-checkpointing study on PTB.
-    "needle": ModelConfig(
-        vocab_size=10000, max_seq_len=20, n_layers=1, d_model=20, n_heads=8, head_dim=32, d_ff=32
-    ),
+    "needle": ModelConfig(vocab_size=10000, max_seq_len=20, n_layers=1, d_model=20, n_heads=8, head_dim=32, d_ff=32),
     "gpt2-small": ModelConfig(
         vocab_size=50257, max_seq_len=1024, n_layers=12, d_model=768, n_heads=12, head_dim=64, d_ff=3072
     ),

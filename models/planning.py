@@ -10,7 +10,7 @@ passes its own measurement (the benchmark measures its Adam step).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -26,8 +26,11 @@ def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
         return cfg.replace(remat_policy="none", remat_granularity="block", remat_layer_policies="")
     if candidate.remat_layers == cfg.n_layers:
         return cfg.replace(remat_policy=candidate.spec(), remat_granularity="block", remat_layer_policies="")
-    return cfg.replace(remat_policy="none", remat_granularity="block",
-                       remat_layer_policies=f"{candidate.remat_layers}:{candidate.spec()}")
+    return cfg.replace(
+        remat_policy="none",
+        remat_granularity="block",
+        remat_layer_policies=f"{candidate.remat_layers}:{candidate.spec()}",
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -40,17 +43,19 @@ def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
     grad_fn, args = step_program(cfg, batch_size, seq_len)
     report = jremat.memory_report(grad_fn, *args)
     if not report.available or report.peak_bytes is None:
-        raise ValueError(f"this backend reports no compiled memory figures ({'; '.join(report.notes)}); auto cannot verify a plan")
+        raise ValueError(
+            f"this backend reports no compiled memory figures ({'; '.join(report.notes)}); auto cannot verify a plan"
+        )
     return int(report.peak_bytes)
 
 
 def plan_for_budget(
     cfg: ModelConfig,
     batch_size: int,
-    budget: "str | Budget",
+    budget: str | Budget,
     seq_len: int | None = None,
     *,
-    measure_peak_bytes: "Callable[[ModelConfig], int] | None" = None,
+    measure_peak_bytes: Callable[[ModelConfig], int] | None = None,
     offload: bool | None = None,
     offload_cost_per_byte: float | None = None,
 ) -> LayerPlan:

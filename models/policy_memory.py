@@ -10,7 +10,7 @@ parameters and tokens are shapes. ``auto`` specs are planned first (:func:`confi
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ class PolicyMemory:
     timeline: MemoryTimeline | None = None
     explanation: Explanation | None = None
 
-    def to_json(self, baseline: "PolicyMemory | None" = None, timeline_json: Callable | None = None) -> dict:
+    def to_json(self, baseline: PolicyMemory | None = None, timeline_json: Callable | None = None) -> dict:
         """A JSON-ready dict of every field, plus ratios to ``baseline`` when given.
 
         Args:
@@ -216,15 +216,27 @@ def explain_step(
     loss, args = loss_program(model_cfg, batch_size, seq_len)
     baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
     return explain_applied(
-        loss, *args, policy=model_cfg.remat_policy, baseline=baseline, compile=False, param_argnums=(0,),
-        temp_bytes=temp_bytes, baseline_temp_bytes=baseline_temp_bytes, scan_layers=model_cfg.scan_layers,
+        loss,
+        *args,
+        policy=model_cfg.remat_policy,
+        baseline=baseline,
+        compile=False,
+        param_argnums=(0,),
+        temp_bytes=temp_bytes,
+        baseline_temp_bytes=baseline_temp_bytes,
+        scan_layers=model_cfg.scan_layers,
         _name="the gradient step",
     )
 
 
 def config_for_spec(
-    base_cfg: ModelConfig, spec: str, batch_size: int, seq_len: int | None = None, memory_budget: str | None = None,
-    *, whole_step: bool = False,
+    base_cfg: ModelConfig,
+    spec: str,
+    batch_size: int,
+    seq_len: int | None = None,
+    memory_budget: str | None = None,
+    *,
+    whole_step: bool = False,
 ):
     """``base_cfg`` under policy ``spec``; ``auto`` is planned against the compiled step.
 
@@ -240,7 +252,8 @@ def config_for_spec(
     """
     if whole_step:
         base_cfg = base_cfg.replace(
-            remat_head_chunks=whole_step_head_chunks(spec, base_cfg.max_seq_len if seq_len is None else seq_len))
+            remat_head_chunks=whole_step_head_chunks(spec, base_cfg.max_seq_len if seq_len is None else seq_len)
+        )
     name, values = registry.parse_spec(spec)
     if name != "auto":
         return base_cfg.replace(remat_policy=spec), None
@@ -285,8 +298,14 @@ def compare_policies(
     order = wanted if "none" in wanted else ["none", *wanted]
     for spec in order:
         cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget, whole_step=whole_step)
-        row = policy_memory(cfg, batch_size, seq_len, compile=compile, baseline_step_flops=baseline_flops,
-                            timeline=timeline and spec in wanted)
+        row = policy_memory(
+            cfg,
+            batch_size,
+            seq_len,
+            compile=compile,
+            baseline_step_flops=baseline_flops,
+            timeline=timeline and spec in wanted,
+        )
         if plan is not None:
             label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
             row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
@@ -297,8 +316,12 @@ def compare_policies(
     for spec in wanted:
         row = rows[spec]
         if explain:
-            row = dataclasses.replace(row, explanation=explain_step(
-                configs[spec], batch_size, seq_len, temp_bytes=row.temp_bytes, baseline_temp_bytes=base.temp_bytes))
+            row = dataclasses.replace(
+                row,
+                explanation=explain_step(
+                    configs[spec], batch_size, seq_len, temp_bytes=row.temp_bytes, baseline_temp_bytes=base.temp_bytes
+                ),
+            )
         if spec != "none" and row.temp_bytes is not None and base.temp_bytes is not None:
             note = jremat.diagnose_remat(
                 row.temp_bytes, base.temp_bytes, row.saved_bytes, base.saved_bytes, scan_layers=base_cfg.scan_layers
@@ -350,4 +373,13 @@ def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | Non
     return jremat.live_memory(jremat.jit(grad_fn), params, batch, batch, jax.random.key(0))
 
 
-__all__ = ["PolicyMemory", "compare_policies", "config_for_spec", "explain_step", "live_step_memory", "policy_memory", "ratio", "summary_vs_none"]
+__all__ = [
+    "PolicyMemory",
+    "compare_policies",
+    "config_for_spec",
+    "explain_step",
+    "live_step_memory",
+    "policy_memory",
+    "ratio",
+    "summary_vs_none",
+]

@@ -13,7 +13,7 @@ Nothing here allocates: parameters and tokens are :class:`jax.ShapeDtypeStruct` 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 
 #: Arguments of :func:`train_step_fn` a training loop donates: the parameters and optimizer state.
 TRAIN_STEP_DONATE = (0, 1)
+
 
 def key_shape():
     """The shape struct of a PRNG key (``jax.random.key``)."""

@@ -25,11 +25,10 @@ found (never a policy that silently saves nothing).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-
 from jax.extend import core as jcore
 
 from jremat import (
@@ -145,7 +144,9 @@ def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
             if not isinstance(v, jcore.Literal):
                 consumers.setdefault(v, []).append(i)
     program_outputs = {v for v in program.closed_jaxpr.jaxpr.outvars if not isinstance(v, jcore.Literal)}
-    is_data = {v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in program.closed_jaxpr.jaxpr.invars}
+    is_data = {
+        v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in program.closed_jaxpr.jaxpr.invars
+    }
     for eqn in eqns:
         depends = any(is_data.get(v, False) for v in eqn.invars if not isinstance(v, jcore.Literal))
         for v in eqn.outvars:
@@ -191,9 +192,7 @@ class SaveAllExcept(PlanPolicy):
         excluded = stand_in_closure(program, (op.index for op in program.ops_named(self.exclude)))
         return Plan(
             save=frozenset(
-                op.index
-                for op in program.ops
-                if op.counted and not op.rng_derived and op.index not in excluded
+                op.index for op in program.ops if op.counted and not op.rng_derived and op.index not in excluded
             )
         )
 

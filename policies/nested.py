@@ -42,8 +42,9 @@ def _parse_layer(raw: str) -> str:
     "closest to sqrt(L)) each save only their input; inside a group each layer uses layer= (default "
     "none: all of the group's activations while it is differentiated).",
     params={
-        "block": Param("str", "auto", "layers per group: auto or an integer dividing n_layers",
-                       parse=_parse_block, format=str),
+        "block": Param(
+            "str", "auto", "layers per group: auto or an integer dividing n_layers", parse=_parse_block, format=str
+        ),
         "layer": Param("spec", "none", "per-layer policy inside a group (';' for ',')", parse=_parse_layer),
     },
     stack=True,

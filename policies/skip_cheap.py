@@ -26,11 +26,7 @@ class SkipCheap(PlanPolicy):
         self.min_flops_per_byte = min_flops_per_byte
 
     def plan(self, program: Program) -> Plan:
-        return Plan(
-            save=frozenset(
-                op.index for op in program.compute_ops if not is_cheap(op, self.min_flops_per_byte)
-            )
-        )
+        return Plan(save=frozenset(op.index for op in program.compute_ops if not is_cheap(op, self.min_flops_per_byte)))
 
 
 @register(

@@ -7,15 +7,15 @@ import os
 # buffer assignment, and so every memory figure, is unchanged.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
 
-import jremat  # noqa: E402
-from jremat._jax_compat import saved_residuals as _jax_saved_residuals  # noqa: E402
-from models import GPT, cross_entropy_loss, preset  # noqa: E402
-from models.programs import step_program  # noqa: E402
+import jremat
+from jremat._jax_compat import saved_residuals as _jax_saved_residuals
+from models import GPT, cross_entropy_loss, preset
+from models.programs import step_program
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

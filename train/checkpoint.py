@@ -119,9 +119,9 @@ class Checkpoints:
         """
         ocp = self._ocp
         try:
-            restored = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template))
-            )["state"]
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))[
+                "state"
+            ]
         except Exception as err:  # orbax raises various types for structure / shape mismatches
             raise CheckpointError(
                 f"checkpoint step {step} in {str(self.path)!r} does not fit this model and optimizer: "

@@ -42,8 +42,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, metavar: str | None = None,
-           cli: bool = True, hidden: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    cli: bool = True,
+    hidden: bool = False,
+) -> Any:
     """A dataclass field that is also a command-line flag.
 
     Args:
@@ -54,8 +61,13 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None, met
       cli: ``False`` for a field that is not a flag.
       hidden: a flag left out of ``--help`` (internal use).
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar, "cli": cli,
-                "hidden": hidden}
+    metadata = {
+        "help": help,
+        "choices": tuple(choices) if choices else None,
+        "metavar": metavar,
+        "cli": cli,
+        "hidden": hidden,
+    }
     if isinstance(default, (list, dict, set)):
         raise TypeError("option(): use a tuple for a sequence default")
     return dataclasses.field(default=default, metadata=metadata)
@@ -96,8 +108,9 @@ def _scalar(item_type: type) -> Callable[[str], Any]:
         try:
             return item_type(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if item_type is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if item_type is int else 'a number'}, got {text!r}"
+            ) from None
 
     parse.__name__ = item_type.__name__
     return parse
@@ -117,8 +130,11 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         if field.default not in (None, (), "", False) and field.default is not dataclasses.MISSING:
             shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else field.default
             help_text += f" (default {shown})"
-        kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS,
-                                  "help": argparse.SUPPRESS if meta["hidden"] else help_text}
+        kwargs: dict[str, Any] = {
+            "dest": field.name,
+            "default": argparse.SUPPRESS,
+            "help": argparse.SUPPRESS if meta["hidden"] else help_text,
+        }
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
         elif typing.get_origin(kind) is tuple:
@@ -198,16 +214,22 @@ def load_policy_modules(argv: Sequence[str]) -> None:
 def build_parser(config_cls: type, prog: str, description: str, epilog: str = "") -> OneLineErrorParser:
     """The parser of ``config_cls``: its :func:`option` flags, plus the policy-key flags when it has
     a ``policy_keys`` field."""
-    parser = OneLineErrorParser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_flags(parser, config_cls)
     if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
         taken = {flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"}
         group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
         for key, flag in sorted(policy_key_flags(taken).items()):
             helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
-            group.add_argument(flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE",
-                               help="; ".join(helps))
+            group.add_argument(
+                flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE", help="; ".join(helps)
+            )
     return parser
 
 
@@ -260,9 +282,11 @@ def _is_int(value) -> bool:
 
 def require_int(name: str, value, *, minimum: int = 1) -> None:
     """``value`` must be an integer ``>= minimum``; ``name`` is the field (shown as its flag)."""
-    require(_is_int(value) and value >= minimum,
-            f"{flag_name(name)} must be {'a positive integer' if minimum == 1 else f'an integer >= {minimum}'}, "
-            f"got {value!r}")
+    require(
+        _is_int(value) and value >= minimum,
+        f"{flag_name(name)} must be {'a positive integer' if minimum == 1 else f'an integer >= {minimum}'}, "
+        f"got {value!r}",
+    )
 
 
 def require_number(name: str, value, *, minimum: float = 0.0, inclusive: bool = False) -> None:

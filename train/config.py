@@ -33,8 +33,9 @@ class TrainConfig:
     preset: str = option("small", "model preset", choices=tuple(PRESETS))
     policy: str = option("full", "remat policy name or spec (NAME or NAME:key=value,...)", metavar="SPEC")
     policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
-    policy_module: tuple[str, ...] = option((), "import this module first (it may register custom policies)",
-                                            metavar="MODULE")
+    policy_module: tuple[str, ...] = option(
+        (), "import this module first (it may register custom policies)", metavar="MODULE"
+    )
     granularity: str = option("block", "where remat applies", choices=jremat.GRANULARITIES)
     batch_size: int | None = option(None, "sequences per micro-batch (preset default)")
     seq_len: int | None = option(None, "tokens per sequence; <= the preset's max_seq_len (default: equal)")
@@ -57,13 +58,17 @@ class TrainConfig:
     metrics_file: str | None = option(None, "per-step metrics file: JSON lines, or CSV if it ends in .csv")
     unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
     remat_head_chunks: int | None = option(
-        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)"
+        None,
+        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
     )
     data_dir: str | None = option(None, "folder with ptb.{train,valid,test}.txt (else $JREMAT_PTB_DIR, else cache)")
     memory_report: bool = option(True, "print the compile-time memory report at start")
-    mesh: str | None = option(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, e.g. data=4,fsdp=2 "
-                                    "(sizes multiply to the device count; default: one device, no sharding)")
+    mesh: str | None = option(
+        None,
+        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, e.g. data=4,fsdp=2 "
+        "(sizes multiply to the device count; default: one device, no sharding)",
+    )
     init_timeout_s: float = option(
         300.0, "multi-process runs: seconds to wait for the coordinator and for every process to connect"
     )
@@ -88,9 +93,11 @@ class TrainConfig:
         require_int("batch_size", self.batch_size)
         require_int("seq_len", self.seq_len)
         max_positions = PRESETS[self.preset].max_seq_len
-        require(self.seq_len <= max_positions,
-             f"--seq-len {self.seq_len} is longer than preset {self.preset!r} has positions "
-             f"(max_seq_len {max_positions}); use --seq-len between 1 and {max_positions}")
+        require(
+            self.seq_len <= max_positions,
+            f"--seq-len {self.seq_len} is longer than preset {self.preset!r} has positions "
+            f"(max_seq_len {max_positions}); use --seq-len between 1 and {max_positions}",
+        )
         require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         if self.steps is not None:
             require_int("steps", self.steps)
@@ -111,8 +118,10 @@ class TrainConfig:
             object.__setattr__(self, "remat_head_chunks", whole_step_head_chunks(self.policy, self.seq_len))
         require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
         require_number("init_timeout_s", self.init_timeout_s)
-        require(self.remat_head_chunks == 0 or self.seq_len % self.remat_head_chunks == 0,
-             f"--remat-head-chunks {self.remat_head_chunks} does not divide --seq-len {self.seq_len}")
+        require(
+            self.remat_head_chunks == 0 or self.seq_len % self.remat_head_chunks == 0,
+            f"--remat-head-chunks {self.remat_head_chunks} does not divide --seq-len {self.seq_len}",
+        )
         require_choice("granularity", self.granularity, jremat.GRANULARITIES)
         require(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir (the directory to resume from)")
         spec = self.policy_spec()  # raises UsageError on a bad policy
@@ -122,15 +131,21 @@ class TrainConfig:
             except ValueError as err:
                 raise UsageError(f"--mesh: {err}") from None
             ways = sizes["data"] * sizes["fsdp"]
-            require(self.batch_size % ways == 0,
-                 f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
-                 f"use a multiple of {ways}")
-            require(self.seq_len % sizes["sequence"] == 0,
-                 f"--seq-len {self.seq_len} does not split over --mesh {self.mesh} (sequence = {sizes['sequence']}); "
-                 f"use a multiple of {sizes['sequence']}")
+            require(
+                self.batch_size % ways == 0,
+                f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
+                f"use a multiple of {ways}",
+            )
+            require(
+                self.seq_len % sizes["sequence"] == 0,
+                f"--seq-len {self.seq_len} does not split over --mesh {self.mesh} (sequence = {sizes['sequence']}); "
+                f"use a multiple of {sizes['sequence']}",
+            )
         if self.memory_budget is not None:
-            require(registry.parse_spec(spec)[0] == "auto",
-                 f"--memory-budget applies only to --policy auto, not to {spec!r}")
+            require(
+                registry.parse_spec(spec)[0] == "auto",
+                f"--memory-budget applies only to --policy auto, not to {spec!r}",
+            )
             try:
                 parse_budget(self.memory_budget)
             except ValueError as err:
@@ -168,7 +183,7 @@ class TrainConfig:
             changes.update(attn_dropout=self.dropout, resid_dropout=self.dropout)
         return model_preset(self.preset, **changes)
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
 
@@ -186,6 +201,16 @@ DEFAULT_STEPS: dict[str, int] = {"tiny": 20, "small": 300, "needle": 1000, "gpt2
 
 #: Fields whose change makes a resumed run's losses differ from an uninterrupted run's.
 TRAJECTORY_FIELDS = (
-    "batch_size", "seq_len", "steps", "epochs", "lr", "warmup", "clip", "weight_decay", "dtype", "accum",
-    "seed", "dropout",
+    "batch_size",
+    "seq_len",
+    "steps",
+    "epochs",
+    "lr",
+    "warmup",
+    "clip",
+    "weight_decay",
+    "dtype",
+    "accum",
+    "seed",
+    "dropout",
 )

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -106,8 +106,9 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_into_cache(cache_dir: str | os.PathLike | None = None, *, downloader: Callable | None = None,
-                     base_url: str = BASE_URL) -> Path:
+def fetch_into_cache(
+    cache_dir: str | os.PathLike | None = None, *, downloader: Callable | None = None, base_url: str = BASE_URL
+) -> Path:
     """Make sure the cache holds the three md5-verified PTB files, downloading missing ones.
 
     Args:
@@ -150,8 +151,9 @@ def fetch_into_cache(cache_dir: str | os.PathLike | None = None, *, downloader: 
     return cache
 
 
-def locate(data_dir: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-           downloader: Callable | None = None) -> tuple[Path, str]:
+def locate(
+    data_dir: str | None = None, *, cache_dir: str | os.PathLike | None = None, downloader: Callable | None = None
+) -> tuple[Path, str]:
     """Find the corpus folder: ``data_dir``, else ``$JREMAT_PTB_DIR``, else the verified cache.
 
     Returns:
@@ -287,4 +289,4 @@ class Batches:
         if not 0 <= i < self.num_batches:
             raise IndexError(f"batch {i} out of range [0, {self.num_batches})")
         start = i * self.seq_len
-        return (self.rows[:, start:start + self.seq_len], self.rows[:, start + 1:start + 1 + self.seq_len])
+        return (self.rows[:, start : start + self.seq_len], self.rows[:, start + 1 : start + 1 + self.seq_len])

@@ -56,7 +56,9 @@ def distributed_config(env: Mapping[str, str] | None = None) -> dict[str, Any] |
                 f"{env['JAX_NUM_PROCESSES']!r} and {env['JAX_PROCESS_ID']!r}"
             ) from None
         if n < 1 or not 0 <= pid < n:
-            raise ValueError(f"need JAX_NUM_PROCESSES >= 1 and 0 <= JAX_PROCESS_ID < JAX_NUM_PROCESSES, got {n} and {pid}")
+            raise ValueError(
+                f"need JAX_NUM_PROCESSES >= 1 and 0 <= JAX_PROCESS_ID < JAX_NUM_PROCESSES, got {n} and {pid}"
+            )
         return dict(coordinator_address=address, num_processes=n, process_id=pid)
 
     def count(name):
@@ -222,8 +224,9 @@ def coordinate_start(address: str, num_processes: int, timeout_s: float) -> None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = ", ".join(str(i) for i in range(1, num_processes) if i not in peers)
-                raise DistributedSetupError(_not_every_process(address, timeout_s, num_processes, 0,
-                                                               f"; no word from process {missing}"))
+                raise DistributedSetupError(
+                    _not_every_process(address, timeout_s, num_processes, 0, f"; no word from process {missing}")
+                )
             listener.settimeout(remaining)
             try:
                 conn, _ = listener.accept()
@@ -246,8 +249,10 @@ def coordinate_start(address: str, num_processes: int, timeout_s: float) -> None
                     f"{pid} was started with JAX_NUM_PROCESSES={count}; give every process the same JAX_NUM_PROCESSES"
                 )
             if pid in peers or not 1 <= pid < num_processes:
-                message = (f"two processes were started with JAX_PROCESS_ID={pid}; give each process its own "
-                           f"JAX_PROCESS_ID from 0 to {num_processes - 1}")
+                message = (
+                    f"two processes were started with JAX_PROCESS_ID={pid}; give each process its own "
+                    f"JAX_PROCESS_ID from 0 to {num_processes - 1}"
+                )
                 _send(conn, f"abort {message}")
                 conn.close()
                 raise DistributedSetupError(message)
@@ -311,8 +316,9 @@ def _exit_with_message(message: str) -> None:
     os._exit(2)
 
 
-def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: float = 300,
-                           fail: Callable[[str], None] = _exit_with_message) -> bool:
+def initialize_distributed(
+    env: Mapping[str, str] | None = None, *, timeout_s: float = 300, fail: Callable[[str], None] = _exit_with_message
+) -> bool:
     """Call ``jax.distributed.initialize`` if :func:`distributed_config` finds a multi-process run.
 
     Must run before any other JAX call in the process. On CPU, cross-process collectives use
@@ -356,8 +362,10 @@ def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: f
     if address is not None:
         message = _not_every_process(address, timeout_s, config["num_processes"], config["process_id"])
     else:
-        message = (f"not every process reached the coordinator found in the scheduler's environment within "
-                   f"{timeout_s:g} s; start all of the scheduler's tasks, or allow longer with --init-timeout-s")
+        message = (
+            f"not every process reached the coordinator found in the scheduler's environment within "
+            f"{timeout_s:g} s; start all of the scheduler's tasks, or allow longer with --init-timeout-s"
+        )
     done = threading.Event()
 
     def watchdog():
@@ -370,8 +378,10 @@ def initialize_distributed(env: Mapping[str, str] | None = None, *, timeout_s: f
     finally:
         done.set()
     if address is not None and jax.process_count() != config["num_processes"]:
-        fail(f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but the coordinator at {address} runs "
-             f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES")
+        fail(
+            f"JAX_NUM_PROCESSES={config['num_processes']} on this process, but the coordinator at {address} runs "
+            f"{jax.process_count()} processes; give every process the same JAX_NUM_PROCESSES"
+        )
     return True
 
 

@@ -50,8 +50,9 @@ def free_port(host: str = LOCAL_HOST) -> int:
         return probe.getsockname()[1]
 
 
-def process_env(base: Mapping[str, str], process_id: int, num_processes: int, port: int,
-                cpu_devices: int | None = None) -> dict[str, str]:
+def process_env(
+    base: Mapping[str, str], process_id: int, num_processes: int, port: int, cpu_devices: int | None = None
+) -> dict[str, str]:
     """The environment of local process ``process_id``: ``base`` plus the multi-process variables.
 
     Args:
@@ -63,8 +64,11 @@ def process_env(base: Mapping[str, str], process_id: int, num_processes: int, po
         and the XLA device-count flag, replacing one already in ``XLA_FLAGS``).
     """
     env = dict(base)
-    env.update(JAX_COORDINATOR_ADDRESS=f"{LOCAL_HOST}:{port}", JAX_NUM_PROCESSES=str(num_processes),
-               JAX_PROCESS_ID=str(process_id))
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"{LOCAL_HOST}:{port}",
+        JAX_NUM_PROCESSES=str(num_processes),
+        JAX_PROCESS_ID=str(process_id),
+    )
     if cpu_devices is not None:
         flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
         env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={cpu_devices}"])
@@ -97,8 +101,15 @@ class Launch:
         :meth:`stop`.
     """
 
-    def __init__(self, command: Sequence[str], num_processes: int, *, cpu_devices: int | None = None,
-                 port: int | None = None, grace_s: float = 10.0):
+    def __init__(
+        self,
+        command: Sequence[str],
+        num_processes: int,
+        *,
+        cpu_devices: int | None = None,
+        port: int | None = None,
+        grace_s: float = 10.0,
+    ):
         self.command = list(command)
         self.num_processes = num_processes
         self.cpu_devices = cpu_devices
@@ -118,9 +129,13 @@ class Launch:
             piped = pid > 0
             try:
                 proc = subprocess.Popen(
-                    self.command, env=process_env(base, pid, self.num_processes, self.port, self.cpu_devices),
-                    stdout=subprocess.PIPE if piped else None, stderr=subprocess.PIPE if piped else None,
-                    text=piped, errors="replace" if piped else None, start_new_session=True,
+                    self.command,
+                    env=process_env(base, pid, self.num_processes, self.port, self.cpu_devices),
+                    stdout=subprocess.PIPE if piped else None,
+                    stderr=subprocess.PIPE if piped else None,
+                    text=piped,
+                    errors="replace" if piped else None,
+                    start_new_session=True,
                 )
             except OSError as err:
                 self.stop()
@@ -206,17 +221,24 @@ def build_parser() -> OneLineErrorParser:
         prog="python -m train.launch",
         description="Start N local processes of one multi-process JAX run (coordinator on 127.0.0.1).",
         epilog="Example: python -m train.launch --processes 2 --cpu-devices 4 -- "
-               "python -m train.ptb --preset tiny --mesh data=4,fsdp=2 --batch-size 8",
+        "python -m train.ptb --preset tiny --mesh data=4,fsdp=2 --batch-size 8",
         allow_abbrev=False,
     )
     parser.add_argument("--processes", type=int, required=True, help="number of processes to start")
-    parser.add_argument("--cpu-devices", type=int, default=None,
-                        help="simulate this many CPU devices per process (sets JAX_PLATFORMS=cpu)")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="simulate this many CPU devices per process (sets JAX_PLATFORMS=cpu)",
+    )
     parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop every process after this many seconds")
-    parser.add_argument("--grace-s", type=float, default=10.0,
-                        help="after one process fails, seconds the others get to end by themselves before "
-                             "SIGTERM (default 10)")
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="after one process fails, seconds the others get to end by themselves before SIGTERM (default 10)",
+    )
     return parser
 
 
@@ -231,9 +253,11 @@ def parse_args(argv: Sequence[str]):
     split = argv.index("--") if "--" in argv else len(argv)
     options = build_parser().parse_args(argv[:split])  # --help prints and exits here
     if split == len(argv):
-        raise UsageError("give the command to run after '--', e.g. python -m train.launch --processes 2 -- "
-                         "python -m train.ptb --mesh data=2")
-    command = argv[split + 1:]
+        raise UsageError(
+            "give the command to run after '--', e.g. python -m train.launch --processes 2 -- "
+            "python -m train.ptb --mesh data=2"
+        )
+    command = argv[split + 1 :]
     if not command:
         raise UsageError("the command after '--' is empty; give the program every process runs")
     if options.processes < 1:
@@ -253,8 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI entry point; returns the exit code (see the module docstring)."""
     try:
         options, command = parse_args(sys.argv[1:] if argv is None else argv)
-        launch = Launch(command, options.processes, cpu_devices=options.cpu_devices, port=options.port,
-                        grace_s=options.grace_s)
+        launch = Launch(
+            command, options.processes, cpu_devices=options.cpu_devices, port=options.port, grace_s=options.grace_s
+        )
         launch.start()
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)

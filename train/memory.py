@@ -17,7 +17,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jremat
 from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
@@ -25,10 +25,8 @@ from models import PRESETS, ModelConfig
 from models import preset as model_preset
 from models.config import DTYPES, whole_step_head_chunks
 from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
-from train import cli
+from train import cli, timeline_plot
 from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
-from train import timeline_plot
-
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -47,8 +45,9 @@ class MemoryConfig:
     batch_size: int = option(8, "sequences per batch")
     seq_len: int | None = option(None, "tokens per sequence (<= the preset's max_seq_len; default: equal)")
     dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
-    policy: tuple[str, ...] = option(("none", "full"), "policy spec NAME or NAME:key=value, one report row each",
-                                     metavar="SPEC")
+    policy: tuple[str, ...] = option(
+        ("none", "full"), "policy spec NAME or NAME:key=value, one report row each", metavar="SPEC"
+    )
     policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
     layers: int | None = option(None, "override the number of layers")
     d_model: int | None = option(None, "override d_model")
@@ -65,16 +64,19 @@ class MemoryConfig:
         None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
     )
     remat_head_chunks: int | None = option(
-        None, "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)"
+        None,
+        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
     )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
     )
     live_child: bool = option(False, "measure the first policy's live peak here and print it as JSON", hidden=True)
     timeline: str | None = option(
-        None, "write live bytes over the compiled schedule per policy (peaks marked, top-10 buffers at each peak) "
-        "to this PNG file, and print the top-10 tables", metavar="PNG",
+        None,
+        "write live bytes over the compiled schedule per policy (peaks marked, top-10 buffers at each peak) "
+        "to this PNG file, and print the top-10 tables",
+        metavar="PNG",
     )
 
     def __post_init__(self):
@@ -85,9 +87,11 @@ class MemoryConfig:
         require_choice("preset", self.preset, tuple(PRESETS))
         if self.remat_head_chunks is not None:
             require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
-            require(not self.remat_head_chunks or self.resolved_seq_len % self.remat_head_chunks == 0,
-                    f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
-                    f"{self.resolved_seq_len}")
+            require(
+                not self.remat_head_chunks or self.resolved_seq_len % self.remat_head_chunks == 0,
+                f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
+                f"{self.resolved_seq_len}",
+            )
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
@@ -104,12 +108,16 @@ class MemoryConfig:
                 raise UsageError(str(err)) from None
         if self.heads is not None and self.head_dim is None:
             d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
-            require(d_model % self.heads == 0,
-                    f"--heads {self.heads} does not divide d_model {d_model}; give --head-dim or "
-                    "a head count that divides d_model")
+            require(
+                d_model % self.heads == 0,
+                f"--heads {self.heads} does not divide d_model {d_model}; give --head-dim or "
+                "a head count that divides d_model",
+            )
         max_seq = PRESETS[self.preset].max_seq_len
-        require(self.seq_len is None or self.seq_len <= max_seq,
-                f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}")
+        require(
+            self.seq_len is None or self.seq_len <= max_seq,
+            f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}",
+        )
         for module in self.policy_module:
             try:
                 registry.load_module(module)
@@ -145,8 +153,11 @@ class MemoryConfig:
             overrides["remat_granularity"] = self.granularity
         if self.unrolled:
             overrides["scan_layers"] = False
-        overrides["remat_head_chunks"] = (self.remat_head_chunks if self.remat_head_chunks is not None
-                                          else whole_step_head_chunks(policy, self.resolved_seq_len))
+        overrides["remat_head_chunks"] = (
+            self.remat_head_chunks
+            if self.remat_head_chunks is not None
+            else whole_step_head_chunks(policy, self.resolved_seq_len)
+        )
         try:
             return model_preset(self.preset, **overrides)
         except ValueError as err:
@@ -160,8 +171,21 @@ class MemoryConfig:
     def model_argv(self) -> list[str]:
         """The flags that rebuild this config's model and budget (not its policies or outputs)."""
         argv = []
-        for field in ("preset", "batch_size", "seq_len", "dtype", "layers", "d_model", "d_ff", "heads", "head_dim",
-                      "dropout", "granularity", "remat_head_chunks", "memory_budget"):
+        for field in (
+            "preset",
+            "batch_size",
+            "seq_len",
+            "dtype",
+            "layers",
+            "d_model",
+            "d_ff",
+            "heads",
+            "head_dim",
+            "dropout",
+            "granularity",
+            "remat_head_chunks",
+            "memory_budget",
+        ):
             value = getattr(self, field)
             if value is not None:
                 argv += [f"--{field.replace('_', '-')}", str(value)]
@@ -178,8 +202,11 @@ class MemoryConfig:
 def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     """The human-readable table: one line per policy, then notes."""
     live = any(r.live_peak_bytes is not None for r in rows)
-    header = (f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
-              f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}" + (f" {'live peak':>11}" if live else ""))
+    header = (
+        f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
+        f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}"
+        + (f" {'live peak':>11}" if live else "")
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         pr = ratio(r.peak_bytes, base.peak_bytes)
@@ -187,9 +214,9 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
         err = ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
         lines.append(
             f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
-            f"{format_bytes(r.saved_bytes_per_layer):>12} {('%.3f' % pr) if pr is not None else 'n/a':>9} "
-            f"{('%.3f' % sr) if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
-            f"{format_bytes(r.analytic_peak_bytes):>11} {('%+.1f%%' % (100 * err)) if err is not None else 'n/a':>8}"
+            f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
+            f"{f'{sr:.3f}' if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
+            f"{format_bytes(r.analytic_peak_bytes):>11} {f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
             + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
         )
     first = rows[0]
@@ -255,7 +282,9 @@ def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
 
 def _allocator_stats_note() -> str | None:
     missing = allocator_stats_missing()
-    return None if missing is None else f"live: {missing}; --live needs a GPU or TPU, so only compiled figures are shown"
+    return (
+        None if missing is None else f"live: {missing}; --live needs a GPU or TPU, so only compiled figures are shown"
+    )
 
 
 def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
@@ -297,7 +326,9 @@ def parse_config(argv: Sequence[str] | None) -> MemoryConfig:
       SystemExit: ``--help`` (code 0).
     """
     return cli.parse(
-        MemoryConfig, argv, prog="python -m train.memory",
+        MemoryConfig,
+        argv,
+        prog="python -m train.memory",
         description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
         epilog="registered policies:\n" + registry.describe(),
     )
@@ -314,9 +345,14 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         config.model_config(spec)
     try:
         return compare_policies(
-            base_cfg, config.batch_size, config.policy, config.resolved_seq_len, memory_budget=config.memory_budget,
+            base_cfg,
+            config.batch_size,
+            config.policy,
+            config.resolved_seq_len,
+            memory_budget=config.memory_budget,
             timeline=config.timeline is not None,
-            explain=True, whole_step=config.remat_head_chunks is None,
+            explain=True,
+            whole_step=config.remat_head_chunks is None,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -328,8 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = parse_config(argv)
         if config.live_child:
             spec = config.policy[0]
-            cfg, _ = config_for_spec(config.model_config(spec), spec, config.batch_size, config.resolved_seq_len,
-                                     config.memory_budget, whole_step=config.remat_head_chunks is None)
+            cfg, _ = config_for_spec(
+                config.model_config(spec),
+                spec,
+                config.batch_size,
+                config.resolved_seq_len,
+                config.memory_budget,
+                whole_step=config.remat_head_chunks is None,
+            )
             live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
             print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
             return 0

@@ -22,7 +22,8 @@ import math
 import signal
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,10 @@ import numpy as np
 
 import jremat
 from jremat import registry
-from train import cli
 from models import policy_memory
+from train import cli, sharded_steps
 from train import data as data_lib
 from train import distributed as distributed_lib
-from train import sharded_steps
 from train import sharding as sharding_lib
 from train import step as step_lib
 from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
@@ -86,8 +86,11 @@ DESCRIPTION = "Train the reference GPT on word-level Penn Treebank with a remat 
 
 def epilog() -> str:
     """The help's epilog: the registered policies (their keys are also flags) and the exit codes."""
-    return ("Registered policies (spec keys are also flags):\n" + jremat.describe()
-            + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C).")
+    return (
+        "Registered policies (spec keys are also flags):\n"
+        + jremat.describe()
+        + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C)."
+    )
 
 
 def parse_config(argv: Sequence[str] | None) -> TrainConfig:
@@ -131,8 +134,9 @@ def plan_auto_policy(cfg: TrainConfig, model_cfg):
     return planned, plan.table()
 
 
-def format_config(cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, source: str, total_steps: int,
-                  batches_per_epoch: int) -> str:
+def format_config(
+    cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, source: str, total_steps: int, batches_per_epoch: int
+) -> str:
     """The configuration block printed at start."""
     lines = ["train config:"]
     for field in dataclasses.fields(cfg):
@@ -177,8 +181,9 @@ def summary_table(cfg: TrainConfig, model_cfg, result: RunResult) -> str:
 # ----------------------------------------------------------------------------- training
 
 
-def evaluate(eval_step: Callable, params, batches: data_lib.Batches, max_batches: int = 0,
-             put: Callable = lambda a: a) -> float:
+def evaluate(
+    eval_step: Callable, params, batches: data_lib.Batches, max_batches: int = 0, put: Callable = lambda a: a
+) -> float:
     """Mean cross-entropy over the split's batches (the first ``max_batches`` if > 0); ``put`` places each array."""
     n = len(batches) if max_batches == 0 else min(max_batches, len(batches))
     total = 0.0
@@ -195,17 +200,21 @@ def _perplexity(loss: float) -> float:
 _STEP_CACHE: dict = {}
 
 
-def compiled_steps(model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, params, opt_state, batch_size, seq_len,
-                   mesh=None):
+def compiled_steps(
+    model_cfg, opt_cfg: step_lib.OptimizerConfig, graphdef, params, opt_state, batch_size, seq_len, mesh=None
+):
     """AOT-compiled ``(train_step, eval_step)`` for these configs and shapes (sharded on ``mesh``), cached per process."""
     key = (model_cfg, opt_cfg, batch_size, seq_len, mesh)
     if key not in _STEP_CACHE and mesh is not None:
-        _STEP_CACHE[key] = sharded_steps.compile_steps(graphdef, opt_cfg.build(), mesh, params, opt_state,
-                                                       batch_size, seq_len)
+        _STEP_CACHE[key] = sharded_steps.compile_steps(
+            graphdef, opt_cfg.build(), mesh, params, opt_state, batch_size, seq_len
+        )
     if key not in _STEP_CACHE:
         tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
         train = step_lib.make_train_step(graphdef, opt_cfg.build())
-        train_c = train.lower(params, opt_state, tokens, tokens, step_lib.dropout_key(jax.random.key(0), 0, 0)).compile()
+        train_c = train.lower(
+            params, opt_state, tokens, tokens, step_lib.dropout_key(jax.random.key(0), 0, 0)
+        ).compile()
         eval_c = step_lib.make_eval_step(graphdef).lower(params, tokens, tokens).compile()
         _STEP_CACHE[key] = (train_c, eval_c)
     return _STEP_CACHE[key]
@@ -296,16 +305,24 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
         params, opt_state, base_key = unpack_state(tree, params, opt_state)
         start_step = int(meta["step"])
         if int(meta["data_position"]) != start_step * cfg.accum:
-            log(f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
-                f"micro-batch {start_step * cfg.accum}")
+            log(
+                f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
+                f"micro-batch {start_step * cfg.accum}"
+            )
         log(f"resumed from {ckpts.path} at step {start_step}")
 
-    metrics = (MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None)
-               if cfg.metrics_file and primary else None)
+    metrics = (
+        MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None)
+        if cfg.metrics_file and primary
+        else None
+    )
 
     def save(step):
-        ckpts.save(step, pack_state(params, opt_state, base_key),
-                   checkpoint_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps))
+        ckpts.save(
+            step,
+            pack_state(params, opt_state, base_key),
+            checkpoint_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps),
+        )
 
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
@@ -315,7 +332,9 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
         if mesh is not None:
             log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
     t_compile = time.perf_counter()
-    train_step, eval_step = compiled_steps(model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh)
+    train_step, eval_step = compiled_steps(
+        model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh
+    )
     log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
     distributed_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
 
@@ -323,8 +342,16 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     result = RunResult(status="done", steps_done=start_step, losses={})
     step_times = []
     last_saved = start_step if cfg.resume else None
-    bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
-               dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    bar = tqdm(
+        total=total_steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        file=sys.stderr,
+    )
     step = start_step
     try:
         with _InterruptFlag() as interrupt:
@@ -340,8 +367,11 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 step_time_s = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     kept = ckpts.latest_step() if ckpts else None
-                    where = f"the last good checkpoint is step {kept} in {ckpts.path}" if kept is not None else (
-                        "no checkpoint was saved" + ("" if ckpts else " (no --ckpt-dir)"))
+                    where = (
+                        f"the last good checkpoint is step {kept} in {ckpts.path}"
+                        if kept is not None
+                        else ("no checkpoint was saved" + ("" if ckpts else " (no --ckpt-dir)"))
+                    )
                     result.status = "nonfinite"
                     result.message = (
                         f"training loss became {loss} at step {step + 1}; stopped without saving this step; {where}. "
@@ -352,8 +382,14 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 step_times.append(step_time_s)
                 result.losses[step] = loss
                 result.steps_done = step
-                row = dict(step=step, loss=loss, perplexity=_perplexity(loss), lr=opt_cfg.learning_rate(step - 1),
-                           step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s)
+                row = dict(
+                    step=step,
+                    loss=loss,
+                    perplexity=_perplexity(loss),
+                    lr=opt_cfg.learning_rate(step - 1),
+                    step_time_s=step_time_s,
+                    tokens_per_s=tokens_per_step / step_time_s,
+                )
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
                     valid_loss = evaluate(eval_step, params, valid_batches, cfg.eval_batches, put)
                     row.update(valid_loss=valid_loss, valid_ppl=_perplexity(valid_loss))
@@ -362,8 +398,13 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                         bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")
                 if metrics:
                     metrics.write(row)
-                bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{row['perplexity']:.1f}",
-                                tok_s=f"{row['tokens_per_s']:.0f}", step_s=f"{step_time_s:.3f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{loss:.3f}",
+                    ppl=f"{row['perplexity']:.1f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                    step_s=f"{step_time_s:.3f}",
+                    refresh=False,
+                )
                 bar.update(1)
                 if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
@@ -373,10 +414,10 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                         save(step)
                         last_saved = step
                     result.status = "interrupted"
-                    result.message = (
-                        f"interrupted after step {step}; "
-                        + (f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
-                           if ckpts else "no --ckpt-dir, so nothing was saved")
+                    result.message = f"interrupted after step {step}; " + (
+                        f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
+                        if ckpts
+                        else "no --ckpt-dir, so nothing was saved"
                     )
                     return result
     finally:
@@ -400,8 +441,9 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     return result
 
 
-def checkpoint_meta(cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, step: int, batches_per_epoch: int,
-                    total_steps: int) -> dict[str, Any]:
+def checkpoint_meta(
+    cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, step: int, batches_per_epoch: int, total_steps: int
+) -> dict[str, Any]:
     """The JSON metadata stored with the checkpoint of ``step`` (what ``--resume`` checks)."""
     return {
         "step": step,

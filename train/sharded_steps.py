@@ -38,8 +38,9 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
 
     The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
     """
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0),
-                                                            activation_sharding=ActivationSharding(mesh))))
+    graphdef, shapes = nnx.split(
+        nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0), activation_sharding=ActivationSharding(mesh)))
+    )
     shardings = state_shardings(shapes, mesh)
     return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -102,8 +103,11 @@ def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
     from train import step as step_lib
 
     b_sh = batch_sharding(mesh)
-    return jremat.jit(step_lib.eval_step_fn(graphdef), in_shardings=(_shardings_of(params), b_sh, b_sh),
-                      out_shardings=replicated(mesh))
+    return jremat.jit(
+        step_lib.eval_step_fn(graphdef),
+        in_shardings=(_shardings_of(params), b_sh, b_sh),
+        out_shardings=replicated(mesh),
+    )
 
 
 def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
@@ -116,8 +120,9 @@ def make_grad_fn(graphdef, mesh: Mesh, params: Any) -> Callable:
     return jremat.jit(loss_and_grads, in_shardings=(p_sh, b_sh, b_sh, r_sh), out_shardings=(r_sh, p_sh))
 
 
-def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any,
-                  batch_size: int, seq_len: int) -> tuple[Any, Any]:
+def compile_steps(
+    graphdef, tx: optax.GradientTransformation, mesh: Mesh, params: Any, opt_state: Any, batch_size: int, seq_len: int
+) -> tuple[Any, Any]:
     """AOT-compiled sharded ``(train_step, eval_step)`` for ``[batch_size, seq_len]`` batches.
 
     Raises:
@@ -126,7 +131,9 @@ def compile_steps(graphdef, tx: optax.GradientTransformation, mesh: Mesh, params
     check_batch(mesh, batch_size, seq_len)
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
     key = jax.random.key(0)
-    train_c = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key).compile()
+    train_c = (
+        make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key).compile()
+    )
     eval_c = make_eval_step(graphdef, mesh, params).lower(params, tokens, tokens).compile()
     return train_c, eval_c
 
@@ -165,13 +172,16 @@ class DeviceMemory:
     def format(self) -> str:
         """One line: ``mesh data=4,fsdp=2 (8 devices), per device: peak ... temp ... args ... out ...``."""
         mib = 1 << 20
-        return (f"mesh {self.mesh} ({self.devices} devices), per device: peak {self.peak / mib:.2f} MiB, "
-                f"temp {self.temp / mib:.2f} MiB, arguments {self.argument / mib:.2f} MiB, "
-                f"outputs {self.output / mib:.2f} MiB, aliased {self.alias / mib:.2f} MiB")
+        return (
+            f"mesh {self.mesh} ({self.devices} devices), per device: peak {self.peak / mib:.2f} MiB, "
+            f"temp {self.temp / mib:.2f} MiB, arguments {self.argument / mib:.2f} MiB, "
+            f"outputs {self.output / mib:.2f} MiB, aliased {self.alias / mib:.2f} MiB"
+        )
 
 
-def sharded_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int,
-                        tx: optax.GradientTransformation | None = None) -> DeviceMemory:
+def sharded_step_memory(
+    model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int, tx: optax.GradientTransformation | None = None
+) -> DeviceMemory:
     """Per-device memory of a sharded step on ``mesh``, from XLA's analysis of the compiled program (nothing runs).
 
     Args:
@@ -193,8 +203,11 @@ def sharded_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq
         lowered = make_grad_fn(graphdef, mesh, params).lower(params, tokens, tokens, key)
     else:
         opt_shapes = jax.eval_shape(tx.init, params)
-        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                 opt_shapes, state_shardings(opt_shapes, mesh))
+        opt_state = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            opt_shapes,
+            state_shardings(opt_shapes, mesh),
+        )
         lowered = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key)
     report = compiled_memory_report(lowered.compile(), platform=mesh.devices.flat[0].platform)
     if not report.available:

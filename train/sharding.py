@@ -263,7 +263,7 @@ def param_logical_axes(path, ndim: int) -> tuple[str | None, ...]:
     best: tuple[str, ...] | None = None
     best_len = 0
     for suffix, axes in PARAM_LOGICAL_AXES:
-        if len(suffix) > best_len and names[-len(suffix):] == suffix:
+        if len(suffix) > best_len and names[-len(suffix) :] == suffix:
             best, best_len = axes, len(suffix)
     if best is not None and "blocks" in names:
         best = ("layers",) + best
@@ -285,8 +285,11 @@ def param_partition_spec(path, shape: Sequence[int], mesh: Mesh) -> PartitionSpe
     spec += [None] * (len(shape) - len(spec))
     fsdp = mesh.shape[FSDP_AXIS]
     if fsdp > 1:
-        free = [i for i, (name, entry) in enumerate(zip(logical, spec))
-                if entry is None and name not in FSDP_EXCLUDED and shape[i] % fsdp == 0]
+        free = [
+            i
+            for i, (name, entry) in enumerate(zip(logical, spec))
+            if entry is None and name not in FSDP_EXCLUDED and shape[i] % fsdp == 0
+        ]
         if free:
             i = max(free, key=lambda d: (shape[d], -d))
             spec[i] = FSDP_AXIS
@@ -320,7 +323,9 @@ def replicated_key(seed: int, mesh: Mesh) -> jax.Array:
     device is not serializable there) and the sharded steps take it as it is.
     """
     data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-    return jax.random.wrap_key_data(jax.make_array_from_callback(data.shape, replicated(mesh), lambda index: data[index]))
+    return jax.random.wrap_key_data(
+        jax.make_array_from_callback(data.shape, replicated(mesh), lambda index: data[index])
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -345,8 +350,10 @@ def rows_held(spans: Sequence[tuple[int, int]]) -> slice:
     stop = spans[0][0]
     for lo, hi in spans:
         if lo > stop:
-            raise ValueError(f"this process's devices hold batch rows with a gap ({stop} to {lo - 1} missing); "
-                             "order the mesh so each process's devices take one contiguous block of the batch")
+            raise ValueError(
+                f"this process's devices hold batch rows with a gap ({stop} to {lo - 1} missing); "
+                "order the mesh so each process's devices take one contiguous block of the batch"
+            )
         stop = max(stop, hi)
     return slice(spans[0][0], stop)
 
@@ -386,8 +393,10 @@ def shard_batch(mesh: Mesh, rows, batch_size: int | None = None) -> jax.Array:
     check_batch(mesh, batch_size, rows.shape[1])
     own = process_batch_rows(mesh, batch_size)
     if rows.shape[0] != own.stop - own.start:
-        raise ValueError(f"this process holds rows {own.start} to {own.stop - 1} of a batch of {batch_size} "
-                         f"({own.stop - own.start} rows), got {rows.shape[0]} rows")
+        raise ValueError(
+            f"this process holds rows {own.start} to {own.stop - 1} of a batch of {batch_size} "
+            f"({own.stop - own.start} rows), got {rows.shape[0]} rows"
+        )
 
     def piece(index):
         lo, hi = _row_span(index, batch_size)

@@ -15,7 +15,8 @@ Dropout keys are a pure function of the seed and the position in training,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax

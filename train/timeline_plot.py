@@ -51,8 +51,13 @@ def timeline_json(timeline: MemoryTimeline, top: int = TOP_BUFFERS) -> dict:
         "compiled_peak_bytes": timeline.compiled_peak_bytes,
         "agreement": timeline.agreement,
         "loops": [
-            {"instruction": lp.instruction, "start_position": lp.start_position, "end_position": lp.end_position,
-             "trip_count": lp.trip_count, "op_name": lp.op_name}
+            {
+                "instruction": lp.instruction,
+                "start_position": lp.start_position,
+                "end_position": lp.end_position,
+                "trip_count": lp.trip_count,
+                "op_name": lp.op_name,
+            }
             for lp in timeline.loops
         ],
         "top_buffers": [_buffer_json(b) for b in timeline.top_buffers[:top]],
@@ -62,8 +67,16 @@ def timeline_json(timeline: MemoryTimeline, top: int = TOP_BUFFERS) -> dict:
 
 
 def _buffer_json(b: TimelineBuffer) -> dict:
-    return {"name": b.name, "kind": b.kind, "size_bytes": b.size_bytes, "shape": b.shape, "instruction": b.instruction,
-            "source": b.source, "start_position": b.start_position, "end_position": b.end_position}
+    return {
+        "name": b.name,
+        "kind": b.kind,
+        "size_bytes": b.size_bytes,
+        "shape": b.shape,
+        "instruction": b.instruction,
+        "source": b.source,
+        "start_position": b.start_position,
+        "end_position": b.end_position,
+    }
 
 
 def format_timelines(rows: Sequence, top: int = TOP_BUFFERS) -> str:
@@ -82,8 +95,10 @@ def format_timelines(rows: Sequence, top: int = TOP_BUFFERS) -> str:
 def _table_lines(timeline: MemoryTimeline, top: int) -> list[str]:
     lines = [f"{'MiB':>8}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>9}  source"]
     for b in timeline.top_buffers[:top]:
-        lines.append(f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "
-                     f"{b.start_position:>4}-{b.end_position:<4}  {b.source}")
+        lines.append(
+            f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "
+            f"{b.start_position:>4}-{b.end_position:<4}  {b.source}"
+        )
     return lines
 
 
@@ -113,8 +128,14 @@ def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS) -> Non
         ys = [b / mib for b in tl.live_bytes]
         ax.plot(range(len(ys)), ys, color=color, lw=1.4, label=f"{row.policy}: peak {tl.peak_bytes / mib:.1f} MiB")
         ax.plot([tl.peak_position], [tl.peak_bytes / mib], "o", color=color, ms=7)
-        ax.annotate(f"peak {row.policy}", (tl.peak_position, tl.peak_bytes / mib), textcoords="offset points",
-                    xytext=(6, 6), color=color, fontsize=8)
+        ax.annotate(
+            f"peak {row.policy}",
+            (tl.peak_position, tl.peak_bytes / mib),
+            textcoords="offset points",
+            xytext=(6, 6),
+            color=color,
+            fontsize=8,
+        )
         if tl.compiled_peak_bytes:
             ax.axhline(tl.compiled_peak_bytes / mib, color=color, lw=0.8, ls="--", alpha=0.7)
         for lp in tl.loops:
@@ -123,19 +144,32 @@ def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS) -> Non
     ax.set_xlabel("position in the compiled schedule (instructions; a shaded loop body is one iteration)")
     ax.set_ylabel("live MiB")
     first = rows[0]
-    ax.set_title(f"memory timeline of the gradient step, {first.n_layers} layers, batch {first.batch_size} x "
-                 f"{first.seq_len} (dashed: compiled peak)")
+    ax.set_title(
+        f"memory timeline of the gradient step, {first.n_layers} layers, batch {first.batch_size} x "
+        f"{first.seq_len} (dashed: compiled peak)"
+    )
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     for i, row in enumerate(rows):
         tax = fig.add_subplot(grid[1 + i])
         tax.axis("off")
         tl = row.timeline
-        head = (f"{row.policy}: top {top} buffers at the peak (position {tl.peak_position}, "
-                f"{tl.peak_bytes / mib:.2f} MiB; compiled peak "
-                f"{(tl.compiled_peak_bytes or 0) / mib:.2f} MiB)")
-        tax.text(0.0, 1.0, "\n".join([head] + _table_lines(tl, top)), family="monospace", fontsize=7.5,
-                 va="top", ha="left", color=colors[i % len(colors)], transform=tax.transAxes)
+        head = (
+            f"{row.policy}: top {top} buffers at the peak (position {tl.peak_position}, "
+            f"{tl.peak_bytes / mib:.2f} MiB; compiled peak "
+            f"{(tl.compiled_peak_bytes or 0) / mib:.2f} MiB)"
+        )
+        tax.text(
+            0.0,
+            1.0,
+            "\n".join([head] + _table_lines(tl, top)),
+            family="monospace",
+            fontsize=7.5,
+            va="top",
+            ha="left",
+            color=colors[i % len(colors)],
+            transform=tax.transAxes,
+        )
     try:
         fig.savefig(path, format="png", dpi=110, bbox_inches="tight")
     finally:

@@ -15,7 +15,6 @@ import jremat
 from jremat import registry
 from tests.conftest import saved_residuals
 
-
 #: Names jremat._engine gives the values a callback keeps under jax_remat3 (equation index in group 1).
 CALLBACK_TAG_RE = re.compile(r"^named 'jremat_cb\d+/(\d+)'")
 
@@ -33,11 +32,14 @@ def chain(w, x, deterministic=False):
     return jnp.sum(x) if deterministic else jnp.sum(x * 2.0)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: jremat.policy("every_k", k=2),
-    lambda: jremat.policy("every_k:k=2"),
-    lambda: jremat.policy(jremat.resolve("full")),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jremat.policy("every_k", k=2),
+        lambda: jremat.policy("every_k:k=2"),
+        lambda: jremat.policy(jremat.resolve("full")),
+    ],
+)
 def test_plain_function(make):
     w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
     decorated = make()(chain)
@@ -162,6 +164,7 @@ def test_linen_decorated_in_class_body():
 
 def test_custom_callback_policy_usable_by_name():
     with registry.scoped():
+
         @jremat.custom_policy("test_keep_dots_and_sin")
         def keep(prim, *avals, **params):
             """Save matmuls and sines."""
@@ -180,7 +183,10 @@ def test_custom_callback_policy_usable_by_name():
             f"output of {prog.ops[int(m.group(1))].primitive}" if (m := CALLBACK_TAG_RE.search(why)) else why
             for _, why in saved_residuals(lambda w: decorated(w, x), w)
         ]
-        assert all(why.startswith(("from the argument", "from a constant", "output of sin", "output of dot_general")) for why in kept)
+        assert all(
+            why.startswith(("from the argument", "from a constant", "output of sin", "output of dot_general"))
+            for why in kept
+        )
         assert sum(why.startswith("output of sin") for why in kept) == 3  # the sines feeding matmuls
         with pytest.raises(ValueError, match="already registered"):
             jremat.custom_policy("test_keep_dots_and_sin")(keep)
@@ -188,14 +194,16 @@ def test_custom_callback_policy_usable_by_name():
 
 
 def test_custom_plan_policy_and_policy_module(tmp_path, monkeypatch):
-    (tmp_path / "my_test_policies.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_test_policies.py").write_text(
+        textwrap.dedent('''
         import jremat
 
         @jremat.custom_policy("test_first_op_only", kind="plan")
         def first_op(program):
             """Save compute op 0 only."""
             return jremat.Plan(save=frozenset({program.compute_ops[0].index}))
-    '''))
+    ''')
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with registry.scoped():
         try:

@@ -39,7 +39,9 @@ X = jax.random.normal(jax.random.key(9), (2, 4))
 def test_forward_mode_through_tied_remat(spec):
     plain, tied = unrolled(tanh_block), unrolled(jremat.checkpoint(tanh_block, spec))
     t = [jnp.ones_like(w) for w in WS]
-    assert jnp.array_equal(jax.jvp(lambda x: tied(WS, x), (X,), (X,))[1], jax.jvp(lambda x: plain(WS, x), (X,), (X,))[1])
+    assert jnp.array_equal(
+        jax.jvp(lambda x: tied(WS, x), (X,), (X,))[1], jax.jvp(lambda x: plain(WS, x), (X,), (X,))[1]
+    )
     assert jnp.allclose(jax.jacfwd(tied, argnums=1)(WS, X), jax.jacfwd(plain, argnums=1)(WS, X), rtol=1e-6)
     assert jnp.allclose(jax.hessian(tied, argnums=1)(WS, X), jax.hessian(plain, argnums=1)(WS, X), rtol=1e-5, atol=1e-6)
     _, lin = jax.linearize(lambda ws: tied(ws, X), WS)
@@ -55,7 +57,7 @@ def test_forward_mode_through_an_unrolled_gpt():
     cfg = preset("tiny", n_layers=2, scan_layers=False, remat_policy="full", max_seq_len=8, remat_head_chunks=2)
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % cfg.vocab_size
-    loss = lambda p: cross_entropy_loss(nnx.merge(graphdef, p), tokens, tokens)  # noqa: E731
+    loss = lambda p: cross_entropy_loss(nnx.merge(graphdef, p), tokens, tokens)
     tangent = jax.tree.map(jnp.ones_like, params)
     value, derivative = jax.jvp(loss, (params,), (tangent,))
     grads = jax.grad(loss)(params)
@@ -116,8 +118,8 @@ def test_names_except_removes_the_excluded_bytes():
 
 
 def test_names_except_saves_memory_on_the_gpt_under_scan():
-    from tests.conftest import train_step_memory
     from models import preset
+    from tests.conftest import train_step_memory
 
     cfg = preset("tiny", n_layers=2)
     none = train_step_memory(cfg.replace(remat_policy="none"), 4).temp_bytes
@@ -179,11 +181,15 @@ def test_dropout_masks_from_call_time_nnx_rngs_are_not_saved(spec):
 def test_a_users_own_tag_is_accepted_and_a_typo_lists_the_tags_found():
     params = (jnp.ones((4, 16)), jnp.ones((16, 4)))
     key = jax.random.PRNGKey(0)
-    saved = saved_residuals(lambda p: jnp.sum(jremat.checkpoint(user_models.plain_block, "names:save=hidden")(p, X, key)), params)
+    saved = saved_residuals(
+        lambda p: jnp.sum(jremat.checkpoint(user_models.plain_block, "names:save=hidden")(p, X, key)), params
+    )
     assert any("named 'hidden'" in why for _, why in saved)
     for spec in ["names:save=hiden", "names_except:exclude=hiden", "offload:names=hiden"]:
-        with pytest.raises(ValueError, match=r"'hiden', which the checkpointed function does not tag; tags it has: hidden"):
-            jax.grad(lambda p: jnp.sum(jremat.checkpoint(user_models.plain_block, spec)(p, X, key)))(params)
+        with pytest.raises(
+            ValueError, match=r"'hiden', which the checkpointed function does not tag; tags it has: hidden"
+        ):
+            jax.grad(lambda p, spec=spec: jnp.sum(jremat.checkpoint(user_models.plain_block, spec)(p, X, key)))(params)
 
 
 def test_checkpoint_takes_static_arguments_like_the_decorator():

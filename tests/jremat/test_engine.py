@@ -75,6 +75,7 @@ def test_decorated_at_import_follows_the_engine_at_call_time():
 
 def test_user_callback_decides_under_both_engines(remat_engine):
     """remat3 never calls a callback; jremat asks it per equation and saves what it keeps."""
+
     def keep_sin(prim, *avals, **params):
         return prim.name == "sin"
 
@@ -103,9 +104,13 @@ def test_jax_policies_keep_the_same_values_under_both_engines(callback):
     def fn(w):
         return chain(w, named(x @ w) * x)
 
-    kept = {name: under(name, lambda: shapes_kept(engine.checkpoint(fn, callback=callback), w)) for name in engine.ENGINES}
+    kept = {
+        name: under(name, lambda: shapes_kept(engine.checkpoint(fn, callback=callback), w)) for name in engine.ENGINES
+    }
     assert kept[engine.CLASSIC] == kept[engine.REMAT3]
-    grads = {name: under(name, lambda: jax.grad(engine.checkpoint(fn, callback=callback))(w)) for name in engine.ENGINES}
+    grads = {
+        name: under(name, lambda: jax.grad(engine.checkpoint(fn, callback=callback))(w)) for name in engine.ENGINES
+    }
     assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])
 
 
@@ -166,7 +171,9 @@ def test_checkpoint_argument_errors():
 )
 def test_policies_keep_the_same_values_under_both_engines(spec):
     x = jnp.linspace(0.1, 1.0, 24).reshape(4, 6)
-    kept = {name: under(name, lambda: shapes_kept(jremat.checkpoint(attention_like, spec), x)) for name in engine.ENGINES}
+    kept = {
+        name: under(name, lambda: shapes_kept(jremat.checkpoint(attention_like, spec), x)) for name in engine.ENGINES
+    }
     assert kept[engine.CLASSIC] == kept[engine.REMAT3]
     assert len(kept[engine.CLASSIC]) > 1  # more than the input: the comparison can fail
     grads = {name: under(name, lambda: jax.grad(jremat.checkpoint(attention_like, spec))(x)) for name in engine.ENGINES}

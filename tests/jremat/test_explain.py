@@ -20,8 +20,11 @@ def mlp(w1, w2, x):
     return jnp.sum(x**2)
 
 
-ARGS = (jax.ShapeDtypeStruct((32, 128), jnp.float32), jax.ShapeDtypeStruct((128, 32), jnp.float32),
-        jax.ShapeDtypeStruct((64, 32), jnp.float32))
+ARGS = (
+    jax.ShapeDtypeStruct((32, 128), jnp.float32),
+    jax.ShapeDtypeStruct((128, 32), jnp.float32),
+    jax.ShapeDtypeStruct((64, 32), jnp.float32),
+)
 
 
 def scanned(w1, w2, x, policy=None):
@@ -39,8 +42,10 @@ def test_typo_name_is_one_line_listing_the_names_found():
     report = jremat.explain(mlp, "names:save=mlp_in+mlp_act", *ARGS, compile=False)
     unmatched = [m for m in report.messages if m.startswith("unmatched name")]
     assert unmatched == [
-        ("unmatched name (names:save=mlp_in+mlp_act): save name 'mlp_act' matched nothing; "
-        "the traced function tags mlp_in, mlp_out")
+        (
+            "unmatched name (names:save=mlp_in+mlp_act): save name 'mlp_act' matched nothing; "
+            "the traced function tags mlp_in, mlp_out"
+        )
     ]
     assert unmatched[0] in report.text().splitlines()
     by_name = {m.name: m for m in report.names}
@@ -66,8 +71,9 @@ def test_no_saving_is_one_line_with_the_cause():
 
 def test_per_layer_checkpoints_in_a_scan_save_and_say_nothing_more():
     """The control: remat per scan iteration lowers temp memory, and no line claims otherwise."""
-    report = explain_applied(lambda a, b, c: scanned(a, b, c, "full"), *ARGS, policy="full",
-                             baseline=lambda a, b, c: scanned(a, b, c))
+    report = explain_applied(
+        lambda a, b, c: scanned(a, b, c, "full"), *ARGS, policy="full", baseline=lambda a, b, c: scanned(a, b, c)
+    )
     assert report.checkpoints == 1 and report.temp_bytes < report.baseline_temp_bytes
     assert not report.messages
     (recompute,) = report.decisions
@@ -90,7 +96,8 @@ def test_exclude_by_name_and_json():
 def test_policies_that_do_nothing_or_cannot_apply_say_so():
     none = jremat.explain(mlp, "none", *ARGS, compile=False)
     assert none.checkpoints == 0 and none.messages == (
-        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value",)
+        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value",
+    )
     with pytest.raises(ValueError, match="not on a single function"):
         jremat.explain(mlp, "nested", *ARGS, compile=False)
     with pytest.raises(ValueError, match="unknown policy 'fulll'"):

@@ -21,8 +21,11 @@ def test_private_symbol_present(module, name):
 def test_missing_private_symbol_error_names_symbol_purpose_and_version(monkeypatch):
     key = ("jax._src.ad_checkpoint", "no_such_symbol_for_jremat")
     monkeypatch.setitem(_jax_compat.PRIVATE_SYMBOLS, key, "a test of the error message")
-    with pytest.raises(_jax_compat.MissingJaxInternal, match=r"jax\._src\.ad_checkpoint\.no_such_symbol_for_jremat "
-                       r"for a test of the error message, but JAX \d"):
+    with pytest.raises(
+        _jax_compat.MissingJaxInternal,
+        match=r"jax\._src\.ad_checkpoint\.no_such_symbol_for_jremat "
+        r"for a test of the error message, but JAX \d",
+    ):
         _jax_compat.private(*key)
     with pytest.raises(KeyError):  # an unlisted private symbol cannot be loaded
         _jax_compat.private("jax._src.core", "Tracer")

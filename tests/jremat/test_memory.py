@@ -40,23 +40,37 @@ class _FakeCompiled:
 def test_unavailable_memory_analysis_is_reported_not_zero():
     none = jmem.compiled_memory_report(_FakeCompiled(None), platform="tpu")
     assert not none.available and none.peak_bytes is None and "18954" in none.notes[0]
-    zeros = _FakeStats(argument_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0,
-                       temp_size_in_bytes=0, generated_code_size_in_bytes=0)
+    zeros = _FakeStats(
+        argument_size_in_bytes=0,
+        output_size_in_bytes=0,
+        alias_size_in_bytes=0,
+        temp_size_in_bytes=0,
+        generated_code_size_in_bytes=0,
+    )
     report = jmem.compiled_memory_report(_FakeCompiled(zeros), platform="gpu")
     assert not report.available and report.temp_bytes is None and "zero" in report.notes[0]
 
 
 def test_peak_source_backend_vs_sum():
-    stats = dict(argument_size_in_bytes=100, output_size_in_bytes=50, alias_size_in_bytes=10,
-                 temp_size_in_bytes=1000, generated_code_size_in_bytes=0)
-    full_peak = jmem.compiled_memory_report(_FakeCompiled(_FakeStats(peak_memory_in_bytes=1200, **stats)), platform="gpu")
+    stats = dict(
+        argument_size_in_bytes=100,
+        output_size_in_bytes=50,
+        alias_size_in_bytes=10,
+        temp_size_in_bytes=1000,
+        generated_code_size_in_bytes=0,
+    )
+    full_peak = jmem.compiled_memory_report(
+        _FakeCompiled(_FakeStats(peak_memory_in_bytes=1200, **stats)), platform="gpu"
+    )
     assert full_peak.peak_source == jmem.PEAK_FROM_BACKEND and full_peak.peak_bytes == 1200
     cpu_like = jmem.compiled_memory_report(_FakeCompiled(_FakeStats(peak_memory_in_bytes=150, **stats)), platform="cpu")
     assert cpu_like.peak_source == jmem.PEAK_FROM_SUM and cpu_like.peak_bytes == 100 + 50 - 10 + 1000
     assert "leaves temp buffers out" in cpu_like.notes[0]
     # XLA:CPU's argument + output can exceed a small temp; it still leaves temp out.
     small_temp = dict(stats, temp_size_in_bytes=40)
-    cpu_big = jmem.compiled_memory_report(_FakeCompiled(_FakeStats(peak_memory_in_bytes=150, **small_temp)), platform="cpu")
+    cpu_big = jmem.compiled_memory_report(
+        _FakeCompiled(_FakeStats(peak_memory_in_bytes=150, **small_temp)), platform="cpu"
+    )
     assert cpu_big.peak_source == jmem.PEAK_FROM_SUM and cpu_big.peak_bytes == 100 + 50 - 10 + 40
 
 

@@ -61,8 +61,15 @@ def fake_peak(cand: Candidate, *, error: int = 0) -> int:
 
 
 def plan(budget, measure=fake_peak, **kw):
-    return plan_layers(budget, costs=COSTS, n_layers=N_LAYERS, block_input_bytes=BLOCK_INPUT,
-                       none_layer_bytes=NONE_LAYER, measure_peak_bytes=measure, **kw)
+    return plan_layers(
+        budget,
+        costs=COSTS,
+        n_layers=N_LAYERS,
+        block_input_bytes=BLOCK_INPUT,
+        none_layer_bytes=NONE_LAYER,
+        measure_peak_bytes=measure,
+        **kw,
+    )
 
 
 NONE_PEAK, FULL_PEAK = fake_peak(Candidate((), 0)), fake_peak(Candidate((), N_LAYERS))
@@ -102,7 +109,9 @@ def test_an_underestimated_plan_is_tightened_until_the_measurement_fits():
 
 
 def test_infeasible_budget_names_the_smallest_peak_and_plan():
-    with pytest.raises(ValueError, match=rf"smallest achievable peak is {FULL_PEAK:,} bytes .* reached by full on layers"):
+    with pytest.raises(
+        ValueError, match=rf"smallest achievable peak is {FULL_PEAK:,} bytes .* reached by full on layers"
+    ):
         plan(str(FULL_PEAK - 1))
 
 
@@ -126,7 +135,9 @@ def test_solve_never_measures_a_plan_predicted_over_budget():
         measured.append(c)
         return c
 
-    sol = solve(5, [9, 7, 5, 3], predict_peak_bytes=lambda c: c, recompute_flops=lambda c: 10 - c, measure_peak_bytes=measure)
+    sol = solve(
+        5, [9, 7, 5, 3], predict_peak_bytes=lambda c: c, recompute_flops=lambda c: 10 - c, measure_peak_bytes=measure
+    )
     assert sol.candidate == 5 and measured == [5]
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-USER_TESTS = '''
+USER_TESTS = """
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
@@ -40,7 +40,7 @@ def test_broken_model_fails(remat_exact):
     if remat_exact.policy == "none":
         pytest.skip("nothing is recomputed")
     remat_exact(redraws, jnp.eye(3) * 0.5, jnp.ones((2, 3)))
-'''
+"""
 
 
 def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
@@ -48,7 +48,9 @@ def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
     project.mkdir()
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(ROOT)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert build.returncode == 0, build.stdout + build.stderr
     (project / "test_user.py").write_text(textwrap.dedent(USER_TESTS.format(target=str(target))))
@@ -56,7 +58,11 @@ def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
     env["PYTHONPATH"] = str(target)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        cwd=project, env=env, capture_output=True, text=True, check=False,
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     out = run.stdout + run.stderr
     summary = out.strip().splitlines()[-1]

@@ -196,8 +196,9 @@ def test_call_time_rngs_written_back_by_nnx_remat_pass():
         return lambda m, x, *, rngs: positional(m, x, rngs)
 
     model = CallTimeRngNet(nnx.Rngs(0))
-    assert_remat_exact(model, None, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4), rngs=nnx.Rngs(dropout=1),
-                       decorate=nnx_remat)
+    assert_remat_exact(
+        model, None, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4), rngs=nnx.Rngs(dropout=1), decorate=nnx_remat
+    )
 
 
 def test_policy_changing_a_saved_value_is_caught():
@@ -217,8 +218,9 @@ def test_policy_changing_a_saved_value_is_caught():
 @pytest.fixture(scope="module")
 def gpt_case():
     # Layers unrolled: a whole-function plan policy (names_except) sees the tags only outside a scan.
-    cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5, remat_granularity="none", scan_layers=False,
-                 max_seq_len=8, d_ff=32)
+    cfg = preset(
+        "tiny", attn_dropout=0.5, resid_dropout=0.5, remat_granularity="none", scan_layers=False, max_seq_len=8, d_ff=32
+    )
     model = GPT(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, cfg.max_seq_len), 0, cfg.vocab_size)
     return model, tokens, jnp.roll(tokens, -1, axis=1), jax.random.key(2)
@@ -228,10 +230,13 @@ def gpt_case():
 GPT_FAST = ("full", "selective", "names")
 
 
-@pytest.mark.parametrize("policy", [
-    p if p.id in GPT_FAST else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
-    for p in policies(tags=GPT_TAGS)
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        p if p.id in GPT_FAST else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
+        for p in policies(tags=GPT_TAGS)
+    ],
+)
 def test_every_policy_exact_on_reference_gpt(policy, gpt_case):
     assert_remat_exact(cross_entropy_loss, policy, *gpt_case)
 

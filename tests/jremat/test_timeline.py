@@ -124,8 +124,7 @@ def test_the_model_on_a_hand_written_dump():
     assert tl.live_bytes == (32, 64, 64, 80, 48)
     assert (tl.peak_position, tl.peak_bytes, tl.agreement, tl.unmodelled_bytes) == (3, 80, 1.0, 4)
     kinds = {b.instruction: (b.kind, b.size_bytes) for b in tl.top_buffers}
-    assert kinds == {"p.1": ("argument", 16), "b.1": ("gradient", 32), "c.1": ("gradient", 16),
-                     "out.1": ("output", 16)}
+    assert kinds == {"p.1": ("argument", 16), "b.1": ("gradient", 32), "c.1": ("gradient", 16), "out.1": ("output", 16)}
 
 
 def test_timeline_compiles_past_the_persistent_cache(tmp_path):

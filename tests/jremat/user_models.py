@@ -15,7 +15,8 @@ the undecorated and decorated model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -150,9 +151,7 @@ def linen_case(spec, *, block_cls=LinenBlock, batch=2, width=WIDTH) -> Case:
     extra = {k: v for k, v in variables.items() if k != "params"}
 
     def loss_and_state(params, key):
-        y, updates = model.apply(
-            {"params": params, **extra}, x, True, rngs={"dropout": key}, mutable=list(extra)
-        )
+        y, updates = model.apply({"params": params, **extra}, x, True, rngs={"dropout": key}, mutable=list(extra))
         return jnp.sum(jnp.tanh(y)), updates
 
     return functional_case(loss_and_state, params, jax.random.PRNGKey(1))
@@ -337,7 +336,9 @@ class WmtDecoderBlock(nn.Module):
 
         h = nn.LayerNorm()(y)
         y = y + nn.Dropout(cfg.dropout_rate)(attention(h, h, self_mask), deterministic=deterministic)
-        y = y + nn.Dropout(cfg.dropout_rate)(attention(nn.LayerNorm()(y), encoded, cross_mask), deterministic=deterministic)
+        y = y + nn.Dropout(cfg.dropout_rate)(
+            attention(nn.LayerNorm()(y), encoded, cross_mask), deterministic=deterministic
+        )
         return y + WmtMlp(cfg)(nn.LayerNorm()(y), deterministic)
 
 

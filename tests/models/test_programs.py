@@ -38,7 +38,9 @@ def test_programs_take_shape_structs_only(tiny):
     assert jax.eval_shape(block_fn, block_params, x, key).shape == x.shape
 
 
-@pytest.mark.parametrize("batch, seq, message", [(0, 8, "must be positive"), (2, 10_000, "exceeds the model's max_seq_len")])
+@pytest.mark.parametrize(
+    "batch, seq, message", [(0, 8, "must be positive"), (2, 10_000, "exceeds the model's max_seq_len")]
+)
 def test_loss_program_rejects_bad_shapes(tiny, batch, seq, message):
     with pytest.raises(ValueError, match=message):
         loss_program(tiny, batch, seq)

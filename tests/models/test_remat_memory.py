@@ -82,12 +82,18 @@ def test_cotangent_tie_only_where_xla_could_merge_recomputation(
     real = tie.tie_to_cotangent
     monkeypatch.setattr(tie, "tie_to_cotangent", lambda fn: made.append(fn) or real(fn))
     cfg = preset(
-        "tiny", n_layers=n_layers, scan_layers=scan, remat_policy=policy, remat_layer_policies=layer_policies,
+        "tiny",
+        n_layers=n_layers,
+        scan_layers=scan,
+        remat_policy=policy,
+        remat_layer_policies=layer_policies,
         remat_head_chunks=head_chunks,
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((2, cfg.max_seq_len), jnp.int32)
-    jax.make_jaxpr(jax.grad(lambda p, t: cross_entropy_loss(nnx.merge(graphdef, p), t, t, jax.random.key(0))))(params, tokens)
+    jax.make_jaxpr(jax.grad(lambda p, t: cross_entropy_loss(nnx.merge(graphdef, p), t, t, jax.random.key(0))))(
+        params, tokens
+    )
     assert len(made) == ties
 
 

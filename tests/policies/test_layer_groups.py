@@ -76,9 +76,7 @@ def no_remat_reference(cfg):
     return loss_and_grads(cfg.replace(remat_policy="none", remat_granularity="none"))
 
 
-@pytest.mark.parametrize(
-    "scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scan", "unrolled"]
-)
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["scan", "unrolled"])
 @pytest.mark.parametrize(
     "spec, layer_policies",
     [("every_k:k=2", "1:full"), ("none", "1:selective,rest:every_k:k=3"), ("nested:block=2,layer=full", "")],
@@ -96,6 +94,7 @@ def test_gradients_match_no_remat(spec, layer_policies, scan_layers):
 def test_layer_groups_run_one_scan_per_group():
     cfg = preset("tiny", n_layers=4, remat_layer_policies="1:full,rest:none")
     from flax import nnx
+
     from models import GPT
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))

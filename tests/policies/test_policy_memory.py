@@ -9,8 +9,13 @@ from tests.conftest import train_step_memory
 @functools.cache
 def temp_bytes(spec: str, layer_policies: str = "", scan_layers: bool = True) -> int:
     cfg = preset(
-        "small", n_layers=4, vocab_size=256, remat_policy=spec, remat_granularity="block",
-        remat_layer_policies=layer_policies, scan_layers=scan_layers,
+        "small",
+        n_layers=4,
+        vocab_size=256,
+        remat_policy=spec,
+        remat_granularity="block",
+        remat_layer_policies=layer_policies,
+        scan_layers=scan_layers,
     )
     return train_step_memory(cfg).temp_bytes
 

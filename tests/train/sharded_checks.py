@@ -18,17 +18,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # Faster LLVM code generation only; buffer assignment (every memory figure) is unchanged.
 os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
-import jremat  # noqa: E402,F401
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-from models import cross_entropy_loss, preset  # noqa: E402
-from train import sharded_steps as steps  # noqa: E402
-from train import sharding as sh  # noqa: E402
-from train import step as step_lib  # noqa: E402
+import jremat
+from models import cross_entropy_loss, preset
+from train import sharded_steps as steps
+from train import sharding as sh
+from train import step as step_lib
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -47,8 +47,10 @@ def _batch(cfg, seed=1):
 
 def _max_rel(tree, reference) -> float:
     """max |a - b| over all leaves / max |b| over all leaves (one global scale, as in conftest)."""
-    diffs = [float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b)))) for a, b in
-             zip(jax.tree.leaves(tree), jax.tree.leaves(reference))]
+    diffs = [
+        float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
+    ]
     scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(reference))
     return max(diffs) / scale
 
@@ -87,8 +89,10 @@ def check_grads(spec: str = "data=4,fsdp=2") -> dict:
         out[policy] = {
             "loss_sharded": float(loss1),
             "grad_max_rel_diff": _max_rel(grads1, grads0),
-            "grad_max_abs_diff": max(float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b))))
-                                     for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0))),
+            "grad_max_abs_diff": max(
+                float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree.leaves(grads1), jax.tree.leaves(grads0))
+            ),
             "grad_specs": sorted({str(g.sharding.spec) for g in jax.tree.leaves(grads1)}),
         }
     # Every mesh axis at once (fsdp + tensor + sequence parallel), one policy.
@@ -96,10 +100,14 @@ def check_grads(spec: str = "data=4,fsdp=2") -> dict:
     sharded3 = steps.shard_params(params, mesh3)
     graphdef, _ = steps.abstract_params(base.replace(remat_policy="full", remat_granularity="sublayer"), mesh3)
     loss3, grads3 = steps.make_grad_fn(graphdef, mesh3, sharded3)(
-        sharded3, sh.shard_batch(mesh3, tokens), sh.shard_batch(mesh3, targets), key)
-    out[SEQUENCE_MESH] = {"policy": "full (sublayer)", "loss_sharded": float(loss3),
-                          "grad_max_rel_diff": _max_rel(grads3, grads0),
-                          "grad_specs": sorted({str(g.sharding.spec) for g in jax.tree.leaves(grads3)})}
+        sharded3, sh.shard_batch(mesh3, tokens), sh.shard_batch(mesh3, targets), key
+    )
+    out[SEQUENCE_MESH] = {
+        "policy": "full (sublayer)",
+        "loss_sharded": float(loss3),
+        "grad_max_rel_diff": _max_rel(grads3, grads0),
+        "grad_specs": sorted({str(g.sharding.spec) for g in jax.tree.leaves(grads3)}),
+    }
     return out
 
 
@@ -138,7 +146,7 @@ def check_train_step() -> dict:
     for path, leaf in jax.tree_util.tree_leaves_with_path(adam_state):
         names = sh._path_names(path)
         for pnames, pspec in param_specs.items():
-            if names[-len(pnames):] == pnames and len(names) > len(pnames):
+            if names[-len(pnames) :] == pnames and len(names) > len(pnames):
                 matched += 1
                 if leaf.sharding.spec != pspec:
                     mismatched.append(".".join(names))
@@ -168,14 +176,22 @@ def check_sequence_memory() -> dict:
     cfg = preset("tiny", max_seq_len=64, remat_policy="none")
     without = steps.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4"), devices[:4]), 16, 64)
     with_sp = steps.sharded_step_memory(cfg, sh.make_mesh(sh.parse_mesh("data=4,sequence=2"), devices), 16, 64)
-    return {"without": dataclass_dict(without), "with_sequence_2": dataclass_dict(with_sp),
-            "temp_ratio": with_sp.temp / without.temp}
+    return {
+        "without": dataclass_dict(without),
+        "with_sequence_2": dataclass_dict(with_sp),
+        "temp_ratio": with_sp.temp / without.temp,
+    }
 
 
 def dataclass_dict(memory: steps.DeviceMemory) -> dict:
     """The fields of a :class:`train.sharded_steps.DeviceMemory` plus its peak."""
-    return {"temp": memory.temp, "argument": memory.argument, "output": memory.output,
-            "alias": memory.alias, "peak": memory.peak}
+    return {
+        "temp": memory.temp,
+        "argument": memory.argument,
+        "output": memory.output,
+        "alias": memory.alias,
+        "peak": memory.peak,
+    }
 
 
 def check_errors() -> dict:
@@ -199,8 +215,12 @@ def check_errors() -> dict:
     return messages
 
 
-CHECKS = {"grads": check_grads, "train_step": check_train_step, "sequence_memory": check_sequence_memory,
-          "errors": check_errors}
+CHECKS = {
+    "grads": check_grads,
+    "train_step": check_train_step,
+    "sequence_memory": check_sequence_memory,
+    "errors": check_errors,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -19,33 +19,135 @@ def fake_rows() -> list[dict]:
     for part, (key, values) in (("needle_batch", ("batch_size", (256, 2048))), ("needle_dff", ("d_ff", (256, 2048)))):
         for v in values:
             for scope, red in (("none", 0.0), ("blocks", 0.05), ("head", 0.6), ("whole step", 0.7 + v / 1e5)):
-                rows.append(parts.row(part, "every_k:k=4", cfg, 2048, 20, scope=scope, model="needle",
-                                      peak_reduction_vs_none=red, peak_bytes=int(100e6 * (1 - red)),
-                                      **{key: v}))
+                rows.append(
+                    parts.row(
+                        part,
+                        "every_k:k=4",
+                        cfg,
+                        2048,
+                        20,
+                        scope=scope,
+                        model="needle",
+                        peak_reduction_vs_none=red,
+                        peak_bytes=int(100e6 * (1 - red)),
+                        **{key: v},
+                    )
+                )
     for k, t in ((0, 1.0), (1, 1.1), (4, 1.2)):
-        rows.append(parts.row("needle_time", f"every_k:k={k}", cfg, 64, 20, k=k, time_ratio_vs_none=t,
-                              time_ratio_low=t - 0.01, time_ratio_high=t + 0.01, flops_bound=1.1, peak_bytes=10**7))
-    for spec, sbh, ref, err in (("none", 114.0, 114.0, -0.008), ("selective", 32.0, 34.0, 0.02),
-                                ("full", 2.0, 2.0, 0.039)):
-        rows.append(parts.row("megatron", spec, cfg, 8, 1024, model="gpt2-small", saved_bytes_per_layer=sbh * 8 * 1024,
-                              saved_per_sbh=sbh, megatron_per_sbh=ref, peak_bytes=10**9, analytic_peak_bytes=10**9,
-                              analytic_error=err))
+        rows.append(
+            parts.row(
+                "needle_time",
+                f"every_k:k={k}",
+                cfg,
+                64,
+                20,
+                k=k,
+                time_ratio_vs_none=t,
+                time_ratio_low=t - 0.01,
+                time_ratio_high=t + 0.01,
+                flops_bound=1.1,
+                peak_bytes=10**7,
+            )
+        )
+    for spec, sbh, ref, err in (
+        ("none", 114.0, 114.0, -0.008),
+        ("selective", 32.0, 34.0, 0.02),
+        ("full", 2.0, 2.0, 0.039),
+    ):
+        rows.append(
+            parts.row(
+                "megatron",
+                spec,
+                cfg,
+                8,
+                1024,
+                model="gpt2-small",
+                saved_bytes_per_layer=sbh * 8 * 1024,
+                saved_per_sbh=sbh,
+                megatron_per_sbh=ref,
+                peak_bytes=10**9,
+                analytic_peak_bytes=10**9,
+                analytic_error=err,
+            )
+        )
     for spec, batch in (("none", 8), ("full", 40)):
-        rows.append(parts.row("maxbatch", spec, cfg, batch, 1024, model="gpt2-small", budget_bytes=16 * 2**30,
-                              max_batch=batch, max_batch_verified=True, peak_bytes=15 * 2**30))
+        rows.append(
+            parts.row(
+                "maxbatch",
+                spec,
+                cfg,
+                batch,
+                1024,
+                model="gpt2-small",
+                budget_bytes=16 * 2**30,
+                max_batch=batch,
+                max_batch_verified=True,
+                peak_bytes=15 * 2**30,
+            )
+        )
     for model in ("head-dominated (small)", "block-dominated"):
-        for spec, t, bound in (("none", 1.0, 1.0), ("selective", 1.01, 1.02), ("every_k:k=4", 1.05, 1.1),
-                               ("full", 1.08, 1.24)):
-            rows.append(parts.row("time", spec, cfg, 8, 128, model=model, time_ratio_vs_none=t, time_ratio_low=t,
-                                  time_ratio_high=t, flops_bound=bound, peak_bytes=10**7, compile_s=2.0,
-                                  peak_reduction_vs_none=0.1))
-    for label, ours, t, peak in (("none", "", 1.0, 100), ("full", "", 1.1, 50), ("jax.checkpoint", "full", 1.2, 50),
-                                 ("linen nn.remat_scan", "full", 1.0, 60)):
-        rows.append(parts.row("peers", label, cfg, 8, 128, compared_with=ours, time_ratio_vs_none=t, time_ratio_low=t,
-                              time_ratio_high=t, flops_bound=1.2, peak_bytes=peak, temp_bytes=peak, compile_s=1.0))
-    rows.append(parts.row("auto", "auto:budget=900 (plan)", cfg, 20, 64, model="small", budget_bytes=900,
-                          peak_bytes=800, time_ratio_vs_none=1.01, best_fitting_policy="full",
-                          best_fitting_time_ratio=1.0, compile_s=3.0))
+        for spec, t, bound in (
+            ("none", 1.0, 1.0),
+            ("selective", 1.01, 1.02),
+            ("every_k:k=4", 1.05, 1.1),
+            ("full", 1.08, 1.24),
+        ):
+            rows.append(
+                parts.row(
+                    "time",
+                    spec,
+                    cfg,
+                    8,
+                    128,
+                    model=model,
+                    time_ratio_vs_none=t,
+                    time_ratio_low=t,
+                    time_ratio_high=t,
+                    flops_bound=bound,
+                    peak_bytes=10**7,
+                    compile_s=2.0,
+                    peak_reduction_vs_none=0.1,
+                )
+            )
+    for label, ours, t, peak in (
+        ("none", "", 1.0, 100),
+        ("full", "", 1.1, 50),
+        ("jax.checkpoint", "full", 1.2, 50),
+        ("linen nn.remat_scan", "full", 1.0, 60),
+    ):
+        rows.append(
+            parts.row(
+                "peers",
+                label,
+                cfg,
+                8,
+                128,
+                compared_with=ours,
+                time_ratio_vs_none=t,
+                time_ratio_low=t,
+                time_ratio_high=t,
+                flops_bound=1.2,
+                peak_bytes=peak,
+                temp_bytes=peak,
+                compile_s=1.0,
+            )
+        )
+    rows.append(
+        parts.row(
+            "auto",
+            "auto:budget=900 (plan)",
+            cfg,
+            20,
+            64,
+            model="small",
+            budget_bytes=900,
+            peak_bytes=800,
+            time_ratio_vs_none=1.01,
+            best_fitting_policy="full",
+            best_fitting_time_ratio=1.0,
+            compile_s=3.0,
+        )
+    )
     return rows
 
 
@@ -95,8 +197,9 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
     monkeypatch.setitem(bench.PART_FUNCTIONS, "time", fake_part)
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
-    code = bench.main(["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none",
-                       "--policy", "full", "--quick"])
+    code = bench.main(
+        ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--policy", "full", "--quick"]
+    )
     assert code == 0 and seen == [("none", "full")]
     assert (out / "bench.csv").exists() and (out / "time.png").exists()
     text = md.read_text()
@@ -154,8 +257,12 @@ def test_max_batch_bisects_when_the_affine_prediction_is_off():
 
 
 def test_needle_scopes_cover_blocks_head_and_whole_step():
-    assert parts.needle_scopes(4) == [("none", "none", 0), ("blocks", "every_k:k=4", 0), ("head", "none", 4),
-                                      ("whole step", "every_k:k=4", 4)]
+    assert parts.needle_scopes(4) == [
+        ("none", "none", 0),
+        ("blocks", "every_k:k=4", 0),
+        ("head", "none", 4),
+        ("whole step", "every_k:k=4", 4),
+    ]
     assert [s for s, _, _ in parts.needle_scopes(0)] == ["none", "blocks"]
     config = BenchConfig(quick=True)
     assert config.whole_step(config.block_model(), "full").remat_head_chunks == 4
@@ -166,16 +273,19 @@ def test_linen_port_has_the_nnx_model_parameters():
     cfg = BenchConfig(quick=True).block_model()
     _, nnx_params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     linen_params = jax.eval_shape(
-        lambda: peers.LinenGPT(cfg, "remat_scan").init(jax.random.key(0), jax.numpy.zeros((1, 16), "int32")))
-    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+        lambda: peers.LinenGPT(cfg, "remat_scan").init(jax.random.key(0), jax.numpy.zeros((1, 16), "int32"))
+    )
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
     assert count(linen_params) == count(nnx_params)
 
 
 def test_one_real_tiny_compile_and_timed_step():
     config = BenchConfig(quick=True)
     cfg = config.block_model()
-    programs = [harness.gpt_program("none", cfg.replace(remat_policy="none"), 2),
-                harness.gpt_program("full", config.whole_step(cfg, "full"), 2)]
+    programs = [
+        harness.gpt_program("none", cfg.replace(remat_policy="none"), 2),
+        harness.gpt_program("full", config.whole_step(cfg, "full"), 2),
+    ]
     measured = harness.measure(programs, steps=2, rounds=2)
     none, full = measured["none"], measured["full"]
     assert harness.bench_peak(full.memory) < harness.bench_peak(none.memory)

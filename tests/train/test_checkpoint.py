@@ -55,8 +55,9 @@ CRASHING_SAVER = textwrap.dedent(
 
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     directory = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, "-c", CRASHING_SAVER, str(directory)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING_SAVER, str(directory)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 17, proc.stderr
     leftovers = sorted(p.name for p in directory.iterdir())
     assert "1" in leftovers and "2" not in leftovers

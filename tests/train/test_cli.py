@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 
-from train import cli
+from train import cli, ptb
 from train import memory as train_memory
-from train import ptb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +31,25 @@ def _parse(argv):
 
 def test_flags_follow_field_types_and_unset_flags_keep_defaults():
     assert _parse([]) == _Demo()
-    cfg = _parse(["--name", "b", "--count", "3", "--scale", "0.5", "--sizes", "4,5,6", "--policy", "full",
-                  "--policy", "dots", "--fast", "--no-report"])
-    assert cfg == _Demo(name="b", count=3, scale=0.5, sizes=(4, 5, 6), policy=("full", "dots"), fast=True,
-                        report=False)
+    cfg = _parse(
+        [
+            "--name",
+            "b",
+            "--count",
+            "3",
+            "--scale",
+            "0.5",
+            "--sizes",
+            "4,5,6",
+            "--policy",
+            "full",
+            "--policy",
+            "dots",
+            "--fast",
+            "--no-report",
+        ]
+    )
+    assert cfg == _Demo(name="b", count=3, scale=0.5, sizes=(4, 5, 6), policy=("full", "dots"), fast=True, report=False)
 
 
 def test_policy_key_flags_are_collected():

@@ -8,8 +8,18 @@ import jremat
 from train import memory as tm
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
-KEYS = {"policy", "peak_bytes", "temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "saved_bytes",
-        "saved_bytes_per_layer", "n_layers", "recompute_flops_fraction"}
+KEYS = {
+    "policy",
+    "peak_bytes",
+    "temp_bytes",
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "saved_bytes",
+    "saved_bytes_per_layer",
+    "n_layers",
+    "recompute_flops_fraction",
+}
 
 
 def test_json_rows_have_the_schema_and_consistent_figures(capsys):
@@ -29,7 +39,9 @@ def test_json_rows_have_the_schema_and_consistent_figures(capsys):
 
 
 def test_auto_row_fits_its_budget(capsys):
-    code = tm.main(TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"])
+    code = tm.main(
+        TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"]
+    )
     assert code == 0
     none, auto = json.loads(capsys.readouterr().out)
     budget = int(auto["policy"].split("auto:budget=")[1].split(" ")[0])
@@ -113,8 +125,22 @@ def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys):
 
 
 def test_model_argv_rebuilds_the_same_model():
-    config = tm.parse_config(TINY + ["--layers", "3", "--heads", "2", "--dropout", "0.2", "--unrolled",
-                                     "--remat-head-chunks", "2", "--policy", "selective"])
+    config = tm.parse_config(
+        TINY
+        + [
+            "--layers",
+            "3",
+            "--heads",
+            "2",
+            "--dropout",
+            "0.2",
+            "--unrolled",
+            "--remat-head-chunks",
+            "2",
+            "--policy",
+            "selective",
+        ]
+    )
     again = tm.parse_config(config.model_argv() + ["--policy", "selective"])
     assert again.model_config("selective") == config.model_config("selective")
 

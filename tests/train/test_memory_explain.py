@@ -34,7 +34,8 @@ def test_cli_prints_the_explain_section_and_json(capsys):
     assert tm.main(argv + ["--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["explain"]["checkpoints"] == 0 and row["explain"]["messages"] == [
-        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value"]
+        "no checkpoint (none): the policy adds no checkpoint to the traced function; the policy keeps every value"
+    ]
     assert tm.main(argv) == 0
     out = capsys.readouterr().out
     assert "explain (what each policy did to the step; jremat.explain):" in out

@@ -45,14 +45,32 @@ def _base_env(cache_dir):
 
 
 def _train_flags(ptb_offline_dir, *extra):
-    return ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--dropout", "0.3",
-            "--eval-every", "0", "--eval-batches", "1", "--no-memory-report", "--data-dir", ptb_offline_dir,
-            "--mesh", "data=4,fsdp=2", *extra]
+    return [
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "8",
+        "--dropout",
+        "0.3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--no-memory-report",
+        "--data-dir",
+        ptb_offline_dir,
+        "--mesh",
+        "data=4,fsdp=2",
+        *extra,
+    ]
 
 
 def _popen(cmd, env):
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _finish(proc, timeout_s=RUN_TIMEOUT_S):
@@ -78,58 +96,134 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
     cache = request.config.cache.mkdir("jremat-xla-cache") if request.config.cache else tmp / "xla-cache"
     env = _base_env(cache)
     ckpt = tmp / "ck"
-    launcher = [sys.executable, "-m", "train.launch", "--processes", "2", "--cpu-devices", "4",
-                "--timeout-s", str(RUN_TIMEOUT_S), "--grace-s", "30", "--"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "train.launch",
+        "--processes",
+        "2",
+        "--cpu-devices",
+        "4",
+        "--timeout-s",
+        str(RUN_TIMEOUT_S),
+        "--grace-s",
+        "30",
+        "--",
+    ]
     started = time.perf_counter()
     mismatch = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}")
     rows_dir = tmp / "rows"
     rows_dir.mkdir()
     procs = {
-        "reference": _popen([sys.executable, "-m", "train.ptb",
-                             *_train_flags(ptb_offline_dir, "--metrics-file", str(tmp / "ref.jsonl"))],
-                            dict(env, XLA_FLAGS=env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8")),
-        "killed": _popen(launcher + [sys.executable, "-m", "tests.train.multiprocess_child", str(KILL_AT_CALL), "--",
-                                     *_train_flags(ptb_offline_dir, "--ckpt-dir", str(ckpt), "--ckpt-every",
-                                                   str(CKPT_EVERY), "--metrics-file", str(tmp / "mp.jsonl"))],
-                         dict(env, JREMAT_TEST_ROWS_DIR=str(rows_dir))),
+        "reference": _popen(
+            [
+                sys.executable,
+                "-m",
+                "train.ptb",
+                *_train_flags(ptb_offline_dir, "--metrics-file", str(tmp / "ref.jsonl")),
+            ],
+            dict(env, XLA_FLAGS=env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=8"),
+        ),
+        "killed": _popen(
+            launcher
+            + [
+                sys.executable,
+                "-m",
+                "tests.train.multiprocess_child",
+                str(KILL_AT_CALL),
+                "--",
+                *_train_flags(
+                    ptb_offline_dir,
+                    "--ckpt-dir",
+                    str(ckpt),
+                    "--ckpt-every",
+                    str(CKPT_EVERY),
+                    "--metrics-file",
+                    str(tmp / "mp.jsonl"),
+                ),
+            ],
+            dict(env, JREMAT_TEST_ROWS_DIR=str(rows_dir)),
+        ),
         # process 1 of 2 whose coordinator never starts
-        "unreachable": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "2")],
-                              dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_closed_port()}", JAX_NUM_PROCESSES="2",
-                                   JAX_PROCESS_ID="1")),
+        "unreachable": _popen(
+            [sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "2")],
+            dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_closed_port()}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"),
+        ),
         # process 0 of 2 whose process 1 never comes
-        "alone": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "3")],
-                        dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}", JAX_NUM_PROCESSES="2",
-                             JAX_PROCESS_ID="0")),
-        "bad_mesh": _popen(launcher + [sys.executable, "-m", "train.ptb",
-                                       *_train_flags(ptb_offline_dir, "--mesh", "data=2,fsdp=2")], env),
+        "alone": _popen(
+            [sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "3")],
+            dict(
+                env,
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID="0",
+            ),
+        ),
+        "bad_mesh": _popen(
+            launcher + [sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--mesh", "data=2,fsdp=2")],
+            env,
+        ),
         # process 0 believes the run has 2 processes, process 1 that it has 3
-        "mismatch_0": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
-                             dict(mismatch, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")),
-        "mismatch_1": _popen([sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
-                             dict(mismatch, JAX_NUM_PROCESSES="3", JAX_PROCESS_ID="1")),
+        "mismatch_0": _popen(
+            [sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
+            dict(mismatch, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"),
+        ),
+        "mismatch_1": _popen(
+            [sys.executable, "-m", "train.ptb", *_train_flags(ptb_offline_dir, "--init-timeout-s", "60")],
+            dict(mismatch, JAX_NUM_PROCESSES="3", JAX_PROCESS_ID="1"),
+        ),
     }
     out = {}
     for name, proc in procs.items():
         out[name] = _finish(proc, RUN_TIMEOUT_S if name in ("reference", "killed") else FAILURE_TIMEOUT_S)
-    out["rows"] = {pid: json.loads((rows_dir / f"rows.{pid}.json").read_text()) for pid in (0, 1)
-                   if (rows_dir / f"rows.{pid}.json").exists()}
+    out["rows"] = {
+        pid: json.loads((rows_dir / f"rows.{pid}.json").read_text())
+        for pid in (0, 1)
+        if (rows_dir / f"rows.{pid}.json").exists()
+    }
     out["first_wave_s"] = time.perf_counter() - started
     with open(tmp / "mp.jsonl") as handle:
         out["killed_rows"] = handle.read()
     t0 = time.perf_counter()
-    out["resumed"] = _finish(_popen(launcher + [sys.executable, "-m", "train.ptb", *_train_flags(
-        ptb_offline_dir, "--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY), "--metrics-file",
-        str(tmp / "mp.jsonl"), "--resume")], env))
+    out["resumed"] = _finish(
+        _popen(
+            launcher
+            + [
+                sys.executable,
+                "-m",
+                "train.ptb",
+                *_train_flags(
+                    ptb_offline_dir,
+                    "--ckpt-dir",
+                    str(ckpt),
+                    "--ckpt-every",
+                    str(CKPT_EVERY),
+                    "--metrics-file",
+                    str(tmp / "mp.jsonl"),
+                    "--resume",
+                ),
+            ],
+            env,
+        )
+    )
     out["resume_s"] = time.perf_counter() - t0
     out["total_s"] = time.perf_counter() - started
     out["reference_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "ref.jsonl")}
     out["mp_losses"] = {r["step"]: r["loss"] for r in read_rows(tmp / "mp.jsonl")}
     out["ckpt"] = ckpt
-    killed = {r["step"]: r["loss"] for r in (json.loads(line) for line in out["killed_rows"].splitlines() if line.strip())}
-    diffs = [_rel(losses[s], out["reference_losses"][s]) for losses in (killed, out["mp_losses"]) for s in losses
-             if s in out["reference_losses"]]
-    print(f"multi-process runs: first wave {out['first_wave_s']:.1f} s, resume {out['resume_s']:.1f} s, "
-          f"total {out['total_s']:.1f} s; max relative loss difference to one process {max(diffs, default=-1):.2e}")
+    killed = {
+        r["step"]: r["loss"] for r in (json.loads(line) for line in out["killed_rows"].splitlines() if line.strip())
+    }
+    diffs = [
+        _rel(losses[s], out["reference_losses"][s])
+        for losses in (killed, out["mp_losses"])
+        for s in losses
+        if s in out["reference_losses"]
+    ]
+    print(
+        f"multi-process runs: first wave {out['first_wave_s']:.1f} s, resume {out['resume_s']:.1f} s, "
+        f"total {out['total_s']:.1f} s; max relative loss difference to one process {max(diffs, default=-1):.2e}"
+    )
     return out
 
 
@@ -154,7 +248,7 @@ def test_two_processes_match_one_process_with_eight_devices_and_print_once(runs)
     others = [line for line in (out + err).splitlines() if line.startswith("[process 1]")]
     # gloo's C++ prints may be split across lines when both processes write at once: join
     # process 1's output and remove those messages; nothing else may remain.
-    joined = "".join(line[len("[process 1]"):].strip() for line in others)
+    joined = "".join(line[len("[process 1]") :].strip() for line in others)
     gloo = r"(\[Gloo\])?\s*Rank\s*\d+\s*is connected to \d+ peer ranks\.\s*Expected number of connected peer ranks is : \d+"
     assert re.sub(gloo, "", joined).strip() == "", others
 
@@ -195,12 +289,25 @@ def test_process_zero_without_its_peers_exits_2_with_one_line(runs):
     assert "within 3 s (this is process 0; no word from process 1)" in lines[0] and "JAX_NUM_PROCESSES=2" in lines[0]
 
 
-@pytest.mark.parametrize("name, message", [
-    ("mismatch_0", ("error: JAX_NUM_PROCESSES=2 on process 0 (the coordinator at 127.0.0.1:{port}), but process 1 "
-                    "was started with JAX_NUM_PROCESSES=3; give every process the same JAX_NUM_PROCESSES")),
-    ("mismatch_1", ("error: JAX_NUM_PROCESSES=3 on this process (process 1), but process 0 (the coordinator at "
-                    "127.0.0.1:{port}) has JAX_NUM_PROCESSES=2; give every process the same JAX_NUM_PROCESSES")),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "mismatch_0",
+            (
+                "error: JAX_NUM_PROCESSES=2 on process 0 (the coordinator at 127.0.0.1:{port}), but process 1 "
+                "was started with JAX_NUM_PROCESSES=3; give every process the same JAX_NUM_PROCESSES"
+            ),
+        ),
+        (
+            "mismatch_1",
+            (
+                "error: JAX_NUM_PROCESSES=3 on this process (process 1), but process 0 (the coordinator at "
+                "127.0.0.1:{port}) has JAX_NUM_PROCESSES=2; give every process the same JAX_NUM_PROCESSES"
+            ),
+        ),
+    ],
+)
 def test_processes_with_different_process_counts_both_exit_2_naming_both_counts(runs, name, message):
     code, out, err = runs[name]
     lines = err.strip().splitlines()
@@ -228,8 +335,10 @@ def test_each_process_feeds_only_its_own_rows_of_the_batch(runs, ptb_offline_dir
 def test_mesh_not_matching_the_devices_of_all_processes_exits_2(runs):
     code, out, err = runs["bad_mesh"]
     assert code == 2, err[-3000:]
-    message = ("error: --mesh: mesh data=2,fsdp=2 has 4 devices but 8 are available "
-               "(cpu, 2 processes with 4 each); the axis sizes must multiply to 8")
+    message = (
+        "error: --mesh: mesh data=2,fsdp=2 has 4 devices but 8 are available "
+        "(cpu, 2 processes with 4 each); the axis sizes must multiply to 8"
+    )
     assert message in err.splitlines() and f"[process 1] {message}" in err.splitlines()
     assert "Traceback" not in err and "train config" not in out
 
@@ -242,19 +351,25 @@ def test_process_env_sets_the_coordinator_and_replaces_the_device_count():
     env = launch.process_env(base, 1, 2, 1234, cpu_devices=4)
     assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"], env["A"]) == ("2", "1", "cpu", "1")
-    assert env["XLA_FLAGS"].split() == ["--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=4"]
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_backend_optimization_level=0",
+        "--xla_force_host_platform_device_count=4",
+    ]
     assert "JAX_PLATFORMS" not in launch.process_env({}, 0, 1, 1)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--processes", "2"], "give the command to run after '--'"),
-    (["--processes", "2", "--"], "the command after '--' is empty"),
-    (["--processes", "0", "--", "true"], "--processes must be a positive integer, got 0"),
-    (["--processes", "2", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be a positive integer"),
-    (["--processes", "2", "--port", "70000", "--", "true"], "--port must be between 1 and 65535"),
-    (["--processes", "two", "--", "true"], "argument --processes: invalid int value: 'two'"),
-    (["--processes", "1", "--", "/no/such/program"], "cannot start '/no/such/program'"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--processes", "2"], "give the command to run after '--'"),
+        (["--processes", "2", "--"], "the command after '--' is empty"),
+        (["--processes", "0", "--", "true"], "--processes must be a positive integer, got 0"),
+        (["--processes", "2", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be a positive integer"),
+        (["--processes", "2", "--port", "70000", "--", "true"], "--port must be between 1 and 65535"),
+        (["--processes", "two", "--", "true"], "argument --processes: invalid int value: 'two'"),
+        (["--processes", "1", "--", "/no/such/program"], "cannot start '/no/such/program'"),
+    ],
+)
 def test_launcher_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
     assert launch.main(argv) == 2
     err = capsys.readouterr().err
@@ -269,11 +384,13 @@ def test_launcher_help_names_every_flag(capsys):
 
 
 def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd):
-    script = ("import os, sys, time\n"
-              "pid = int(os.environ['JAX_PROCESS_ID'])\n"
-              "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
-              "sys.stdout.flush()\n"
-              "sys.exit(3) if pid == 1 else time.sleep(60)\n")
+    script = (
+        "import os, sys, time\n"
+        "pid = int(os.environ['JAX_PROCESS_ID'])\n"
+        "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
+        "sys.stdout.flush()\n"
+        "sys.exit(3) if pid == 1 else time.sleep(60)\n"
+    )
     t0 = time.perf_counter()
     code = launch.main(["--processes", "3", "--grace-s", "0.2", "--", sys.executable, "-c", script])
     elapsed_s = time.perf_counter() - t0
@@ -294,8 +411,11 @@ def test_launcher_timeout_stops_everything():
 
 def test_wait_for_coordinator_times_out_naming_the_address():
     port = _closed_port()
-    with pytest.raises(dist.DistributedSetupError, match=rf"could not reach the coordinator at 127.0.0.1:{port} "
-                                                       r"within 0.3 s"):
+    with pytest.raises(
+        dist.DistributedSetupError,
+        match=rf"could not reach the coordinator at 127.0.0.1:{port} "
+        r"within 0.3 s",
+    ):
         dist.wait_for_coordinator(f"127.0.0.1:{port}", 0.3)
 
 
@@ -360,10 +480,14 @@ def test_process_zero_with_the_larger_count_fails_fast_on_every_process():
     t0 = time.perf_counter()
     address, errors = _handshake({"a": (0, 3), "b": (1, 2)})
     assert time.perf_counter() - t0 < 10  # not the 20 s timeout
-    assert errors["a"] == (f"JAX_NUM_PROCESSES=3 on process 0 (the coordinator at {address}), but process 1 was "
-                           "started with JAX_NUM_PROCESSES=2; give every process the same JAX_NUM_PROCESSES")
-    assert errors["b"].startswith(f"JAX_NUM_PROCESSES=2 on this process (process 1), but process 0 (the coordinator "
-                                  f"at {address}) has JAX_NUM_PROCESSES=3")
+    assert errors["a"] == (
+        f"JAX_NUM_PROCESSES=3 on process 0 (the coordinator at {address}), but process 1 was "
+        "started with JAX_NUM_PROCESSES=2; give every process the same JAX_NUM_PROCESSES"
+    )
+    assert errors["b"].startswith(
+        f"JAX_NUM_PROCESSES=2 on this process (process 1), but process 0 (the coordinator "
+        f"at {address}) has JAX_NUM_PROCESSES=3"
+    )
 
 
 def test_repeated_process_id_stops_every_waiting_process():
@@ -376,8 +500,10 @@ def test_repeated_process_id_stops_every_waiting_process():
 
 def test_process_zero_names_the_processes_that_never_came():
     address, errors = _handshake({"a": (0, 3), "b": (2, 3)}, timeout_s=1)
-    assert errors["a"].startswith(f"not every process reached the coordinator at {address} within 1 s "
-                                  "(this is process 0; no word from process 1); start all JAX_NUM_PROCESSES=3")
+    assert errors["a"].startswith(
+        f"not every process reached the coordinator at {address} within 1 s "
+        "(this is process 0; no word from process 1); start all JAX_NUM_PROCESSES=3"
+    )
     assert errors["b"].startswith(f"process 0 (the coordinator at {address}) stopped the start-up: not every process")
 
 
@@ -397,8 +523,10 @@ def test_a_coordinator_that_does_not_speak_the_handshake_is_named():
 
         thread = threading.Thread(target=answer)
         thread.start()
-        with pytest.raises(dist.DistributedSetupError, match=f"the coordinator at 127.0.0.1:{port} did not answer "
-                                                               "the start-up handshake"):
+        with pytest.raises(
+            dist.DistributedSetupError,
+            match=f"the coordinator at 127.0.0.1:{port} did not answer the start-up handshake",
+        ):
             dist.join_start(f"127.0.0.1:{port}", 1, 2, 5)
         thread.join()
 
@@ -432,8 +560,10 @@ def test_batches_keep_only_the_rows_asked_for():
     from train import data as data_lib
 
     stream = np.arange(100, dtype=np.int32)
-    full, own = data_lib.Batches(stream, 4, 5, split="train"), data_lib.Batches(stream, 4, 5, split="train",
-                                                                                rows=slice(2, 4))
+    full, own = (
+        data_lib.Batches(stream, 4, 5, split="train"),
+        data_lib.Batches(stream, 4, 5, split="train", rows=slice(2, 4)),
+    )
     assert len(full) == len(own)
     for i in range(len(full)):
         assert (own[i][0] == full[i][0][2:4]).all() and (own[i][1] == full[i][1][2:4]).all()

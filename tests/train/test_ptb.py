@@ -26,8 +26,21 @@ STEPS = 20
 @pytest.fixture
 def base_args(ptb_offline_dir):
     """A short tiny-preset run with dropout on (tiny's train defaults: batch 4 x 16)."""
-    return ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "2",
-            "--dropout", "0.3", "--no-memory-report", "--data-dir", ptb_offline_dir]
+    return [
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "10",
+        "--eval-batches",
+        "2",
+        "--dropout",
+        "0.3",
+        "--no-memory-report",
+        "--data-dir",
+        ptb_offline_dir,
+    ]
 
 
 def losses_of(path):
@@ -55,9 +68,27 @@ def wrap_train_step(monkeypatch, on_call):
 def reference_run(tmp_path_factory, ptb_offline_dir):
     """An uninterrupted every_k:k=4 run of STEPS steps; its metrics rows."""
     out = tmp_path_factory.mktemp("reference")
-    args = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "2",
-            "--dropout", "0.3", "--no-memory-report", "--data-dir", ptb_offline_dir,
-            "--policy", "every_k", "--k", "4", "--metrics-file", str(out / "m.jsonl")]
+    args = [
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "10",
+        "--eval-batches",
+        "2",
+        "--dropout",
+        "0.3",
+        "--no-memory-report",
+        "--data-dir",
+        ptb_offline_dir,
+        "--policy",
+        "every_k",
+        "--k",
+        "4",
+        "--metrics-file",
+        str(out / "m.jsonl"),
+    ]
     assert ptb.main(args) == 0
     return read_rows(out / "m.jsonl")
 
@@ -140,7 +171,10 @@ def test_every_k_and_none_give_the_same_loss_curve(tmp_path, base_args, referenc
         (["--epochs", "1"], "give --steps or --epochs, not both"),
         (["--resume"], "--resume needs --ckpt-dir"),
         (["--policy-module", "no_such_module_xyz"], "cannot import policy module 'no_such_module_xyz'"),
-        (["--mesh", "data=4,fsdp=2", "--batch-size", "8"], "--mesh: mesh data=4,fsdp=2 has 8 devices but 1 are available"),
+        (
+            ["--mesh", "data=4,fsdp=2", "--batch-size", "8"],
+            "--mesh: mesh data=4,fsdp=2 has 8 devices but 1 are available",
+        ),
         (["--mesh", "data=2,model=2"], "--mesh: "),
         (["--mesh", "data=3", "--batch-size", "4"], "--batch-size 4 does not split over --mesh data=3"),
         (["--policy", "full", "--memory-budget", "1GiB"], "--memory-budget applies only to --policy auto"),
@@ -187,8 +221,11 @@ def _foreign_checkpoint(directory, ptb_offline_dir, preset_name):
     import jax
 
     ckpts = Checkpoints(directory)
-    ckpts.save(3, pack_state(params, opt.init(params), jax.random.key(0)),
-               ptb.checkpoint_meta(cfg, model_cfg, corpus, 3, 100, 10))
+    ckpts.save(
+        3,
+        pack_state(params, opt.init(params), jax.random.key(0)),
+        ptb.checkpoint_meta(cfg, model_cfg, corpus, 3, 100, 10),
+    )
     ckpts.close()
 
 
@@ -232,14 +269,32 @@ def test_policy_keys_become_flags_and_policy_module_adds_policies(tmp_path, monk
             sys.modules.pop("my_policies", None)
     assert "stride_test" not in registry.available()
     assert ptb.parse_config(["--policy", "every_k", "--k", "2", "--skip-cheap", "true"]).policy_spec() == (
-        "every_k:k=2,skip_cheap=true")
+        "every_k:k=2,skip_cheap=true"
+    )
     assert ptb.parse_config(["--policy", "every_k"]).policy_spec() == "every_k"
     assert ptb.parse_config(["--policy", "nested", "--block", "2"]).policy_spec() == "nested:block=2"
 
 
 def test_cli_subprocess_bad_input_has_no_traceback(ptb_offline_dir):
-    proc = subprocess.run([sys.executable, "-m", "train.ptb", "--preset", "tiny", "--policy", "every_k", "--k", "0",
-                           "--data-dir", ptb_offline_dir], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.ptb",
+            "--preset",
+            "tiny",
+            "--policy",
+            "every_k",
+            "--k",
+            "0",
+            "--data-dir",
+            ptb_offline_dir,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "k must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
 
 from models import GPT, cross_entropy_loss, preset
 from train import distributed as dist
@@ -42,16 +43,19 @@ def test_parse_mesh_fills_missing_axes_with_one_in_mesh_order():
     assert list(sh.parse_mesh("sequence=2")) == list(sh.MESH_AXES)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("", "empty mesh spec"),
-    ("data=4,model=2", "unknown mesh axis 'model'"),
-    ("data=4,data=2", "given twice"),
-    ("data=0", "positive integer, got '0'"),
-    ("data=two", "positive integer, got 'two'"),
-    ("data=-1", "positive integer"),
-    ("data", "is not AXIS=SIZE"),
-    ("data=4,,fsdp=2", "is not AXIS=SIZE"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("", "empty mesh spec"),
+        ("data=4,model=2", "unknown mesh axis 'model'"),
+        ("data=4,data=2", "given twice"),
+        ("data=0", "positive integer, got '0'"),
+        ("data=two", "positive integer, got 'two'"),
+        ("data=-1", "positive integer"),
+        ("data", "is not AXIS=SIZE"),
+        ("data=4,,fsdp=2", "is not AXIS=SIZE"),
+    ],
+)
 def test_parse_mesh_rejects_bad_specs_with_specific_messages(text, fragment):
     with pytest.raises(ValueError, match=fragment) as err:
         sh.parse_mesh(text)
@@ -100,14 +104,21 @@ def test_tensor_axis_follows_the_logical_rules_and_fsdp_takes_what_is_left():
     out = sh.param_partition_spec(path("blocks", "attn", "out_proj", "kernel"), (2, 64, 32), mesh)
     fc_out = sh.param_partition_spec(path("blocks", "mlp", "fc_out", "kernel"), (2, 64, 32), mesh)
     head = sh.param_partition_spec(path("head", "kernel"), (32, 64), mesh)
-    assert (q, out, fc_out, head) == (P(None, "fsdp", "tensor"), P(None, "tensor", "fsdp"),
-                                      P(None, "tensor", "fsdp"), P("fsdp", "tensor"))
+    assert (q, out, fc_out, head) == (
+        P(None, "fsdp", "tensor"),
+        P(None, "tensor", "fsdp"),
+        P(None, "tensor", "fsdp"),
+        P("fsdp", "tensor"),
+    )
 
 
 def test_optimizer_state_leaves_match_their_parameter_by_path_suffix():
     mesh = abstract_mesh(fsdp=2, tensor=2)
-    opt_path = (jax.tree_util.GetAttrKey("inner_opt_state"), jax.tree_util.SequenceKey(0),
-                jax.tree_util.GetAttrKey("mu")) + path("blocks", "mlp", "fc_in", "kernel")
+    opt_path = (
+        jax.tree_util.GetAttrKey("inner_opt_state"),
+        jax.tree_util.SequenceKey(0),
+        jax.tree_util.GetAttrKey("mu"),
+    ) + path("blocks", "mlp", "fc_in", "kernel")
     assert sh.param_partition_spec(opt_path, (2, 32, 64), mesh) == P(None, "fsdp", "tensor")
     count = (jax.tree_util.GetAttrKey("count"),)
     assert sh.param_partition_spec(count, (), mesh) == P()
@@ -161,12 +172,15 @@ def test_distributed_config_reads_the_three_variables():
     assert dist.initialize_distributed({}) is False
 
 
-@pytest.mark.parametrize("env, fragment", [
-    ({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_NUM_PROCESSES, JAX_PROCESS_ID missing"),
-    ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "HOST:PORT"),
-    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "must be integers"),
-    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "0 <= JAX_PROCESS_ID"),
-])
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_NUM_PROCESSES, JAX_PROCESS_ID missing"),
+        ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "HOST:PORT"),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "must be integers"),
+        ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "0 <= JAX_PROCESS_ID"),
+    ],
+)
 def test_distributed_config_rejects_partial_or_bad_environments(env, fragment):
     with pytest.raises(ValueError, match=fragment):
         dist.distributed_config(env)
@@ -183,8 +197,17 @@ def checks():
     """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     groups = (["grads"], ["train_step", "sequence_memory", "errors"])
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.train.sharded_checks", *group], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for group in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.train.sharded_checks", *group],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for group in groups
+    ]
     result = {}
     for proc in procs:
         out, err = proc.communicate(timeout=600)
@@ -233,7 +256,9 @@ def test_sequence_parallel_halves_per_device_activation_memory(checks):
 
 def test_bad_meshes_and_batches_on_eight_devices(checks):
     e = checks["errors"]
-    assert e["product"] == "mesh data=4,fsdp=4 has 16 devices but 8 are available (cpu); the axis sizes must multiply to 8"
+    assert (
+        e["product"] == "mesh data=4,fsdp=4 has 16 devices but 8 are available (cpu); the axis sizes must multiply to 8"
+    )
     assert "mesh data=2 has 2 devices but 8" in e["too_few"]
     assert e["unknown_axis"].startswith("unknown mesh axis 'model'")
     assert "batch size 6" in e["batch"] and "use a multiple of 8" in e["batch"]

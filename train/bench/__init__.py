@@ -32,7 +32,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
 from train.bench.harness import bench_peak, measure, time_ratios
@@ -40,8 +40,20 @@ from train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
 from train.bench.report import check_targets, results_markdown, write_csv, write_plots
 from train.cli import UsageError, run_main
 
-__all__ = ["BenchConfig", "CSV_COLUMNS", "DEFAULT_POLICIES", "PARTS", "PART_FUNCTIONS", "bench_peak",
-           "check_targets", "main", "measure", "parse_config", "run", "time_ratios"]
+__all__ = [
+    "BenchConfig",
+    "CSV_COLUMNS",
+    "DEFAULT_POLICIES",
+    "PARTS",
+    "PART_FUNCTIONS",
+    "bench_peak",
+    "check_targets",
+    "main",
+    "measure",
+    "parse_config",
+    "run",
+    "time_ratios",
+]
 
 #: What the report says about scopes and the FLOPs bound (placed after the verdict).
 READING_GUIDE = """\
@@ -101,8 +113,9 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
         with open(config.report, "w") as f:
-            f.write(results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes,
-                                     READING_GUIDE))
+            f.write(
+                results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes, READING_GUIDE)
+            )
     return rows, plots, notes
 
 
@@ -115,8 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     config = parse_config(argv)
     rows, plots, _ = run(config, "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv))
-    print(f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench.csv')}, {len(plots)} plots"
-          + (f" and {config.report}" if config.report else ""))
+    print(
+        f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench.csv')}, {len(plots)} plots"
+        + (f" and {config.report}" if config.report else "")
+    )
     for target, measured, ok in check_targets(rows):
         print(f"  {'met   ' if ok else 'MISSED'} {target}: {measured}")
     return 0

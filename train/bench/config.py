@@ -15,7 +15,14 @@ PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto
 
 #: Policies of the ``time`` and ``auto`` parts, in table order.
 DEFAULT_POLICIES = (
-    "none", "full", "every_k:k=2", "every_k:k=4", "selective", "dots", "dots_no_batch", "nested:block=auto",
+    "none",
+    "full",
+    "every_k:k=2",
+    "every_k:k=4",
+    "selective",
+    "dots",
+    "dots_no_batch",
+    "nested:block=auto",
 )
 #: Policies of the ``megatron`` part (its analytic peak estimate is checked against the compile), and
 #: the built-ins ``auto`` is timed against (those of ``--policy`` that are in this list).
@@ -30,24 +37,49 @@ BLOCK_MODEL_QUICK = dict(n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64
 
 #: Sizes of ``--quick`` (the smoke test); every field left unset takes these, or FULL_SIZES.
 QUICK_SIZES: dict[str, Any] = dict(
-    needle_batches=(8, 16), needle_d_ff=64, needle_d_ffs=(32, 64), needle_batch=16, needle_ks=(0, 1, 2),
-    needle_time_batch=4, megatron_preset="tiny", megatron_batch=2, megatron_seq=16, maxbatch_budget_gib=0.002,
-    maxbatch_seq=16, time_preset="tiny", time_batch=4, block_batch=2, time_steps=5, time_rounds=1,
+    needle_batches=(8, 16),
+    needle_d_ff=64,
+    needle_d_ffs=(32, 64),
+    needle_batch=16,
+    needle_ks=(0, 1, 2),
+    needle_time_batch=4,
+    megatron_preset="tiny",
+    megatron_batch=2,
+    megatron_seq=16,
+    maxbatch_budget_gib=0.002,
+    maxbatch_seq=16,
+    time_preset="tiny",
+    time_batch=4,
+    block_batch=2,
+    time_steps=5,
+    time_rounds=1,
     auto_budget_fractions=(0.5,),
 )
 FULL_SIZES: dict[str, Any] = dict(
-    needle_batches=(256, 512, 1024, 2048), needle_d_ff=2048, needle_d_ffs=(256, 512, 1024, 2048),
-    needle_batch=2048, needle_ks=(0, 1, 2, 4, 8), needle_time_batch=64, megatron_preset="gpt2-small",
-    megatron_batch=8, megatron_seq=1024, maxbatch_budget_gib=16.0, maxbatch_seq=1024, time_preset="small",
-    time_batch=20, block_batch=8, time_steps=20, time_rounds=20, auto_budget_fractions=(0.1, 0.5, 0.9),
+    needle_batches=(256, 512, 1024, 2048),
+    needle_d_ff=2048,
+    needle_d_ffs=(256, 512, 1024, 2048),
+    needle_batch=2048,
+    needle_ks=(0, 1, 2, 4, 8),
+    needle_time_batch=64,
+    megatron_preset="gpt2-small",
+    megatron_batch=8,
+    megatron_seq=1024,
+    maxbatch_budget_gib=16.0,
+    maxbatch_seq=1024,
+    time_preset="small",
+    time_batch=20,
+    block_batch=8,
+    time_steps=20,
+    time_rounds=20,
+    auto_budget_fractions=(0.1, 0.5, 0.9),
 )
 
 
 def _sized(name: str, help: str, **kwargs) -> Any:
     """An :func:`~train.cli.option` defaulting to ``None``, whose help gives the full and quick sizes."""
-    show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731
-    return option(None, f"{help} (default {show(FULL_SIZES[name])}; with --quick {show(QUICK_SIZES[name])})",
-                  **kwargs)
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return option(None, f"{help} (default {show(FULL_SIZES[name])}; with --quick {show(QUICK_SIZES[name])})", **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +105,25 @@ class BenchConfig:
     needle_batch: int | None = _sized("needle_batch", "Needle figure 2 batch size")
     needle_ks: tuple[int, ...] | None = _sized("needle_ks", "Needle figure 3 k values (0 = none)")
     needle_time_batch: int | None = _sized("needle_time_batch", "Needle figure 3 batch size")
-    megatron_preset: str | None = _sized("megatron_preset", "model preset of the Megatron and max-batch parts",
-                                         choices=tuple(PRESETS))
+    megatron_preset: str | None = _sized(
+        "megatron_preset", "model preset of the Megatron and max-batch parts", choices=tuple(PRESETS)
+    )
     megatron_batch: int | None = _sized("megatron_batch", "Megatron batch size")
     megatron_seq: int | None = _sized("megatron_seq", "Megatron sequence length")
     maxbatch_budget_gib: float | None = _sized("maxbatch_budget_gib", "max-batch memory budget, GiB")
     maxbatch_seq: int | None = _sized("maxbatch_seq", "max-batch sequence length")
-    time_preset: str | None = _sized("time_preset", "the head-dominated model of the time part",
-                                     choices=tuple(PRESETS))
+    time_preset: str | None = _sized("time_preset", "the head-dominated model of the time part", choices=tuple(PRESETS))
     time_batch: int | None = _sized("time_batch", "batch size of the head-dominated model")
     block_batch: int | None = _sized("block_batch", "batch size of the block-dominated model (time and peers)")
     time_steps: int | None = _sized("time_steps", "timed steps per program, after one warm-up step")
     time_rounds: int | None = _sized("time_rounds", "interleaved rounds the timed steps are split into")
     auto_budget_fractions: tuple[float, ...] | None = _sized(
-        "auto_budget_fractions", "auto budgets, as fractions between full's (0) and none's (1) peak")
+        "auto_budget_fractions", "auto budgets, as fractions between full's (0) and none's (1) peak"
+    )
     seed: int = option(0, "parameter and data seed")
     remat_head_chunks: int = option(
-        4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)")
+        4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)"
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "parts", tuple(p.strip() for item in self.parts for p in item.split(",") if p.strip()))
@@ -99,11 +133,23 @@ class BenchConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         if not self.parts or any(p not in PARTS for p in self.parts):
-            raise UsageError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {','.join(self.parts)!r}")
+            raise UsageError(
+                f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {','.join(self.parts)!r}"
+            )
         if not self.policy:
             raise UsageError("give at least one --policy")
-        for name in ("needle_d_ff", "needle_batch", "needle_time_batch", "megatron_batch", "megatron_seq",
-                     "maxbatch_seq", "time_batch", "block_batch", "time_rounds", "time_steps"):
+        for name in (
+            "needle_d_ff",
+            "needle_batch",
+            "needle_time_batch",
+            "megatron_batch",
+            "megatron_seq",
+            "maxbatch_seq",
+            "time_batch",
+            "block_batch",
+            "time_rounds",
+            "time_steps",
+        ):
             _positive(name, getattr(self, name))
         for name in ("needle_batches", "needle_d_ffs"):
             if not getattr(self, name):
@@ -113,28 +159,41 @@ class BenchConfig:
         if not self.needle_ks or any(not isinstance(k, int) or k < 0 for k in self.needle_ks):
             raise UsageError(f"--needle-ks must be integers >= 0 (0 = none), got {self.needle_ks!r}")
         if self.time_rounds > self.time_steps:
-            raise UsageError(f"--time-rounds {self.time_rounds} exceeds --time-steps {self.time_steps}: "
-                             "every round needs at least one step")
-        if not (isinstance(self.maxbatch_budget_gib, (int, float)) and math.isfinite(self.maxbatch_budget_gib)
-                and self.maxbatch_budget_gib > 0):
+            raise UsageError(
+                f"--time-rounds {self.time_rounds} exceeds --time-steps {self.time_steps}: "
+                "every round needs at least one step"
+            )
+        if not (
+            isinstance(self.maxbatch_budget_gib, (int, float))
+            and math.isfinite(self.maxbatch_budget_gib)
+            and self.maxbatch_budget_gib > 0
+        ):
             raise UsageError(f"--maxbatch-budget-gib must be a positive number, got {self.maxbatch_budget_gib!r}")
         for name in ("megatron_preset", "time_preset"):
             if getattr(self, name) not in PRESETS:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not a preset; "
-                                 f"valid presets: {', '.join(PRESETS)}")
+                raise UsageError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} is not a preset; "
+                    f"valid presets: {', '.join(PRESETS)}"
+                )
         if not self.auto_budget_fractions or any(not 0 < f < 1 for f in self.auto_budget_fractions):
             raise UsageError(f"--auto-budget-fractions must be numbers in (0, 1), got {self.auto_budget_fractions!r}")
         if not isinstance(self.remat_head_chunks, int) or self.remat_head_chunks < 0:
             raise UsageError(f"--remat-head-chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
-        for seq in (PRESETS["needle"].max_seq_len, self.maxbatch_seq, self.block_model().max_seq_len,
-                    PRESETS[self.time_preset].max_seq_len):
+        for seq in (
+            PRESETS["needle"].max_seq_len,
+            self.maxbatch_seq,
+            self.block_model().max_seq_len,
+            PRESETS[self.time_preset].max_seq_len,
+        ):
             if self.remat_head_chunks and seq % self.remat_head_chunks:
                 raise UsageError(f"--remat-head-chunks {self.remat_head_chunks} does not divide sequence length {seq}")
         for name in ("megatron_seq", "maxbatch_seq"):
             limit = PRESETS[self.megatron_preset].max_seq_len
             if getattr(self, name) > limit:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)} exceeds preset "
-                                 f"{self.megatron_preset!r}'s max_seq_len {limit}")
+                raise UsageError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} exceeds preset "
+                    f"{self.megatron_preset!r}'s max_seq_len {limit}"
+                )
 
     def whole_step(self, cfg: ModelConfig, policy: Any) -> ModelConfig:
         """``cfg`` under ``policy``, with the head and loss rematerialized too unless the policy is ``none``."""
@@ -143,8 +202,15 @@ class BenchConfig:
 
     def megatron_config(self, policy: str, **changes) -> ModelConfig:
         """The Megatron comparison's model: the preset in bf16 compute, f32 parameters, dropout 0.1."""
-        overrides = dict(dtype="bfloat16", param_dtype="float32", attn_dropout=0.1, resid_dropout=0.1,
-                         remat_policy=policy, remat_granularity="block", **changes)
+        overrides = dict(
+            dtype="bfloat16",
+            param_dtype="float32",
+            attn_dropout=0.1,
+            resid_dropout=0.1,
+            remat_policy=policy,
+            remat_granularity="block",
+            **changes,
+        )
         return model_preset(self.megatron_preset, **overrides)
 
     def block_model(self, **changes) -> ModelConfig:
@@ -164,5 +230,9 @@ def parse_config(argv: Sequence[str] | None) -> BenchConfig:
     Raises:
       UsageError: on a bad flag or value, or a malformed / unknown policy.
     """
-    return parse(BenchConfig, argv, prog="python -m train.bench",
-                 description="Memory and time of every remat policy and its peers; regenerates docs/RESULTS.md.")
+    return parse(
+        BenchConfig,
+        argv,
+        prog="python -m train.bench",
+        description="Memory and time of every remat policy and its peers; regenerates docs/RESULTS.md.",
+    )

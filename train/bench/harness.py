@@ -17,7 +17,8 @@ import dataclasses
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +117,14 @@ def bench_peak(report: MemoryReport) -> int:
 def memory_fields(report: MemoryReport) -> dict:
     """The CSV memory columns of one report."""
     source = PEAK_FROM_SUM if report.platform == "cpu" else report.peak_source
-    return dict(peak_bytes=bench_peak(report), temp_bytes=report.temp_bytes, argument_bytes=report.argument_bytes,
-                output_bytes=report.output_bytes, alias_bytes=report.alias_bytes, peak_source=source)
+    return dict(
+        peak_bytes=bench_peak(report),
+        temp_bytes=report.temp_bytes,
+        argument_bytes=report.argument_bytes,
+        output_bytes=report.output_bytes,
+        alias_bytes=report.alias_bytes,
+        peak_source=source,
+    )
 
 
 def compile_program(program: Program):
@@ -156,12 +163,15 @@ def measure(programs: list[Program], *, steps: int = 0, rounds: int = 1, seed: i
     for program in programs:
         compiled, measured = compile_program(program)
         out[program.label] = measured
-        log(f"  {program.label}: compiled in {measured.compile_s:.1f} s, peak {bench_peak(measured.memory) / MIB:.1f} MiB")
+        log(
+            f"  {program.label}: compiled in {measured.compile_s:.1f} s, peak {bench_peak(measured.memory) / MIB:.1f} MiB"
+        )
         if steps <= 0:
             continue
         params, opt_state = program.init(seed)
-        tokens = jax.random.randint(jax.random.key(seed + 1), (program.batch_size, program.seq_len), 0,
-                                    program.vocab_size)
+        tokens = jax.random.randint(
+            jax.random.key(seed + 1), (program.batch_size, program.seq_len), 0, program.vocab_size
+        )
         targets = jnp.roll(tokens, -1, axis=1)
         params, opt_state, loss = compiled(params, opt_state, tokens, targets, jax.random.key(seed))
         jax.block_until_ready(loss)

@@ -6,30 +6,73 @@ Rows are dicts with the columns :data:`CSV_COLUMNS` ("" where a column does not 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from models import ModelConfig
 from models import preset as model_preset
+from models.policy_memory import policy_memory
 from train.bench import harness, peers
 from train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
 from train.bench.harness import GIB, MIB, bench_peak, gpt_program, log, measure, measured_ratios, memory_fields
-from models.policy_memory import policy_memory
 
 CSV_COLUMNS = (
-    "part", "model", "policy", "scope", "compared_with", "n_layers", "batch_size", "seq_len", "d_model", "d_ff",
-    "vocab_size", "dtype", "head_chunks", "k", "peak_bytes", "temp_bytes", "argument_bytes", "output_bytes",
-    "alias_bytes", "peak_source", "peak_reduction_vs_none", "flops", "xla_flops", "flops_bound", "compile_s",
-    "saved_bytes_per_layer", "saved_per_sbh", "megatron_per_sbh", "analytic_peak_bytes", "analytic_error",
-    "budget_bytes", "max_batch", "max_batch_verified", "time_ratio_vs_none", "time_ratio_low", "time_ratio_high",
-    "time_steps", "best_fitting_policy", "best_fitting_time_ratio",
+    "part",
+    "model",
+    "policy",
+    "scope",
+    "compared_with",
+    "n_layers",
+    "batch_size",
+    "seq_len",
+    "d_model",
+    "d_ff",
+    "vocab_size",
+    "dtype",
+    "head_chunks",
+    "k",
+    "peak_bytes",
+    "temp_bytes",
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "peak_source",
+    "peak_reduction_vs_none",
+    "flops",
+    "xla_flops",
+    "flops_bound",
+    "compile_s",
+    "saved_bytes_per_layer",
+    "saved_per_sbh",
+    "megatron_per_sbh",
+    "analytic_peak_bytes",
+    "analytic_error",
+    "budget_bytes",
+    "max_batch",
+    "max_batch_verified",
+    "time_ratio_vs_none",
+    "time_ratio_low",
+    "time_ratio_high",
+    "time_steps",
+    "best_fitting_policy",
+    "best_fitting_time_ratio",
 )
 
 
 def row(part: str, policy: str, cfg: ModelConfig, batch: int, seq: int, **values) -> dict:
     """One CSV row: the shape columns of ``cfg`` plus ``values``."""
     out = {c: "" for c in CSV_COLUMNS}
-    out.update(part=part, policy=policy, n_layers=cfg.n_layers, batch_size=batch, seq_len=seq, d_model=cfg.d_model,
-               d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, dtype=cfg.dtype, head_chunks=cfg.remat_head_chunks)
+    out.update(
+        part=part,
+        policy=policy,
+        n_layers=cfg.n_layers,
+        batch_size=batch,
+        seq_len=seq,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size,
+        dtype=cfg.dtype,
+        head_chunks=cfg.remat_head_chunks,
+    )
     out.update(values)
     return out
 
@@ -41,8 +84,14 @@ def needle_config(d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
     merges the recomputation with the forward pass; unrolled layers get the cotangent tie
     (:mod:`jremat._tie`), which keeps the recomputation in the backward pass.
     """
-    return model_preset("needle", d_ff=d_ff, remat_policy=policy, remat_granularity="block", scan_layers=False,
-                        remat_head_chunks=head_chunks)
+    return model_preset(
+        "needle",
+        d_ff=d_ff,
+        remat_policy=policy,
+        remat_granularity="block",
+        scan_layers=False,
+        remat_head_chunks=head_chunks,
+    )
 
 
 def needle_scopes(head_chunks: int) -> list[tuple[str, str, int]]:
@@ -64,18 +113,34 @@ def part_needle(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
             cfg = needle_config(d_ff, spec, chunks)
             found[scope] = (cfg, harness.step_memory(cfg, batch))
         base = bench_peak(found["none"][1].memory)
-        log(f"[{part}] batch {batch} d_ff {d_ff}: " + ", ".join(
-            f"{s} {bench_peak(m.memory) / MIB:.0f} MiB" for s, (_, m) in found.items()))
+        log(
+            f"[{part}] batch {batch} d_ff {d_ff}: "
+            + ", ".join(f"{s} {bench_peak(m.memory) / MIB:.0f} MiB" for s, (_, m) in found.items())
+        )
         for scope, (cfg, m) in found.items():
-            rows.append(row(part, cfg.remat_policy, cfg, batch, cfg.max_seq_len, model="needle", scope=scope,
-                            k=4 if cfg.remat_policy != "none" else 0, flops=m.flops, xla_flops=m.xla_flops,
-                            compile_s=m.compile_s,
-                            peak_reduction_vs_none=1 - bench_peak(m.memory) / base, **memory_fields(m.memory)))
+            rows.append(
+                row(
+                    part,
+                    cfg.remat_policy,
+                    cfg,
+                    batch,
+                    cfg.max_seq_len,
+                    model="needle",
+                    scope=scope,
+                    k=4 if cfg.remat_policy != "none" else 0,
+                    flops=m.flops,
+                    xla_flops=m.xla_flops,
+                    compile_s=m.compile_s,
+                    peak_reduction_vs_none=1 - bench_peak(m.memory) / base,
+                    **memory_fields(m.memory),
+                )
+            )
     return rows
 
 
-def _timed_rows(part: str, model: str, configs: dict[str, ModelConfig], batch: int, config: BenchConfig,
-                **extra) -> list[dict]:
+def _timed_rows(
+    part: str, model: str, configs: dict[str, ModelConfig], batch: int, config: BenchConfig, **extra
+) -> list[dict]:
     """Time ``configs`` (label -> model; the first is the baseline) and give one row per label."""
     programs = [gpt_program(label, cfg, batch) for label, cfg in configs.items()]
     measured = measure(programs, steps=config.time_steps, rounds=config.time_rounds, seed=config.seed)
@@ -86,14 +151,28 @@ def _timed_rows(part: str, model: str, configs: dict[str, ModelConfig], batch: i
     for label, cfg in configs.items():
         m = measured[label]
         ratio, low, high = ratios[label]
-        rows.append(row(part, label, cfg, batch, cfg.max_seq_len, model=model,
-                        scope="whole step" if cfg.remat_head_chunks else "blocks",
-                        flops=m.flops, xla_flops=m.xla_flops,
-                        flops_bound=m.flops / base_m.flops if base_m.flops else "",
-                        compile_s=m.compile_s, time_ratio_vs_none=ratio, time_ratio_low=low, time_ratio_high=high,
-                        time_steps=config.time_steps,
-                        peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base_m.memory),
-                        **memory_fields(m.memory), **extra.get(label, {})))
+        rows.append(
+            row(
+                part,
+                label,
+                cfg,
+                batch,
+                cfg.max_seq_len,
+                model=model,
+                scope="whole step" if cfg.remat_head_chunks else "blocks",
+                flops=m.flops,
+                xla_flops=m.xla_flops,
+                flops_bound=m.flops / base_m.flops if base_m.flops else "",
+                compile_s=m.compile_s,
+                time_ratio_vs_none=ratio,
+                time_ratio_low=low,
+                time_ratio_high=high,
+                time_steps=config.time_steps,
+                peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base_m.memory),
+                **memory_fields(m.memory),
+                **extra.get(label, {}),
+            )
+        )
     return rows
 
 
@@ -133,14 +212,32 @@ def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
         r = policy_memory(cfg, b, s, baseline_step_flops=base.step_flops if base else None)
         base = base or r
         err = r.analytic_peak_bytes / r.peak_bytes - 1
-        log(f"[megatron] {spec}: saved/layer {r.saved_bytes_per_layer / sbh:.2f} sbh, peak {r.peak_bytes / GIB:.2f} "
-            f"GiB, analytic {100 * err:+.1f}% ({time.perf_counter() - t0:.1f} s)")
-        rows.append(row("megatron", spec, cfg, b, s, model=config.megatron_preset, scope="blocks",
-                        saved_bytes_per_layer=r.saved_bytes_per_layer, saved_per_sbh=r.saved_bytes_per_layer / sbh,
-                        megatron_per_sbh=formulas.get(spec, ""), peak_bytes=r.peak_bytes, temp_bytes=r.temp_bytes,
-                        peak_source=r.peak_source, peak_reduction_vs_none=1 - r.peak_bytes / base.peak_bytes,
-                        flops=r.step_flops, flops_bound=r.step_flops / base.step_flops,
-                        analytic_peak_bytes=r.analytic_peak_bytes, analytic_error=err))
+        log(
+            f"[megatron] {spec}: saved/layer {r.saved_bytes_per_layer / sbh:.2f} sbh, peak {r.peak_bytes / GIB:.2f} "
+            f"GiB, analytic {100 * err:+.1f}% ({time.perf_counter() - t0:.1f} s)"
+        )
+        rows.append(
+            row(
+                "megatron",
+                spec,
+                cfg,
+                b,
+                s,
+                model=config.megatron_preset,
+                scope="blocks",
+                saved_bytes_per_layer=r.saved_bytes_per_layer,
+                saved_per_sbh=r.saved_bytes_per_layer / sbh,
+                megatron_per_sbh=formulas.get(spec, ""),
+                peak_bytes=r.peak_bytes,
+                temp_bytes=r.temp_bytes,
+                peak_source=r.peak_source,
+                peak_reduction_vs_none=1 - r.peak_bytes / base.peak_bytes,
+                flops=r.step_flops,
+                flops_bound=r.step_flops / base.step_flops,
+                analytic_peak_bytes=r.analytic_peak_bytes,
+                analytic_error=err,
+            )
+        )
     return rows
 
 
@@ -190,21 +287,34 @@ def part_maxbatch(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     for spec in MAXBATCH_POLICIES:
         cfg = config.whole_step(config.megatron_config(spec), spec)
         t0 = time.perf_counter()
-        batch, verified = max_batch(lambda b: bench_peak(harness.step_memory(cfg, b, seq).memory), budget)
+        batch, verified = max_batch(lambda b, cfg=cfg: bench_peak(harness.step_memory(cfg, b, seq).memory), budget)
         log(f"[maxbatch] {spec}: {batch}{'' if verified else ' (lower bound)'} ({time.perf_counter() - t0:.1f} s)")
         fields = memory_fields(harness.step_memory(cfg, batch, seq).memory) if batch else {}
-        rows.append(row("maxbatch", spec, cfg, batch, seq, model=config.megatron_preset,
-                        scope="whole step" if cfg.remat_head_chunks else "none", budget_bytes=budget,
-                        max_batch=batch, max_batch_verified=verified, **fields))
+        rows.append(
+            row(
+                "maxbatch",
+                spec,
+                cfg,
+                batch,
+                seq,
+                model=config.megatron_preset,
+                scope="whole step" if cfg.remat_head_chunks else "none",
+                budget_bytes=budget,
+                max_batch=batch,
+                max_batch_verified=verified,
+                **fields,
+            )
+        )
     return rows
 
 
 def part_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Step time, FLOPs bound, peak and compile time of every policy on a head- and a block-dominated model."""
     rows = []
-    for model, cfg, batch in ((f"head-dominated ({config.time_preset})", model_preset(config.time_preset),
-                               config.time_batch),
-                              ("block-dominated", config.block_model(), config.block_batch)):
+    for model, cfg, batch in (
+        (f"head-dominated ({config.time_preset})", model_preset(config.time_preset), config.time_batch),
+        ("block-dominated", config.block_model(), config.block_batch),
+    ):
         configs = {spec: config.whole_step(cfg, spec) for spec in dict.fromkeys(["none", *policies])}
         log(f"[time] {model}: {len(configs)} policies at batch {batch}")
         rows += _timed_rows("time", model, configs, batch, config)
@@ -214,9 +324,12 @@ def part_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
 def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """jremat next to ``jax.checkpoint``, ``nnx.remat``, Linen ``nn.remat`` / ``nn.remat_scan`` (blocks only)."""
     cfg, batch = config.block_model(), config.block_batch
-    ours = {"none": cfg.replace(remat_policy="none"), "full": cfg.replace(remat_policy="full"),
-            "full (unrolled)": cfg.replace(remat_policy="full", scan_layers=False),
-            "dots_no_batch": cfg.replace(remat_policy="dots_no_batch")}
+    ours = {
+        "none": cfg.replace(remat_policy="none"),
+        "full": cfg.replace(remat_policy="full"),
+        "full (unrolled)": cfg.replace(remat_policy="full", scan_layers=False),
+        "dots_no_batch": cfg.replace(remat_policy="dots_no_batch"),
+    }
     programs = [gpt_program(label, c, batch) for label, c in ours.items()]
     programs.append(peers.linen_program("linen (no remat)", cfg, batch, "plain"))
     compared = {"linen (no remat)": "none"}
@@ -231,13 +344,28 @@ def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     for program in programs:
         m = measured[program.label]
         ratio, low, high = ratios[program.label]
-        rows.append(row("peers", program.label, cfg, batch, cfg.max_seq_len, model="block-dominated", scope="blocks",
-                        compared_with=compared.get(program.label, ""), flops=m.flops, xla_flops=m.xla_flops,
-                        flops_bound=m.flops / base.flops if base.flops else "", compile_s=m.compile_s,
-                        time_ratio_vs_none=ratio, time_ratio_low=low, time_ratio_high=high,
-                        time_steps=config.time_steps,
-                        peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
-                        **memory_fields(m.memory)))
+        rows.append(
+            row(
+                "peers",
+                program.label,
+                cfg,
+                batch,
+                cfg.max_seq_len,
+                model="block-dominated",
+                scope="blocks",
+                compared_with=compared.get(program.label, ""),
+                flops=m.flops,
+                xla_flops=m.xla_flops,
+                flops_bound=m.flops / base.flops if base.flops else "",
+                compile_s=m.compile_s,
+                time_ratio_vs_none=ratio,
+                time_ratio_low=low,
+                time_ratio_high=high,
+                time_steps=config.time_steps,
+                peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
+                **memory_fields(m.memory),
+            )
+        )
     return rows
 
 
@@ -269,10 +397,17 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     configs = {**builtins, **{label: plan.config for label, plan in plans.items()}}
     timed = {r["policy"]: r for r in _timed_rows("auto", config.time_preset, configs, batch, config)}
     rows = []
-    for (label, plan), budget in zip(plans.items(), budgets):
+    for label, budget in zip(plans, budgets):
         best = min((s for s in builtins if peaks[s] <= budget), key=lambda s: timed[s]["time_ratio_vs_none"])
-        rows.append({**timed[label], "budget_bytes": budget, "compile_s": plan_s[label], "best_fitting_policy": best,
-                     "best_fitting_time_ratio": timed[best]["time_ratio_vs_none"]})
+        rows.append(
+            {
+                **timed[label],
+                "budget_bytes": budget,
+                "compile_s": plan_s[label],
+                "best_fitting_policy": best,
+                "best_fitting_time_ratio": timed[best]["time_ratio_vs_none"],
+            }
+        )
     return rows
 
 

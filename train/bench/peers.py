@@ -16,7 +16,8 @@ nothing is registered, so they never appear in the policy registry. Every progra
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -80,10 +81,10 @@ class LinenBlock(nn.Module):
     def __call__(self, x):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        dense = lambda n, name: nn.Dense(n, dtype=dtype, param_dtype=pdtype, name=name)  # noqa: E731
+        dense = lambda n, name: nn.Dense(n, dtype=dtype, param_dtype=pdtype, name=name)
         batch, seq, _ = x.shape
         inner = cfg.n_heads * cfg.head_dim
-        split = lambda t: t.reshape(batch, seq, cfg.n_heads, cfg.head_dim)  # noqa: E731
+        split = lambda t: t.reshape(batch, seq, cfg.n_heads, cfg.head_dim)
         h = _layer_norm(self, "ln1", x, cfg.d_model, pdtype)
         q, k, v = (split(dense(inner, name)(h)) for name in ("q_proj", "k_proj", "v_proj"))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), x.dtype)
@@ -179,12 +180,21 @@ def peer_programs(cfg: ModelConfig, batch_size: int, gpt_program: Callable) -> l
     no_batch = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return [
         ("full", gpt_program("jax.checkpoint", cfg.replace(remat_policy=JaxCheckpointPeer()), batch_size)),
-        ("dots_no_batch", gpt_program(
-            "jax.checkpoint(dots_with_no_batch_dims_saveable)",
-            cfg.replace(remat_policy=JaxCheckpointPeer(no_batch, "jax.checkpoint(dots_no_batch)")), batch_size)),
+        (
+            "dots_no_batch",
+            gpt_program(
+                "jax.checkpoint(dots_with_no_batch_dims_saveable)",
+                cfg.replace(remat_policy=JaxCheckpointPeer(no_batch, "jax.checkpoint(dots_no_batch)")),
+                batch_size,
+            ),
+        ),
         ("full", gpt_program("nnx.remat", cfg.replace(remat_policy=NnxRematPeer()), batch_size)),
         ("full", linen_program("linen nn.remat_scan", cfg, batch_size, "remat_scan")),
         ("full (unrolled)", linen_program("linen nn.remat", cfg, batch_size, "remat")),
-        ("dots_no_batch", linen_program("linen nn.remat_scan(dots_with_no_batch_dims_saveable)", cfg, batch_size,
-                                        "remat_scan", no_batch)),
+        (
+            "dots_no_batch",
+            linen_program(
+                "linen nn.remat_scan(dots_with_no_batch_dims_saveable)", cfg, batch_size, "remat_scan", no_batch
+            ),
+        ),
     ]

@@ -6,7 +6,8 @@ import csv
 import datetime
 import os
 import platform
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -21,7 +22,7 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: ("%.6g" % v if isinstance(v, float) else v) for k, v in r.items()})
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
 def read_csv(path: str) -> list[dict]:
@@ -104,10 +105,17 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
     if pts:
         fig, ax = plt.subplots(figsize=(6, 4))
         ks = [r["k"] for r in pts]
-        ax.errorbar(ks, [r["time_ratio_vs_none"] for r in pts],
-                    yerr=[[r["time_ratio_vs_none"] - r["time_ratio_low"] for r in pts],
-                          [r["time_ratio_high"] - r["time_ratio_vs_none"] for r in pts]], fmt="o-", capsize=3,
-                    label="step time / none (quartiles)")
+        ax.errorbar(
+            ks,
+            [r["time_ratio_vs_none"] for r in pts],
+            yerr=[
+                [r["time_ratio_vs_none"] - r["time_ratio_low"] for r in pts],
+                [r["time_ratio_high"] - r["time_ratio_vs_none"] for r in pts],
+            ],
+            fmt="o-",
+            capsize=3,
+            label="step time / none (quartiles)",
+        )
         ax.plot(ks, [r["flops_bound"] for r in pts], "s--", label="FLOPs bound")
         ax.set_xlabel("k (0 = none)")
         ax.legend(fontsize=8)
@@ -122,8 +130,9 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
             sel = [r for r in pts if r["model"] == model]
             xs = range(len(sel))
             ax.bar(xs, [r["time_ratio_vs_none"] for r in sel], color="tab:blue", label="step time / none")
-            ax.scatter(xs, [r["flops_bound"] for r in sel], color="red", marker="_", s=300, zorder=3,
-                       label="FLOPs bound")
+            ax.scatter(
+                xs, [r["flops_bound"] for r in sel], color="red", marker="_", s=300, zorder=3, label="FLOPs bound"
+            )
             ax.set_xticks(list(xs))
             ax.set_xticklabels([r["policy"] for r in sel], rotation=40, ha="right", fontsize=7)
             ax.set_title(model, fontsize=9)
@@ -135,8 +144,13 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in pts:
             ax.scatter(r["time_ratio_vs_none"], r["peak_bytes"] / MIB, marker="o" if r["compared_with"] else "s")
-            ax.annotate(r["policy"], (r["time_ratio_vs_none"], r["peak_bytes"] / MIB), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                r["policy"],
+                (r["time_ratio_vs_none"], r["peak_bytes"] / MIB),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         ax.set_xlabel("step time / jremat none")
         ax.set_ylabel("compiled Adam-step peak (MiB)")
         ax.set_title("block-dominated model: jremat (squares) and peers (circles)", fontsize=9)
@@ -155,47 +169,77 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
     whole = [r for r in parts.get("needle_batch", []) if r["scope"] == "whole step"]
     if whole:
         worst = min(r["peak_reduction_vs_none"] for r in whole)
-        out.append(("Needle fig. 1 (whole step): peak reduction > 55% at every batch", f"min {_pct(worst)}",
-                    worst > 0.55))
+        out.append(
+            ("Needle fig. 1 (whole step): peak reduction > 55% at every batch", f"min {_pct(worst)}", worst > 0.55)
+        )
         last = max(whole, key=lambda r: r["batch_size"])
-        out.append((f"Needle fig. 1: > 62% at batch {last['batch_size']}", _pct(last["peak_reduction_vs_none"]),
-                    last["peak_reduction_vs_none"] > 0.62))
+        out.append(
+            (
+                f"Needle fig. 1: > 62% at batch {last['batch_size']}",
+                _pct(last["peak_reduction_vs_none"]),
+                last["peak_reduction_vs_none"] > 0.62,
+            )
+        )
     dff = sorted((r for r in parts.get("needle_dff", []) if r["scope"] == "whole step"), key=lambda r: r["d_ff"])
     if dff:
         worst = min(r["peak_reduction_vs_none"] for r in dff)
         out.append(("Needle fig. 2 (whole step): > 60% at every d_ff", f"min {_pct(worst)}", worst > 0.60))
         grows = all(a["peak_reduction_vs_none"] <= b["peak_reduction_vs_none"] for a, b in zip(dff, dff[1:]))
-        out.append(("Needle fig. 2: reduction grows with d_ff",
-                    " -> ".join(_pct(r["peak_reduction_vs_none"]) for r in dff), grows))
+        out.append(
+            (
+                "Needle fig. 2: reduction grows with d_ff",
+                " -> ".join(_pct(r["peak_reduction_vs_none"]) for r in dff),
+                grows,
+            )
+        )
     nt = sorted((r for r in parts.get("needle_time", []) if r["k"]), key=lambda r: r["k"])
     if len(nt) > 1:
-        out.append(("Needle fig. 3: step time grows with k (largest k slower than smallest)",
-                    " -> ".join(f"{r['time_ratio_vs_none']:.2f}" for r in nt),
-                    nt[-1]["time_ratio_vs_none"] > nt[0]["time_ratio_vs_none"]))
+        out.append(
+            (
+                "Needle fig. 3: step time grows with k (largest k slower than smallest)",
+                " -> ".join(f"{r['time_ratio_vs_none']:.2f}" for r in nt),
+                nt[-1]["time_ratio_vs_none"] > nt[0]["time_ratio_vs_none"],
+            )
+        )
     meg = {r["policy"]: r for r in parts.get("megatron", [])}
     if "none" in meg:
         v, f = meg["none"]["saved_per_sbh"], meg["none"]["megatron_per_sbh"]
-        out.append(("Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)", f"{v:.2f} vs {f:.2f} sbh",
-                    abs(v / f - 1) <= 0.01))
+        out.append(
+            (
+                "Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)",
+                f"{v:.2f} vs {f:.2f} sbh",
+                abs(v / f - 1) <= 0.01,
+            )
+        )
     for spec, limit in (("selective", 32.0), ("full", 2.1)):
         if spec in meg:
             v = meg[spec]["saved_per_sbh"]
             out.append((f"Megatron: {spec} saves <= {limit:g} sbh per layer", f"{v:.2f} sbh", v <= limit))
     for spec, r in meg.items():
-        out.append((f"Analytic peak within 10% of the compiled peak: {spec} ({r['model']} b{r['batch_size']} "
-                    f"s{r['seq_len']} {r['dtype']})", f"{100 * r['analytic_error']:+.1f}%",
-                    abs(r["analytic_error"]) <= 0.10))
+        out.append(
+            (
+                f"Analytic peak within 10% of the compiled peak: {spec} ({r['model']} b{r['batch_size']} "
+                f"s{r['seq_len']} {r['dtype']})",
+                f"{100 * r['analytic_error']:+.1f}%",
+                abs(r["analytic_error"]) <= 0.10,
+            )
+        )
     mb = {r["policy"]: r["max_batch"] for r in parts.get("maxbatch", [])}
     if "none" in mb and "full" in mb:
         ratio = mb["full"] / mb["none"] if mb["none"] else float("inf")
-        out.append(("Max batch (whole step): full >= 5x none", f"{mb['full']} vs {mb['none']} ({ratio:.2f}x)",
-                    ratio >= 5))
+        out.append(
+            ("Max batch (whole step): full >= 5x none", f"{mb['full']} vs {mb['none']} ({ratio:.2f}x)", ratio >= 5)
+        )
     for r in parts.get("time", []):
         limit = {"selective": 1.05, "every_k:k=4": 1.15, "full": 1.35}.get(r["policy"])
         if limit:
-            out.append((f"Time, {r['model']}: {r['policy']} <= {limit:.2f}x none",
-                        f"{_x(r['time_ratio_vs_none'])} (FLOPs bound {_x(r['flops_bound'])})",
-                        r["time_ratio_vs_none"] <= limit))
+            out.append(
+                (
+                    f"Time, {r['model']}: {r['policy']} <= {limit:.2f}x none",
+                    f"{_x(r['time_ratio_vs_none'])} (FLOPs bound {_x(r['flops_bound'])})",
+                    r["time_ratio_vs_none"] <= limit,
+                )
+            )
     peer_rows = parts.get("peers", [])
     ours = {r["policy"]: r for r in peer_rows if not r["compared_with"]}
     for r in peer_rows:
@@ -203,15 +247,29 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
         if mine is None or r["compared_with"] == "none":
             continue
         ok = mine["peak_bytes"] <= r["peak_bytes"] and mine["time_ratio_vs_none"] <= 1.05 * r["time_ratio_vs_none"]
-        out.append((f"Peer {r['policy']}: jremat {r['compared_with']} peak <= it and time within 5%",
-                    f"peak {format_bytes(mine['peak_bytes'])} vs {format_bytes(r['peak_bytes'])}; time "
-                    f"{_x(mine['time_ratio_vs_none'])} vs {_x(r['time_ratio_vs_none'])}", ok))
+        out.append(
+            (
+                f"Peer {r['policy']}: jremat {r['compared_with']} peak <= it and time within 5%",
+                f"peak {format_bytes(mine['peak_bytes'])} vs {format_bytes(r['peak_bytes'])}; time "
+                f"{_x(mine['time_ratio_vs_none'])} vs {_x(r['time_ratio_vs_none'])}",
+                ok,
+            )
+        )
     for r in parts.get("auto", []):
-        out.append((f"auto fits budget {format_bytes(r['budget_bytes'])}", f"peak {format_bytes(r['peak_bytes'])}",
-                    r["peak_bytes"] <= r["budget_bytes"]))
-        out.append((f"auto at {format_bytes(r['budget_bytes'])}: time <= 1.03x the fastest fitting built-in",
-                    f"{_x(r['time_ratio_vs_none'])} vs {r['best_fitting_policy']} {_x(r['best_fitting_time_ratio'])}",
-                    r["time_ratio_vs_none"] <= 1.03 * r["best_fitting_time_ratio"]))
+        out.append(
+            (
+                f"auto fits budget {format_bytes(r['budget_bytes'])}",
+                f"peak {format_bytes(r['peak_bytes'])}",
+                r["peak_bytes"] <= r["budget_bytes"],
+            )
+        )
+        out.append(
+            (
+                f"auto at {format_bytes(r['budget_bytes'])}: time <= 1.03x the fastest fitting built-in",
+                f"{_x(r['time_ratio_vs_none'])} vs {r['best_fitting_policy']} {_x(r['best_fitting_time_ratio'])}",
+                r["time_ratio_vs_none"] <= 1.03 * r["best_fitting_time_ratio"],
+            )
+        )
     return out
 
 
@@ -226,45 +284,57 @@ MISS_NOTES = {
         "With the head rematerialized, what `every_k:k=4` leaves is mostly the block's saved activations, which "
         "include d_ff-wide outputs and grow with d_ff faster than `none`'s peak (dominated by the d_ff-independent "
         "logits), so the reduction does not grow. The study's growth came from a model whose d_ff part dominated "
-        "`none`'s memory."),
+        "`none`'s memory."
+    ),
     "Needle fig. 3": (
         "The Needle block is one layer of d_model 20 next to a vocabulary-10000 head, so the recompute is a small "
         "part of the step (FLOPs bound column) and the spread of the paired rounds on a shared CPU is larger than "
-        "the differences between k."),
+        "the differences between k."
+    ),
     "Megatron": (
         "The block's saved activations differ from Megatron-LM's accounting for this policy; the Megatron table "
-        "gives the bytes per layer."),
+        "gives the bytes per layer."
+    ),
     "Analytic peak": (
         "The estimate (`models.programs.analytic_peak_bytes`) leaves out one block's transient backward working set; "
-        "when that, not the head, sets the peak, it underestimates."),
+        "when that, not the head, sets the peak, it underestimates."
+    ),
     "Max batch": (
         "Under `full` the peak is mostly parameters, gradients and both Adam moments, which do not shrink with the "
-        "batch; the ratio depends on how much of the budget they leave."),
+        "batch; the ratio depends on how much of the budget they leave."
+    ),
     "Time": (
         "Read the time ratio against its FLOPs bound in the same row: a ratio near the bound is the recompute's "
-        "cost, not overhead."),
+        "cost, not overhead."
+    ),
     "Peer": (
         "Where a peer is smaller or faster, jremat is worse on this model and shape; the peers table gives peak, "
-        "temp, step time and compile time side by side."),
+        "temp, step time and compile time side by side."
+    ),
     "auto": (
         "auto ranks the plans that fit by recompute FLOPs; where the measured time disagrees by more than 3%, the "
-        "cost model missed what the machine pays."),
+        "cost model missed what the machine pays."
+    ),
 }
 
 
 def machine_description() -> str:
     """The machine and software that produced the figures, in one line."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({usable} usable), JAX "
-            f"{jax.__version__} (backend {jax.default_backend()}, {jax.devices()[0].device_kind}), Python "
-            f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip() or '(unset)'}")
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({usable} usable), JAX "
+        f"{jax.__version__} (backend {jax.default_backend()}, {jax.devices()[0].device_kind}), Python "
+        f"{platform.python_version()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip() or '(unset)'}"
+    )
 
 
 def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir: str) -> list[str]:
     lines: list[str] = []
-    img = lambda name: [f"![{name}]({plot_dir}/{name})", ""] if name in plots else []  # noqa: E731
-    for part, title in (("needle_batch", "Needle figure 1: peak reduction vs batch size"),
-                        ("needle_dff", "Needle figure 2: peak reduction vs d_ff")):
+    img = lambda name: [f"![{name}]({plot_dir}/{name})", ""] if name in plots else []
+    for part, title in (
+        ("needle_batch", "Needle figure 1: peak reduction vs batch size"),
+        ("needle_dff", "Needle figure 2: peak reduction vs d_ff"),
+    ):
         pts = parts.get(part, [])
         if not pts:
             continue
@@ -272,86 +342,186 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
         scopes = [s for s in ("blocks", "head", "whole step") if any(r["scope"] == s for r in pts)]
         get = {(r["batch_size"], r["d_ff"], r["scope"]): r for r in pts}
         lines += [f"### {title}", ""]
-        lines += _table(["batch", "d_ff", "peak none"] + [f"{s}: peak (reduction)" for s in scopes],
-                        [[b, d, format_bytes(get[(b, d, "none")]["peak_bytes"])] +
-                         [f"{format_bytes(get[(b, d, s)]['peak_bytes'])} ({_pct(get[(b, d, s)]['peak_reduction_vs_none'])})"
-                          for s in scopes] for b, d in keys])
+        lines += _table(
+            ["batch", "d_ff", "peak none"] + [f"{s}: peak (reduction)" for s in scopes],
+            [
+                [b, d, format_bytes(get[(b, d, "none")]["peak_bytes"])]
+                + [
+                    f"{format_bytes(get[(b, d, s)]['peak_bytes'])} ({_pct(get[(b, d, s)]['peak_reduction_vs_none'])})"
+                    for s in scopes
+                ]
+                for b, d in keys
+            ],
+        )
         lines += img(f"{part}.png")
     pts = sorted(parts.get("needle_time", []), key=lambda r: r["k"])
     if pts:
-        lines += [f"### Needle figure 3: step time vs k (batch {pts[0]['batch_size']}, d_ff {pts[0]['d_ff']}, "
-                  "whole step)", ""]
-        lines += _table(("k", "time / none", "quartiles", "FLOPs bound", "peak"),
-                        [(r["k"], _x(r["time_ratio_vs_none"]), f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
-                          _x(r["flops_bound"]), format_bytes(r["peak_bytes"])) for r in pts])
+        lines += [
+            f"### Needle figure 3: step time vs k (batch {pts[0]['batch_size']}, d_ff {pts[0]['d_ff']}, whole step)",
+            "",
+        ]
+        lines += _table(
+            ("k", "time / none", "quartiles", "FLOPs bound", "peak"),
+            [
+                (
+                    r["k"],
+                    _x(r["time_ratio_vs_none"]),
+                    f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
+                    _x(r["flops_bound"]),
+                    format_bytes(r["peak_bytes"]),
+                )
+                for r in pts
+            ],
+        )
         lines += img("needle_k_time.png")
     pts = parts.get("megatron", [])
     if pts:
         r0 = pts[0]
-        lines += [f"## Megatron-LM accounting and the analytic estimate: {r0['model']}, b={r0['batch_size']}, "
-                  f"s={r0['seq_len']}, {r0['dtype']}, dropout 0.1, gradient step, blocks only", ""]
-        lines += _table(("policy", "saved / layer", "/ sbh", "Megatron / sbh", "compiled peak", "analytic peak",
-                         "error"),
-                        [(r["policy"], format_bytes(r["saved_bytes_per_layer"]), f"{r['saved_per_sbh']:.2f}",
-                          f"{r['megatron_per_sbh']:.1f}" if r["megatron_per_sbh"] != "" else "",
-                          format_bytes(r["peak_bytes"]), format_bytes(r["analytic_peak_bytes"]),
-                          f"{100 * r['analytic_error']:+.1f}%") for r in pts])
+        lines += [
+            f"## Megatron-LM accounting and the analytic estimate: {r0['model']}, b={r0['batch_size']}, "
+            f"s={r0['seq_len']}, {r0['dtype']}, dropout 0.1, gradient step, blocks only",
+            "",
+        ]
+        lines += _table(
+            ("policy", "saved / layer", "/ sbh", "Megatron / sbh", "compiled peak", "analytic peak", "error"),
+            [
+                (
+                    r["policy"],
+                    format_bytes(r["saved_bytes_per_layer"]),
+                    f"{r['saved_per_sbh']:.2f}",
+                    f"{r['megatron_per_sbh']:.1f}" if r["megatron_per_sbh"] != "" else "",
+                    format_bytes(r["peak_bytes"]),
+                    format_bytes(r["analytic_peak_bytes"]),
+                    f"{100 * r['analytic_error']:+.1f}%",
+                )
+                for r in pts
+            ],
+        )
     pts = parts.get("maxbatch", [])
     if pts:
         r0 = pts[0]
         none = next((r["max_batch"] for r in pts if r["policy"] == "none"), 0)
-        lines += [f"## Max batch under {r0['budget_bytes'] / GIB:g} GiB: {r0['model']}, s={r0['seq_len']}, "
-                  "Adam step, whole step", ""]
-        lines += _table(("policy", "max batch", "verified", "vs none", "peak at max batch"),
-                        [(r["policy"], r["max_batch"], "yes" if r["max_batch_verified"] else "lower bound",
-                          f"{r['max_batch'] / none:.2f}x" if none else "n/a", format_bytes(r["peak_bytes"] or 0))
-                         for r in pts])
+        lines += [
+            f"## Max batch under {r0['budget_bytes'] / GIB:g} GiB: {r0['model']}, s={r0['seq_len']}, "
+            "Adam step, whole step",
+            "",
+        ]
+        lines += _table(
+            ("policy", "max batch", "verified", "vs none", "peak at max batch"),
+            [
+                (
+                    r["policy"],
+                    r["max_batch"],
+                    "yes" if r["max_batch_verified"] else "lower bound",
+                    f"{r['max_batch'] / none:.2f}x" if none else "n/a",
+                    format_bytes(r["peak_bytes"] or 0),
+                )
+                for r in pts
+            ],
+        )
     pts = parts.get("time", [])
     if pts:
-        lines += ["## Step time against the FLOPs bound", "",
-                  "FLOPs bound = the policy's step FLOPs over `none`'s (traced, recomputation included): the time "
-                  "ratio if every FLOP took the same time. Compile s = trace + lower + compile of the step, paid on "
-                  "every start. Policies cover the whole step (blocks, and the head and loss in "
-                  "chunks).", ""]
+        lines += [
+            "## Step time against the FLOPs bound",
+            "",
+            "FLOPs bound = the policy's step FLOPs over `none`'s (traced, recomputation included): the time "
+            "ratio if every FLOP took the same time. Compile s = trace + lower + compile of the step, paid on "
+            "every start. Policies cover the whole step (blocks, and the head and loss in "
+            "chunks).",
+            "",
+        ]
         for model in dict.fromkeys(r["model"] for r in pts):
             sel = [r for r in pts if r["model"] == model]
             r0 = sel[0]
-            lines += [f"### {model}: {r0['n_layers']} layers, d_model {r0['d_model']}, d_ff {r0['d_ff']}, vocab "
-                      f"{r0['vocab_size']}, batch {r0['batch_size']} x {r0['seq_len']}", ""]
-            lines += _table(("policy", "time / none", "quartiles", "FLOPs bound", "peak", "peak reduction",
-                             "compile s"),
-                            [(r["policy"], _x(r["time_ratio_vs_none"]),
-                              f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}", _x(r["flops_bound"]),
-                              format_bytes(r["peak_bytes"]), _pct(r["peak_reduction_vs_none"]), f"{r['compile_s']:.1f}")
-                             for r in sel])
+            lines += [
+                f"### {model}: {r0['n_layers']} layers, d_model {r0['d_model']}, d_ff {r0['d_ff']}, vocab "
+                f"{r0['vocab_size']}, batch {r0['batch_size']} x {r0['seq_len']}",
+                "",
+            ]
+            lines += _table(
+                ("policy", "time / none", "quartiles", "FLOPs bound", "peak", "peak reduction", "compile s"),
+                [
+                    (
+                        r["policy"],
+                        _x(r["time_ratio_vs_none"]),
+                        f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
+                        _x(r["flops_bound"]),
+                        format_bytes(r["peak_bytes"]),
+                        _pct(r["peak_reduction_vs_none"]),
+                        f"{r['compile_s']:.1f}",
+                    )
+                    for r in sel
+                ],
+            )
         lines += img("time.png")
     pts = parts.get("peers", [])
     if pts:
         r0 = pts[0]
-        lines += [f"## Peers: block-dominated model, batch {r0['batch_size']} x {r0['seq_len']}, Adam step, blocks "
-                  "only, dropout 0", ""]
-        lines += _table(("program", "jremat counterpart", "peak", "temp", "time / jremat none", "quartiles",
-                         "FLOPs bound", "compile s"),
-                        [(r["policy"], r["compared_with"] or "(jremat)", format_bytes(r["peak_bytes"]),
-                          format_bytes(r["temp_bytes"]), _x(r["time_ratio_vs_none"]),
-                          f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}", _x(r["flops_bound"]),
-                          f"{r['compile_s']:.1f}") for r in pts])
+        lines += [
+            f"## Peers: block-dominated model, batch {r0['batch_size']} x {r0['seq_len']}, Adam step, blocks "
+            "only, dropout 0",
+            "",
+        ]
+        lines += _table(
+            (
+                "program",
+                "jremat counterpart",
+                "peak",
+                "temp",
+                "time / jremat none",
+                "quartiles",
+                "FLOPs bound",
+                "compile s",
+            ),
+            [
+                (
+                    r["policy"],
+                    r["compared_with"] or "(jremat)",
+                    format_bytes(r["peak_bytes"]),
+                    format_bytes(r["temp_bytes"]),
+                    _x(r["time_ratio_vs_none"]),
+                    f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
+                    _x(r["flops_bound"]),
+                    f"{r['compile_s']:.1f}",
+                )
+                for r in pts
+            ],
+        )
         lines += img("peers.png")
     pts = parts.get("auto", [])
     if pts:
         r0 = pts[0]
-        lines += [f"## auto at {len(pts)} budgets: {r0['model']}, batch {r0['batch_size']} x {r0['seq_len']}, "
-                  "Adam step", ""]
-        lines += _table(("budget", "plan", "peak", "time / none", "fastest fitting built-in", "its time",
-                         "planning s"),
-                        [(format_bytes(r["budget_bytes"]), r["policy"], format_bytes(r["peak_bytes"]),
-                          _x(r["time_ratio_vs_none"]), r["best_fitting_policy"], _x(r["best_fitting_time_ratio"]),
-                          f"{r['compile_s']:.1f}") for r in pts])
+        lines += [
+            f"## auto at {len(pts)} budgets: {r0['model']}, batch {r0['batch_size']} x {r0['seq_len']}, Adam step",
+            "",
+        ]
+        lines += _table(
+            ("budget", "plan", "peak", "time / none", "fastest fitting built-in", "its time", "planning s"),
+            [
+                (
+                    format_bytes(r["budget_bytes"]),
+                    r["policy"],
+                    format_bytes(r["peak_bytes"]),
+                    _x(r["time_ratio_vs_none"]),
+                    r["best_fitting_policy"],
+                    _x(r["best_fitting_time_ratio"]),
+                    f"{r['compile_s']:.1f}",
+                )
+                for r in pts
+            ],
+        )
     return lines
 
 
-def results_markdown(rows: Sequence[dict], plots: Sequence[str], plot_dir: str, command: str, wall_s: float,
-                     notes: Sequence[str] = (), explanations: str = "") -> str:
+def results_markdown(
+    rows: Sequence[dict],
+    plots: Sequence[str],
+    plot_dir: str,
+    command: str,
+    wall_s: float,
+    notes: Sequence[str] = (),
+    explanations: str = "",
+) -> str:
     """The report: how it was produced, the verdict table, one section per part, notes.
 
     Args:
@@ -364,18 +534,30 @@ def results_markdown(rows: Sequence[dict], plots: Sequence[str], plot_dir: str, 
       explanations: markdown placed after the verdict (why the numbers are what they are).
     """
     targets = check_targets(rows)
-    lines = ["# Benchmark results", "",
-             "Everything below, tables and plots, comes from one run of:", "", "```", command, "```", "",
-             f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; wall time "
-             f"{wall_s / 60:.0f} min (compiles included)",
-             f"- Machine: {machine_description()}",
-             f"- Data: [{plot_dir}/bench.csv]({plot_dir}/bench.csv) (one row per measurement)",
-             "- Memory is compile-only: XLA's buffer assignment of the jitted step (nothing is allocated); "
-             "peak = arguments + outputs - aliased + temp. Times are ratios to `none` measured in the same process: "
-             "the median over interleaved rounds of each round's paired ratio, with the quartiles of those ratios.",
-             "", "## Verdict", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Everything below, tables and plots, comes from one run of:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; wall time "
+        f"{wall_s / 60:.0f} min (compiles included)",
+        f"- Machine: {machine_description()}",
+        f"- Data: [{plot_dir}/bench.csv]({plot_dir}/bench.csv) (one row per measurement)",
+        "- Memory is compile-only: XLA's buffer assignment of the jitted step (nothing is allocated); "
+        "peak = arguments + outputs - aliased + temp. Times are ratios to `none` measured in the same process: "
+        "the median over interleaved rounds of each round's paired ratio, with the quartiles of those ratios.",
+        "",
+        "## Verdict",
+        "",
+    ]
     lines += _table(("target", "measured", "met"), [(t, m, "yes" if ok else "**no**") for t, m, ok in targets])
-    missed = [note for prefix, note in MISS_NOTES.items() if any(t.startswith(prefix) and not ok for t, _, ok in targets)]
+    missed = [
+        note for prefix, note in MISS_NOTES.items() if any(t.startswith(prefix) and not ok for t, _, ok in targets)
+    ]
     if missed:
         lines += ["### Why the misses", ""] + [f"* {note}" for note in missed] + [""]
     if explanations:
