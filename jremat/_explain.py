@@ -22,60 +22,21 @@ the same as a dict.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable
-from jax.extend import core as jcore
 
-from jremat import _jax_compat, _memory, _program, _residuals, registry
+from jremat import _decisions, _jax_compat, _memory, _program, _residuals, registry
+from jremat._decisions import DECISIONS, EXCLUDE, OFFLOAD, RECOMPUTE, SAVE, Decision
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
 from jremat._policy import NoRemat, Policy
 
-SAVE = "save"
-OFFLOAD = "offload"
-RECOMPUTE = "recompute"
-EXCLUDE = "exclude"
-#: Decisions in report order.
-DECISIONS = (SAVE, OFFLOAD, RECOMPUTE, EXCLUDE)
-
 #: Policy attributes holding the tensor names a policy mentions, and the role each gives them.
 NAME_ROLES = (("save", SAVE), ("offload", OFFLOAD), ("exclude", EXCLUDE))
-
-_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")
-_IDENTITY = _residuals.IDENTITY_PRIMITIVES
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """Values one decision of the policy covers, in one place.
-
-    Attributes:
-      decision: :data:`SAVE`, :data:`OFFLOAD`, :data:`RECOMPUTE` or :data:`EXCLUDE` (recomputed
-        because the policy excludes their name).
-      count: how many values, per execution of the checkpoint.
-      bytes: their bytes, per execution.
-      where: ``"top level"`` or the enclosing scan(s), ``"scan(length=2) at file:line (fn)"``.
-      iterations: how often the checkpoint runs (the product of the enclosing scan lengths).
-      names: the ``checkpoint_name`` tags among these values.
-    """
-
-    decision: str
-    count: int
-    bytes: int
-    where: str
-    iterations: int
-    names: tuple[str, ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        """:attr:`bytes` times :attr:`iterations`."""
-        return self.bytes * self.iterations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,168 +137,6 @@ class Explanation:
         out["names_found"] = list(self.names_found)
         out["messages"] = list(self.messages)
         return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a trace
-# ---------------------------------------------------------------------------------------------
-
-
-def _scope(eqn) -> str:
-    return f"scan(length={eqn.params['length']}) at {_residuals._summarize_source(eqn)}"
-
-
-def _where(scopes: Sequence[tuple[str, int]]) -> str:
-    return "inside " + " > ".join(s for s, _ in scopes) if scopes else "top level"
-
-
-def _iterations(scopes: Sequence[tuple[str, int]]) -> int:
-    n = 1
-    for _, length in scopes:
-        n *= length
-    return n
-
-
-def _tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
-    """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            found.append((eqn.params["name"], _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
-        inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-        for sub in _program.nested_jaxprs(eqn):
-            found.extend(_tags(sub, inner))
-    return found
-
-
-def _decide(callback, eqn) -> str:
-    if callback is None:
-        return RECOMPUTE
-    result = callback(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
-    if isinstance(result, Offloadable):
-        return OFFLOAD
-    if result is Saveable or result is True:
-        return SAVE
-    if result is Recompute or not result:
-        return RECOMPUTE
-    return SAVE
-
-
-def _is_float_var(v) -> bool:
-    dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and not _program.is_key(v.aval) and jnp.issubdtype(dtype, jnp.inexact)
-
-
-def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
-    """Add to ``acc`` what ``callback`` decides for each value computed in checkpoint body ``body``."""
-    producer = {v: e for e in body.eqns for v in e.outvars}
-    user_name: dict = {}
-    for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
-        if e.primitive.name == "name" and not _residuals.PLAN_TAG_RE.match(e.params["name"]):
-            v = e.invars[0]
-            user_name.setdefault(v, e.params["name"])
-            user_name.setdefault(e.outvars[0], e.params["name"])
-
-    def canonical(v):
-        while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in _IDENTITY:
-            v = producer[v].invars[0]
-        return v
-
-    def name_of(v):
-        while True:
-            if v in user_name:
-                return user_name[v]
-            if isinstance(v, jcore.Literal) or v not in producer or producer[v].primitive.name not in _IDENTITY:
-                return None
-            v = producer[v].invars[0]
-
-    decided: dict = {}
-    for e in body.eqns:
-        prim = e.primitive.name
-        if prim in _CHECKPOINT_PRIMITIVES:
-            visit(e, scopes)  # a checkpoint of its own; its outputs are decided here too
-        else:
-            subs = _program.nested_jaxprs(e)
-            if subs:
-                inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
-                for sub in subs:
-                    _body_decisions(sub, callback, inner, excluded, acc, visit)
-                continue
-        decision = RECOMPUTE if prim in _CHECKPOINT_PRIMITIVES else _decide(callback, e)
-        for v in e.outvars:
-            if isinstance(v, jcore.DropVar) or not _is_float_var(v):
-                continue
-            base = canonical(v)
-            if decision in (SAVE, OFFLOAD):
-                decided[base] = decision
-            elif prim not in _program.SHAPE_ONLY_PRIMITIVES:
-                decided.setdefault(base, RECOMPUTE)
-    for v, decision in decided.items():
-        name = name_of(v)
-        if decision == RECOMPUTE and name in excluded:
-            decision = EXCLUDE
-        key = (decision, _where(scopes))
-        entry = acc.setdefault(key, [0, 0, _iterations(scopes), []])
-        entry[0] += 1
-        entry[1] += _program.aval_bytes(v.aval)
-        if name and name not in entry[3]:
-            entry[3].append(name)
-
-
-def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
-    """One ``(signature, decisions)`` per checkpoint in ``jaxpr`` (nested ones included).
-
-    ``decisions`` maps ``(decision, where)`` to ``[count, bytes, iterations, names]``; the
-    signature (place and decisions, frozen) identifies the same checkpoint in another trace.
-    """
-    found = []
-
-    def visit(eqn, scopes):
-        acc: dict = collections.OrderedDict()
-        body = eqn.params["jaxpr"]
-        _body_decisions(getattr(body, "jaxpr", body), eqn.params.get("policy"), scopes, excluded, acc, visit)
-        signature = (_where(scopes), tuple((k, v[0], v[1]) for k, v in acc.items()))
-        found.append((signature, acc))
-
-    def walk(jx, scopes):
-        for eqn in jx.eqns:
-            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
-                visit(eqn, scopes)
-                continue
-            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-            for sub in _program.nested_jaxprs(eqn):
-                walk(sub, inner)
-
-    walk(jaxpr, ())
-    return found
-
-
-def _decisions(jaxpr, excluded: frozenset[str], baseline_jaxpr=None) -> tuple[int, list[Decision]]:
-    """``(checkpoints, decisions)`` of the checkpoints in ``jaxpr`` that ``baseline_jaxpr`` lacks.
-
-    Checkpoints the function has without the policy (a model's own, e.g. around a LayerNorm)
-    are matched by signature and left out: they are not the policy's decisions.
-    """
-    mine = _checkpoints(jaxpr, excluded)
-    if baseline_jaxpr is not None:
-        theirs = collections.Counter(sig for sig, _ in _checkpoints(baseline_jaxpr, excluded))
-        kept = []
-        for sig, acc in mine:
-            if theirs[sig]:
-                theirs[sig] -= 1
-            else:
-                kept.append((sig, acc))
-        mine = kept
-    total: dict = collections.OrderedDict()
-    for _, acc in mine:
-        for key, (count, nbytes, iterations, names) in acc.items():
-            entry = total.setdefault(key, [0, 0, iterations, []])
-            entry[0] += count
-            entry[1] += nbytes
-            entry[3].extend(n for n in names if n not in entry[3])
-    order = {d: i for i, d in enumerate(DECISIONS)}
-    decisions = [Decision(d, c, b, where, it, tuple(names)) for (d, where), (c, b, it, names) in total.items()]
-    return len(mine), sorted(decisions, key=lambda d: (d.where != "top level", d.where, order[d.decision]))
 
 
 def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
@@ -559,7 +358,7 @@ def explain_applied(
     # are the ones this module reads.
     with _jax_compat.classic_remat_context():
         tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
-    tags = [t for t in _tags(tag_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
+    tags = [t for t in _decisions.tags(tag_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
     found = tuple(dict.fromkeys(t[0] for t in tags))
     mentioned = mentioned_names(chosen)
     matches = []
@@ -579,7 +378,7 @@ def explain_applied(
         messages.append(f"error ({label}): applying the policy raised: {err}")
         return Explanation(label, name, 0, (), tuple(matches), found, messages=tuple(messages))
     excluded = frozenset(n for role, n in mentioned if role == EXCLUDE)
-    n_checkpoints, decisions = _decisions(jaxpr, excluded, tag_jaxpr if flat_base is not None else None)
+    n_checkpoints, decisions = _decisions.decisions(jaxpr, excluded, tag_jaxpr if flat_base is not None else None)
     if n_checkpoints == 0:
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")

@@ -21,35 +21,22 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jremat import registry
 from jremat._decorator import policy as _decorate_with
-from jremat._policy import Policy
-
-#: Causes a mismatch is attributed to (see :class:`RematMismatch`).
-CAUSE_RANDOM = "a random value drawn differently on recompute"
-CAUSE_STATE = "state not written back"
-CAUSE_VALUE = "a value that differs"
-
-#: Primitives that draw or derive random bits; their presence makes :data:`CAUSE_RANDOM` plausible.
-RANDOM_PRIMITIVES = frozenset(
-    {
-        "random_bits",
-        "random_split",
-        "random_fold_in",
-        "random_seed",
-        "random_wrap",
-        "threefry2x32",
-        "rng_bit_generator",
-        "rng_uniform",
-    }
+from jremat._exactness import (
+    CAUSE_RANDOM,
+    CAUSE_STATE,
+    CAUSE_VALUE,
+    Call,
+    as_numpy,
+    compare,
+    mismatch_cause,
+    path_text,
+    random_primitives,
 )
-
-#: Relative error above which a differing float value is not plain rounding.
-ROUNDING_LIMIT = 1e-2
-
+from jremat._policy import Policy
 
 # ---------------------------------------------------------------------------------------------
 # Policies to test
@@ -220,254 +207,6 @@ class RematMismatch(AssertionError):
         self.cause = cause
 
 
-def _is_array(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-
-
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _is_float(x) -> bool:
-    return not _is_key(x) and jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)
-
-
-def _graph_node_types() -> tuple:
-    from flax import nnx
-
-    return (nnx.Pytree,)
-
-
-def _key_text(key) -> str:
-    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
-
-    if isinstance(key, GetAttrKey):
-        return "" if key.name == "value" else f".{key.name}"
-    if isinstance(key, DictKey):
-        return f"[{key.key!r}]"
-    if isinstance(key, SequenceKey):
-        return f"[{key.idx}]"
-    if isinstance(key, FlattenedIndexKey):
-        return f"[{key.key}]"
-    return str(key)
-
-
-def _path_text(path) -> str:
-    return "".join(_key_text(k) for k in path)
-
-
-_RUNNERS: dict = {}
-_MAX_RUNNERS = 8
-
-
-@dataclasses.dataclass
-class _Call:
-    """A call ``fn(*args, **kwargs)`` taken apart into NNX graph nodes, arrays and constants."""
-
-    fn: Callable
-    args: tuple
-    kwargs: dict
-    argnums: tuple[int, ...]
-    module_arg: bool  # fn was an NNX module: args[0] is it, always differentiated
-
-    def __post_init__(self):
-        node_types = _graph_node_types()
-        self.leaves, self.treedef = jax.tree.flatten(
-            (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types)
-        )
-        paths = [
-            p
-            for p, _ in jax.tree_util.tree_flatten_with_path(
-                (self.args, self.kwargs), is_leaf=lambda x: isinstance(x, node_types)
-            )[0]
-        ]
-        self.labels = [self._label(p) for p in paths]
-        self.node_pos = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, node_types)]
-        self.array_pos = [i for i, leaf in enumerate(self.leaves) if _is_array(leaf)]
-        owner = [p[1].idx if p[0].idx == 0 else None for p in paths]  # positional index, or None for kwargs
-        self.diff_nodes = [j for j, i in enumerate(self.node_pos) if owner[i] in self.argnums]
-        self.diff_arrays = [
-            j for j, i in enumerate(self.array_pos) if owner[i] in self.argnums and _is_float(self.leaves[i])
-        ]
-
-    def _label(self, path) -> str:
-        head, rest = path[0], path[1:]
-        if head.idx == 0:
-            if self.module_arg and rest[0].idx == 0:
-                return "module" + _path_text(rest[1:])
-            index = rest[0].idx - (1 if self.module_arg else 0)
-            return f"args[{index}]" + _path_text(rest[1:])
-        return "kwargs" + _path_text(rest)
-
-    def split(self):
-        """``(graphdef, diff_state, other_state, arrays)`` for a pure, jittable call."""
-        from flax import nnx
-
-        nodes = [self.leaves[i] for i in self.node_pos]
-        wanted = set(self.diff_nodes)
-        diff_filter = lambda path, value: path[0] in wanted and isinstance(value, nnx.Param)
-        graphdef, diff_state, other_state = nnx.split(nodes, diff_filter, ...)
-        arrays = [jnp.asarray(self.leaves[i]) for i in self.array_pos]
-        return graphdef, diff_state, other_state, arrays
-
-    def runner(self, fn: Callable, graphdef) -> Callable:
-        """A jitted ``(diff_state, other_state, arrays) -> (out, grads, new_state)`` calling ``fn``.
-
-        Runners are cached on everything they close over, so checking several policies against
-        one reference compiles the reference once.
-        """
-        try:
-            key = (
-                fn,
-                graphdef,
-                self.treedef,
-                tuple(self.node_pos),
-                tuple(self.array_pos),
-                tuple(self.diff_arrays),
-                tuple(
-                    self.leaves[i] if not (i in self.node_pos or i in self.array_pos) else None
-                    for i in range(len(self.leaves))
-                ),
-            )
-            hash(key)
-        except TypeError:
-            return self._runner(fn, graphdef)
-        if key not in _RUNNERS:
-            if len(_RUNNERS) >= _MAX_RUNNERS:
-                _RUNNERS.pop(next(iter(_RUNNERS)))
-            _RUNNERS[key] = self._runner(fn, graphdef)
-        return _RUNNERS[key]
-
-    def _runner(self, fn: Callable, graphdef) -> Callable:
-        from flax import nnx
-
-        diff_idx = set(self.diff_arrays)
-
-        def run(diff_state, other_state, arrays):
-            diff_arrays = [a for j, a in enumerate(arrays) if j in diff_idx]
-
-            def forward(diff_state, diff_arrays, other_state):
-                nodes = nnx.merge(graphdef, diff_state, other_state)
-                full = list(self.leaves)
-                for j, i in enumerate(self.node_pos):
-                    full[i] = nodes[j]
-                it = iter(diff_arrays)
-                for j, i in enumerate(self.array_pos):
-                    full[i] = next(it) if j in diff_idx else arrays[j]
-                args, kwargs = jax.tree.unflatten(self.treedef, full)
-                out = fn(*args, **kwargs)
-                return out, nnx.state(nodes)
-
-            # The other state is a primal too (its cotangent is dropped): NNX only lets a call
-            # update variables created at the trace level it runs at.
-            out, vjp, new_state = jax.vjp(forward, diff_state, diff_arrays, other_state, has_aux=True)
-            grads = vjp(_cotangent(out))[:2]
-            return out, grads, new_state
-
-        return jax.jit(run)
-
-
-def _cotangent(out):
-    """A constant cotangent for ``out``: 1 for scalars, seeded normal draws for arrays, float0 for ints."""
-    leaves, treedef = jax.tree.flatten(out)
-    cts = []
-    for i, leaf in enumerate(leaves):
-        if _is_float(leaf):
-            if leaf.ndim == 0:
-                cts.append(jnp.ones((), leaf.dtype))
-            else:
-                draw = jax.random.normal(jax.random.key(1000 + i), leaf.shape, jnp.float32)
-                cts.append(draw.astype(leaf.dtype))
-        else:
-            cts.append(np.zeros(np.shape(leaf), jax.dtypes.float0))
-    return jax.tree.unflatten(treedef, cts)
-
-
-def _as_numpy(x) -> np.ndarray:
-    if _is_key(x):
-        x = jax.random.key_data(x)
-    return np.asarray(x)
-
-
-def _compare(got, ref, rtol: float, atol: float):
-    """``(mismatched, max_abs, max_rel)`` between two leaves; NaNs at the same place are equal."""
-    a, b = _as_numpy(got), _as_numpy(ref)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.size, b.size, 1), float("inf"), float("inf")
-    if a.dtype == bool or not np.issubdtype(a.dtype, np.number):
-        bad = a != b
-        return int(np.count_nonzero(bad)), float(np.count_nonzero(bad) > 0), float(np.count_nonzero(bad) > 0)
-    a64 = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-    b64 = b.astype(a64.dtype)
-    diff = np.abs(a64 - b64)
-    both_nan = np.isnan(a64) & np.isnan(b64)
-    diff = np.where(both_nan, 0.0, diff)
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    bad = diff > atol + rtol * np.abs(b64)
-    bad &= ~both_nan
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(diff == 0, 0.0, diff / np.abs(b64))
-    max_abs = float(diff.max()) if diff.size else 0.0
-    max_rel = float(np.nan_to_num(rel, nan=np.inf).max()) if rel.size else 0.0
-    return int(np.count_nonzero(bad)), max_abs, max_rel
-
-
-def _random_primitives(jaxpr) -> set[str]:
-    """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
-    from jremat._program import nested_jaxprs
-
-    found: set[str] = set()
-    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
-    seen = set()
-    while stack:
-        jx = stack.pop()
-        if id(jx) in seen:
-            continue
-        seen.add(id(jx))
-        for eqn in jx.eqns:
-            if eqn.primitive.name in RANDOM_PRIMITIVES:
-                found.add(eqn.primitive.name)
-            stack.extend(nested_jaxprs(eqn))
-    return found
-
-
-def _cause(where, got, ref, initial, max_rel, random_used: set[str]) -> tuple[str, str]:
-    """``(cause, explanation)`` for the first mismatch."""
-    if where == "state" and initial is not None:
-        got_np, ref_np, init_np = _as_numpy(got), _as_numpy(ref), _as_numpy(initial)
-        if got_np.shape == init_np.shape and np.array_equal(got_np, init_np) and not np.array_equal(ref_np, init_np):
-            return CAUSE_STATE, (
-                "the value is still the one before the call, while the call without remat updated it: "
-                "the rematerialized call did not write the updated state (an RNG counter, batch "
-                "statistics) back to the object passed in; decorate with @jremat.policy, which lifts "
-                "NNX state, instead of wrapping a pure function of the state"
-            )
-    a, b = _as_numpy(got), _as_numpy(ref)
-    one_zero = a.shape == b.shape and np.issubdtype(a.dtype, np.number) and bool(np.any((a == 0) != (b == 0)))
-    if random_used and (one_zero or max_rel > ROUNDING_LIMIT):
-        return CAUSE_RANDOM, (
-            f"the function draws random values ({', '.join(sorted(random_used))}) and "
-            + (
-                "elements are zero in one result but not the other (a different dropout mask)"
-                if one_zero
-                else f"the error is not rounding (relative {max_rel:.3g})"
-            )
-            + ": the recomputation used another key or RNG counter than the forward pass; pass "
-            "the key as an argument of the rematerialized function (jremat.dropout, nnx.Rngs "
-            "through @jremat.policy, Linen make_rng through a decorated Linen module)"
-        )
-    if max_rel <= ROUNDING_LIMIT:
-        return CAUSE_VALUE, (
-            f"relative error {max_rel:.3g} looks like rounding: a saved value kept at lower precision "
-            "(a bf16 cast), or XLA fusing the recomputation differently from the forward pass; if "
-            "that is acceptable, pass rtol/atol"
-        )
-    return CAUSE_VALUE, (
-        "the rematerialized function computes another value: the policy or wrapper changes what "
-        "the backward pass sees (a saved value altered, a different function recomputed)"
-    )
-
-
 def assert_remat_exact(
     fn: Callable,
     policy: str | Policy,
@@ -553,17 +292,17 @@ def assert_remat_exact(
     if module_arg:
         reference = _call_module
         remat = decorate(_call_module, policy)
-        call = _Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
+        call = Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
     elif isinstance(fn, linen.Module):
         built = decorate(fn, policy)
         reference = fn.apply
         remat = built.apply if isinstance(built, linen.Module) else built
-        call = _Call(reference, args, kwargs, nums, False)
+        call = Call(reference, args, kwargs, nums, False)
     else:
         if not callable(fn):
             raise ValueError(f"assert_remat_exact needs a function, an NNX module or a Linen module, got {fn!r}")
         reference, remat = fn, decorate(fn, policy)
-        call = _Call(reference, args, kwargs, nums, False)
+        call = Call(reference, args, kwargs, nums, False)
     if not call.diff_nodes and not call.diff_arrays:
         raise ValueError(
             f"nothing to differentiate: argnums={argnums!r} selects no float array and no NNX module; "
@@ -580,17 +319,17 @@ def assert_remat_exact(
     array_labels = [call.labels[i] for j, i in enumerate(call.array_pos) if j in set(call.diff_arrays)]
 
     def state_label(path):
-        return node_labels[path[0].key] + _path_text(path[1:])
+        return node_labels[path[0].key] + path_text(path[1:])
 
     groups = [
-        ("output", ref_out, got_out, lambda p: "output" + _path_text(p), None),
+        ("output", ref_out, got_out, lambda p: "output" + path_text(p), None),
         ("state", ref_state, got_state, lambda p: "state of " + state_label(p), initial_state),
         ("gradient", ref_grads[0], got_grads[0], lambda p: "gradient of " + state_label(p), None),
         (
             "gradient",
             ref_grads[1],
             got_grads[1],
-            lambda p: "gradient of " + array_labels[p[0].idx] + _path_text(p[1:]),
+            lambda p: "gradient of " + array_labels[p[0].idx] + path_text(p[1:]),
             None,
         ),
     ]
@@ -610,15 +349,15 @@ def assert_remat_exact(
                 cause=CAUSE_VALUE,
             )
         for k, ((path, ref_leaf), got_leaf) in enumerate(zip(ref_leaves, got_leaves)):
-            bad, max_abs, max_rel = _compare(got_leaf, ref_leaf, rtol, atol)
+            bad, max_abs, max_rel = compare(got_leaf, ref_leaf, rtol, atol)
             if not bad:
                 continue
             closed = jax.make_jaxpr(lambda d, o, a: call.runner(reference, graphdef)(d, o, a))(
                 diff_state, other_state, arrays
             )
             init = initial[k] if initial is not None and k < len(initial) else None
-            cause, why = _cause(where, got_leaf, ref_leaf, init, max_rel, _random_primitives(closed))
-            size = int(np.size(_as_numpy(ref_leaf)))
+            cause, why = mismatch_cause(where, got_leaf, ref_leaf, init, max_rel, random_primitives(closed))
+            size = int(np.size(as_numpy(ref_leaf)))
             tol = "bitwise" if rtol == 0 and atol == 0 else f"rtol={rtol:g}, atol={atol:g}"
             raise RematMismatch(
                 f"remat under {label} changed {name(path)}: {bad} of {size} elements differ ({tol}), "

@@ -8,7 +8,7 @@ from flax import nnx
 
 from models import GPT
 from train import bench
-from train.bench import harness, parts, peers, report
+from train.bench import harness, parts, peers, plots, report
 from train.bench.config import BenchConfig
 
 
@@ -175,10 +175,10 @@ def test_report_csv_and_plots_from_fake_rows(tmp_path):
         assert tuple(reader.fieldnames) == parts.CSV_COLUMNS and len(list(reader)) == len(rows)
     back = report.read_csv(tmp_path / "bench.csv")
     assert report.check_targets(back) == report.check_targets(rows)
-    plots = report.write_plots(rows, str(tmp_path))
-    assert plots == ["needle_batch.png", "needle_dff.png", "needle_k_time.png", "time.png", "peers.png"]
-    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in plots)
-    text = report.results_markdown(rows, plots, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
+    written = plots.write_plots(rows, str(tmp_path))
+    assert written == ["needle_batch.png", "needle_dff.png", "needle_k_time.png", "time.png", "peers.png"]
+    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in written)
+    text = report.results_markdown(rows, written, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
     assert "```\npython -m train.bench\n```" in text and f"JAX {jax.__version__}" in text
     assert "### Why the misses" in text and "Where a peer is smaller or faster, jremat is worse" in text
     assert "## Verdict" in text and "| **no** |" in text and "## Guide" in text and "- a note" in text

@@ -346,69 +346,6 @@ def test_mesh_not_matching_the_devices_of_all_processes_exits_2(runs):
 # ----------------------------------------------------------------------------- without JAX processes
 
 
-def test_process_env_sets_the_coordinator_and_replaces_the_device_count():
-    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0", "A": "1"}
-    env = launch.process_env(base, 1, 2, 1234, cpu_devices=4)
-    assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
-    assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"], env["A"]) == ("2", "1", "cpu", "1")
-    assert env["XLA_FLAGS"].split() == [
-        "--xla_backend_optimization_level=0",
-        "--xla_force_host_platform_device_count=4",
-    ]
-    assert "JAX_PLATFORMS" not in launch.process_env({}, 0, 1, 1)
-
-
-@pytest.mark.parametrize(
-    "argv, fragment",
-    [
-        (["--processes", "2"], "give the command to run after '--'"),
-        (["--processes", "2", "--"], "the command after '--' is empty"),
-        (["--processes", "0", "--", "true"], "--processes must be a positive integer, got 0"),
-        (["--processes", "2", "--cpu-devices", "0", "--", "true"], "--cpu-devices must be a positive integer"),
-        (["--processes", "2", "--port", "70000", "--", "true"], "--port must be between 1 and 65535"),
-        (["--processes", "two", "--", "true"], "argument --processes: invalid int value: 'two'"),
-        (["--processes", "1", "--", "/no/such/program"], "cannot start '/no/such/program'"),
-    ],
-)
-def test_launcher_bad_arguments_exit_2_with_one_line(capsys, argv, fragment):
-    assert launch.main(argv) == 2
-    err = capsys.readouterr().err
-    assert fragment in err and len(err.strip().splitlines()) == 1, err
-
-
-def test_launcher_help_names_every_flag(capsys):
-    assert launch.main(["--help"]) == 0
-    out = capsys.readouterr().out
-    for flag in ("--processes", "--cpu-devices", "--port", "--timeout-s", "--grace-s", "train.ptb --preset tiny"):
-        assert flag in out
-
-
-def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd):
-    script = (
-        "import os, sys, time\n"
-        "pid = int(os.environ['JAX_PROCESS_ID'])\n"
-        "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
-        "sys.stdout.flush()\n"
-        "sys.exit(3) if pid == 1 else time.sleep(60)\n"
-    )
-    t0 = time.perf_counter()
-    code = launch.main(["--processes", "3", "--grace-s", "0.2", "--", sys.executable, "-c", script])
-    elapsed_s = time.perf_counter() - t0
-    out, err = capfd.readouterr()
-    assert code == 3 and elapsed_s < 30
-    assert "error: process 1 exited with code 3; stopped the 2 still running" in err
-    assert "[process 1] hello from 1 of 3 127.0.0.1:" in out and "[process 2] hello from 2 of 3" in out
-    assert any(line.startswith("hello from 0 of 3") for line in out.splitlines())
-
-
-def test_launcher_timeout_stops_everything():
-    launch_ = launch.Launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, grace_s=0.1)
-    launch_.start()
-    code, message = launch_.wait(timeout_s=0.5)
-    assert code == launch.EXIT_TIMEOUT and "did not finish within 0.5 s" in message
-    assert all(p.poll() is not None for p in launch_.procs)
-
-
 def test_wait_for_coordinator_times_out_naming_the_address():
     port = _closed_port()
     with pytest.raises(

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
 from train.bench.harness import bench_peak, measure, time_ratios
 from train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
-from train.bench.report import check_targets, results_markdown, write_csv, write_plots
+from train.bench.plots import write_plots
+from train.bench.report import check_targets, results_markdown, write_csv
 from train.cli import UsageError, run_main
 
 __all__ = [
