@@ -131,6 +131,7 @@ def test_timeline_compiles_past_the_persistent_cache(tmp_path):
     """A persistent-cache hit skips XLA and its dump; the timeline's compile must bypass the cache."""
     previous_dir = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.experimental.compilation_cache.compilation_cache.reset_cache()  # JAX opens the cache directory once
     try:
         grad = jax.grad(_loss(None))
         jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())  # now in the cache
