@@ -68,11 +68,20 @@ def reference(model):
     return _REFERENCES[model]
 
 
-# The WMT model is the slowest to compile; CI runs it under the policies that lower differently
-# (full, names, offload, selective) and the rest with ``-m slow``.
-_WMT_IN_CI = {"full", "names", "offload", "selective"}
+# CI runs every policy on one model per way of taking randomness (a plain function with a
+# uint32 key, Linen make_rng with a legacy PRNGKey, call-time nnx.Rngs), and the other models
+# under the policies that lower differently (full, names, offload, selective); the rest of the
+# matrix runs with ``-m slow``.
+_EVERY_POLICY_IN_CI = {"plain", "linen", "nnx_call_time_rngs"}
+_POLICIES_IN_CI = {"full", "names", "offload", "selective"}
+
+
+def _marks(model, policy):
+    return () if model in _EVERY_POLICY_IN_CI or policy in _POLICIES_IN_CI else pytest.mark.slow
+
+
 _MODEL_POLICY = [
-    pytest.param(model, policy, marks=() if model != "wmt" or policy in _WMT_IN_CI else pytest.mark.slow)
+    pytest.param(model, policy, marks=_marks(model, policy))
     for model in sorted(user_models.CASES)
     for policy in sorted(EXAMPLE_SPECS)
 ]

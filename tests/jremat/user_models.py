@@ -288,7 +288,7 @@ class WmtConfig:
     emb_dim: int = 8
     num_heads: int = 2
     mlp_dim: int = 16
-    num_layers: int = 2
+    num_layers: int = 1
     max_len: int = 6
     dropout_rate: float = 0.3
     attention_dropout_rate: float = 0.3

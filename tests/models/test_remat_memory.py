@@ -47,7 +47,9 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
     assert [a.shape for a in stacked] == [(cfg.n_layers, BATCH, cfg.max_seq_len, cfg.d_model)]
 
 
-@pytest.mark.parametrize("policy, max_fraction_of_none", [("full", 0.6), ("every_k:k=4", 0.75)])
+@pytest.mark.parametrize(
+    "policy, max_fraction_of_none", [("full", 0.6), pytest.param("every_k:k=4", 0.75, marks=pytest.mark.slow)]
+)
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
     """Unrolled stacks save memory too, thanks to the cotangent tie (jremat._tie)."""
     cfg = small(n_layers=3, scan_layers=False)

@@ -73,7 +73,12 @@ def test_table_and_plot(tmp_path, capsys):
         (["--preset", "tiny", "--batch-size", "two"], "expected an integer"),
         (["--preset", "tiny", "--bogus"], "unrecognized arguments"),
         (["--preset", "tiny", "--policy", "auto", "--memory-budget", "6 parsecs"], "unknown unit 'parsecs'"),
-        (["--preset", "tiny", "--policy", "auto", "--memory-budget", "1KiB"], "smallest achievable peak is"),
+        # the same planner error as train.ptb's (tests/train/test_ptb.py), after three compiles
+        pytest.param(
+            ["--preset", "tiny", "--policy", "auto", "--memory-budget", "1KiB"],
+            "smallest achievable peak is",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -149,7 +154,7 @@ def test_model_argv_rebuilds_the_same_model():
 # --timeline (one compile per policy: the timeline's compile also gives the row's figures)
 # --------------------------------------------------------------------------------------------
 
-TIMELINE_POLICIES = ("none", "full", "selective")
+TIMELINE_POLICIES = ("none", "full")
 
 
 @pytest.fixture(scope="module")

@@ -236,7 +236,8 @@ def test_two_processes_match_one_process_with_eight_devices_and_print_once(runs)
     assert code == 0, err[-3000:]
     code, out, err = runs["killed"]
     assert code == 128 + signal.SIGKILL, err[-3000:]
-    assert "error: process 0 was killed by signal 9" in err
+    # every process kills itself at the same step; the launcher names the first it sees end
+    assert re.search(r"error: process [01] was killed by signal 9", err), err[-3000:]
     ref = runs["reference_losses"]
     assert sorted(ref) == list(range(1, STEPS + 1))
     killed_rows = [r for r in runs["killed_rows"].splitlines() if r.strip()]
