@@ -86,6 +86,11 @@ def _stat(stats, name: str) -> int | None:
         return None
 
 
+def _unavailable(platform: str, why: str) -> MemoryReport:
+    """A report without figures, saying why (``why`` follows the platform name)."""
+    return MemoryReport(False, platform, None, None, None, None, None, None, PEAK_UNAVAILABLE, (f"{platform}: {why}",))
+
+
 def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryReport:
     """Read a compiled executable's ``memory_analysis()`` into a :class:`MemoryReport`.
 
@@ -106,18 +111,7 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
     else:
         error = "memory_analysis() returned None"
     if stats is None:
-        return MemoryReport(
-            False,
-            platform,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            PEAK_UNAVAILABLE,
-            (f"{platform}: {error}; no compiled memory figures (see jax issue #18954)",),
-        )
+        return _unavailable(platform, f"{error}; no compiled memory figures (see jax issue #18954)")
     fields = {
         "argument_bytes": _stat(stats, "argument_size_in_bytes"),
         "output_bytes": _stat(stats, "output_size_in_bytes"),
@@ -127,21 +121,10 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
     }
     core = [fields[k] for k in ("argument_bytes", "output_bytes", "temp_bytes")]
     if any(v is None for v in core) or not any(core):
-        return MemoryReport(
-            False,
+        return _unavailable(
             platform,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            PEAK_UNAVAILABLE,
-            (
-                f"{platform}: memory_analysis() reported zero or missing argument, output "
-                "and temp sizes, which means the backend does not fill them (jax issue "
-                "#18954), not that the program needs no memory",
-            ),
+            "memory_analysis() reported zero or missing argument, output and temp sizes, which means "
+            "the backend does not fill them (jax issue #18954), not that the program needs no memory",
         )
     fields["alias_bytes"] = fields["alias_bytes"] or 0
     fields["generated_code_bytes"] = fields["generated_code_bytes"] or 0

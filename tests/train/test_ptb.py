@@ -23,24 +23,15 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 STEPS = 20
 
 
+def run_args(data_dir):
+    """A short tiny-preset run with dropout on (tiny's train defaults: batch 4 x 16)."""
+    flags = f"--preset tiny --steps {STEPS} --eval-every 10 --eval-batches 2 --dropout 0.3 --no-memory-report"
+    return flags.split() + ["--data-dir", data_dir]
+
+
 @pytest.fixture
 def base_args(ptb_offline_dir):
-    """A short tiny-preset run with dropout on (tiny's train defaults: batch 4 x 16)."""
-    return [
-        "--preset",
-        "tiny",
-        "--steps",
-        str(STEPS),
-        "--eval-every",
-        "10",
-        "--eval-batches",
-        "2",
-        "--dropout",
-        "0.3",
-        "--no-memory-report",
-        "--data-dir",
-        ptb_offline_dir,
-    ]
+    return run_args(ptb_offline_dir)
 
 
 def losses_of(path):
@@ -68,27 +59,7 @@ def wrap_train_step(monkeypatch, on_call):
 def reference_run(tmp_path_factory, ptb_offline_dir):
     """An uninterrupted every_k:k=4 run of STEPS steps; its metrics rows."""
     out = tmp_path_factory.mktemp("reference")
-    args = [
-        "--preset",
-        "tiny",
-        "--steps",
-        str(STEPS),
-        "--eval-every",
-        "10",
-        "--eval-batches",
-        "2",
-        "--dropout",
-        "0.3",
-        "--no-memory-report",
-        "--data-dir",
-        ptb_offline_dir,
-        "--policy",
-        "every_k",
-        "--k",
-        "4",
-        "--metrics-file",
-        str(out / "m.jsonl"),
-    ]
+    args = run_args(ptb_offline_dir) + ["--policy", "every_k", "--k", "4", "--metrics-file", str(out / "m.jsonl")]
     assert ptb.main(args) == 0
     return read_rows(out / "m.jsonl")
 
