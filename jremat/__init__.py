@@ -10,7 +10,7 @@ from jremat import names as names
 from jremat import ops as ops
 from jremat import registry as registry
 
-# Planning: memory budgets, the function and layer planners, host offload's cost.
+# Memory budgets: sizes and fractions such as "6GiB" or 0.5.
 from jremat._budget import Budget as Budget
 from jremat._budget import parse_budget as parse_budget
 
@@ -22,23 +22,33 @@ from jremat._compile import jit as jit
 from jremat._decorator import checkpoint as checkpoint
 from jremat._decorator import custom_policy as custom_policy
 from jremat._decorator import policy as policy
+
+# What a policy did to a function: each decision, the names it matched, whether memory fell.
 from jremat._explain import Explanation as Explanation
 from jremat._explain import explain as explain
 from jremat._explain import explain_applied as explain_applied
+
+# FLOPs of traced programs (scan bodies times their length).
 from jremat._flops import jaxpr_flops as jaxpr_flops
 from jremat._flops import program_flops as program_flops
+
+# Host offload: whether the backend has host memory, and its cost in FLOPs per byte.
 from jremat._host_offload import host_offload_available as host_offload_available
 from jremat._host_offload import offload_flops_per_byte as offload_flops_per_byte
+
+# The allocator's live peak of a real run.
 from jremat._live import LiveMemory as LiveMemory
 from jremat._live import allocator_stats_missing as allocator_stats_missing
 from jremat._live import live_memory as live_memory
 
-# Memory: compiled reports, the remat diagnosis, the allocator's live peak, the timeline.
+# Memory: compiled reports and the remat diagnosis.
 from jremat._memory import MemoryReport as MemoryReport
 from jremat._memory import compiled_memory_report as compiled_memory_report
 from jremat._memory import diagnose_remat as diagnose_remat
 from jremat._memory import format_bytes as format_bytes
 from jremat._memory import memory_report as memory_report
+
+# The budget planner: per-layer and per-name choices under a memory budget.
 from jremat._planner import Candidate as Candidate
 from jremat._planner import LayerPlan as LayerPlan
 from jremat._planner import NameCost as NameCost
@@ -66,7 +76,7 @@ from jremat._remat import remat_at as remat_at
 from jremat._remat import rematerialized_chunks as rematerialized_chunks
 from jremat._remat import run_layers as run_layers
 
-# What a policy keeps: saved residuals, per-decision explanations, cost-model FLOPs.
+# What a policy keeps: saved residuals.
 from jremat._residuals import ResidualsReport as ResidualsReport
 from jremat._residuals import saved_residuals_report as saved_residuals_report
 
@@ -74,6 +84,8 @@ from jremat._residuals import saved_residuals_report as saved_residuals_report
 from jremat._rng import dropout as dropout
 from jremat._rng import layer_keys as layer_keys
 from jremat._rng import site_key as site_key
+
+# The memory timeline: live bytes over the compiled schedule.
 from jremat._timeline import MemoryTimeline as MemoryTimeline
 from jremat._timeline import TimelineBuffer as TimelineBuffer
 from jremat._timeline import build_timeline as build_timeline

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Causes a mismatch is attributed to (see :class:`RematMismatch`).
+#: Causes a mismatch is attributed to (see :class:`jremat.testing.RematMismatch`).
 CAUSE_RANDOM = "a random value drawn differently on recompute"
 CAUSE_STATE = "state not written back"
 CAUSE_VALUE = "a value that differs"

@@ -9,7 +9,7 @@ import dataclasses
 
 from jremat import _memory
 
-#: Buffer kinds (see the module docstring).
+#: Buffer kinds (see :mod:`jremat._timeline`).
 ARGUMENT = "argument"
 FORWARD = "forward"
 FORWARD_RESIDUAL = "forward residual"
@@ -74,7 +74,7 @@ class LoopSpan:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTimeline:
-    """Live bytes over a compiled program's schedule (see the module docstring for the model).
+    """Live bytes over a compiled program's schedule (see :mod:`jremat._timeline` for the model).
 
     Attributes:
       live_bytes: live bytes at each schedule position ``0 .. len - 1``.

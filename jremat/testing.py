@@ -23,19 +23,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jremat import registry
+from jremat import _exactness, registry
 from jremat._decorator import policy as _decorate_with
-from jremat._exactness import (
-    CAUSE_RANDOM,
-    CAUSE_STATE,
-    CAUSE_VALUE,
-    Call,
-    as_numpy,
-    compare,
-    mismatch_cause,
-    path_text,
-    random_primitives,
-)
+from jremat._exactness import CAUSE_RANDOM, CAUSE_STATE, CAUSE_VALUE
 from jremat._policy import Policy
 
 # ---------------------------------------------------------------------------------------------
@@ -292,17 +282,17 @@ def assert_remat_exact(
     if module_arg:
         reference = _call_module
         remat = decorate(_call_module, policy)
-        call = Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
+        call = _exactness.Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
     elif isinstance(fn, linen.Module):
         built = decorate(fn, policy)
         reference = fn.apply
         remat = built.apply if isinstance(built, linen.Module) else built
-        call = Call(reference, args, kwargs, nums, False)
+        call = _exactness.Call(reference, args, kwargs, nums, False)
     else:
         if not callable(fn):
             raise ValueError(f"assert_remat_exact needs a function, an NNX module or a Linen module, got {fn!r}")
         reference, remat = fn, decorate(fn, policy)
-        call = Call(reference, args, kwargs, nums, False)
+        call = _exactness.Call(reference, args, kwargs, nums, False)
     if not call.diff_nodes and not call.diff_arrays:
         raise ValueError(
             f"nothing to differentiate: argnums={argnums!r} selects no float array and no NNX module; "
@@ -319,17 +309,17 @@ def assert_remat_exact(
     array_labels = [call.labels[i] for j, i in enumerate(call.array_pos) if j in set(call.diff_arrays)]
 
     def state_label(path):
-        return node_labels[path[0].key] + path_text(path[1:])
+        return node_labels[path[0].key] + _exactness.path_text(path[1:])
 
     groups = [
-        ("output", ref_out, got_out, lambda p: "output" + path_text(p), None),
+        ("output", ref_out, got_out, lambda p: "output" + _exactness.path_text(p), None),
         ("state", ref_state, got_state, lambda p: "state of " + state_label(p), initial_state),
         ("gradient", ref_grads[0], got_grads[0], lambda p: "gradient of " + state_label(p), None),
         (
             "gradient",
             ref_grads[1],
             got_grads[1],
-            lambda p: "gradient of " + array_labels[p[0].idx] + path_text(p[1:]),
+            lambda p: "gradient of " + array_labels[p[0].idx] + _exactness.path_text(p[1:]),
             None,
         ),
     ]
@@ -349,15 +339,17 @@ def assert_remat_exact(
                 cause=CAUSE_VALUE,
             )
         for k, ((path, ref_leaf), got_leaf) in enumerate(zip(ref_leaves, got_leaves)):
-            bad, max_abs, max_rel = compare(got_leaf, ref_leaf, rtol, atol)
+            bad, max_abs, max_rel = _exactness.compare(got_leaf, ref_leaf, rtol, atol)
             if not bad:
                 continue
             closed = jax.make_jaxpr(lambda d, o, a: call.runner(reference, graphdef)(d, o, a))(
                 diff_state, other_state, arrays
             )
             init = initial[k] if initial is not None and k < len(initial) else None
-            cause, why = mismatch_cause(where, got_leaf, ref_leaf, init, max_rel, random_primitives(closed))
-            size = int(np.size(as_numpy(ref_leaf)))
+            cause, why = _exactness.mismatch_cause(
+                where, got_leaf, ref_leaf, init, max_rel, _exactness.random_primitives(closed)
+            )
+            size = int(np.size(_exactness.as_numpy(ref_leaf)))
             tol = "bitwise" if rtol == 0 and atol == 0 else f"rtol={rtol:g}, atol={atol:g}"
             raise RematMismatch(
                 f"remat under {label} changed {name(path)}: {bad} of {size} elements differ ({tol}), "

@@ -77,12 +77,11 @@ def process_env(
 
 
 def _forward(stream: IO[str], sink: IO[str], prefix: str) -> None:
-    try:
+    """Copy ``stream`` to ``sink`` line by line, each line prefixed, and close ``stream`` at its end."""
+    with stream:
         for line in stream:
             sink.write(prefix + line)
             sink.flush()
-    except (ValueError, OSError):  # the launcher closed the pipe while a grandchild still held it
-        pass
 
 
 def _exit_code(returncode: int) -> int:
@@ -207,12 +206,11 @@ class Launch:
             self._close_pipes()
 
     def _close_pipes(self) -> None:
+        # Each forwarding thread closes its pipe at end of file. A pipe still open after the wait
+        # is held by a process the command started that outlived it; its daemon thread keeps
+        # forwarding (closing the pipe here would block until that process exits).
         for thread in self._threads:
             thread.join(timeout=5)
-        for proc in self.procs:
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
 
 
 def build_parser() -> OneLineErrorParser:

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.compilation_cache import compilation_cache
 
 import jremat
 from jremat import _timeline as jtl
@@ -131,7 +132,7 @@ def test_timeline_compiles_past_the_persistent_cache(tmp_path):
     """A persistent-cache hit skips XLA and its dump; the timeline's compile must bypass the cache."""
     previous_dir = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-    jax.experimental.compilation_cache.compilation_cache.reset_cache()  # JAX opens the cache directory once
+    compilation_cache.reset_cache()  # JAX opens the cache directory once
     try:
         grad = jax.grad(_loss(None))
         jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())  # now in the cache
@@ -142,4 +143,4 @@ def test_timeline_compiles_past_the_persistent_cache(tmp_path):
         assert jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_compilation_cache_dir", previous_dir)
-        jax.experimental.compilation_cache.compilation_cache.reset_cache()
+        compilation_cache.reset_cache()

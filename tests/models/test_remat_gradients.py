@@ -1,8 +1,9 @@
 """Flagship controls: a remat that draws a fresh dropout key on recompute is caught.
 
 The gradient-equality matrix itself (every registered policy, ``full`` and ``none`` included, x
-block/sublayer x scan/unrolled, dropout 0.5) is parametrized from the registry in
-``tests/policies/test_policy_gradients.py``; the tests here prove that comparison has teeth.
+block/sublayer x scan/unrolled, dropout 0.5; part of it under ``-m slow``) is parametrized from
+the registry in ``tests/policies/test_policy_gradients.py``; the tests here prove that comparison
+has teeth.
 """
 
 import jax

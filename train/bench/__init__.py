@@ -23,7 +23,7 @@ the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCT
 
 Modules: :mod:`~train.bench.config` (what runs, the command line), :mod:`~train.bench.harness`
 (compiling, memory, FLOPs, paired timing), :mod:`~train.bench.peers`, :mod:`~train.bench.parts`,
-:mod:`~train.bench.report` (CSV, plots, verdict, markdown).
+:mod:`~train.bench.report` (CSV, verdict, markdown), :mod:`~train.bench.plots`.
 """
 
 from __future__ import annotations

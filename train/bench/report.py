@@ -1,4 +1,4 @@
-"""The bench's outputs: the CSV, the PNG plots, the verdict (:func:`check_targets`) and the markdown report."""
+"""The bench's outputs: the CSV, the verdict (:func:`check_targets`) and the markdown report (plots: :mod:`train.bench.plots`)."""
 
 from __future__ import annotations
 
@@ -62,9 +62,6 @@ def _x(x) -> str:
 def _table(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return out + ["| " + " | ".join(str(c) for c in line) + " |" for line in lines] + [""]
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
