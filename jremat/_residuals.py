@@ -198,6 +198,12 @@ def _dtype_name(aval) -> str:
     return str(dtype) if dtype is not None else "token"
 
 
+def _literal(aval) -> SavedResidual:
+    """A saved literal (a constant the backward pass reads)."""
+    shape = tuple(getattr(aval, "shape", ()))
+    return SavedResidual(shape, _dtype_name(aval), _program.aval_bytes(aval), CONSTANT, None, "literal", "a literal")
+
+
 def _primitive_name(eqn) -> str:
     """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
     return "name" if _engine.tag_name(eqn) is not None else eqn.primitive.name
@@ -386,32 +392,12 @@ def saved_residuals_report(
     for v in res_vars:
         if isinstance(v, jcore.Literal):
             aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
-            residuals.append(
-                SavedResidual(
-                    tuple(getattr(aval, "shape", ())),
-                    _dtype_name(aval),
-                    _program.aval_bytes(aval),
-                    CONSTANT,
-                    None,
-                    "literal",
-                    "a literal",
-                )
-            )
+            residuals.append(_literal(aval))
             continue
         base, chain_names = canonical(v)
         if isinstance(base, jcore.Literal):
             aval = base.aval
-            residuals.append(
-                SavedResidual(
-                    tuple(aval.shape),
-                    _dtype_name(aval),
-                    _program.aval_bytes(aval),
-                    CONSTANT,
-                    None,
-                    "literal",
-                    "a literal",
-                )
-            )
+            residuals.append(_literal(aval))
             continue
         if base in seen_vars:
             continue

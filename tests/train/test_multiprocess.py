@@ -112,6 +112,7 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
     ]
     started = time.perf_counter()
     mismatch = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}")
+    checkpointed = ["--ckpt-dir", str(ckpt), "--ckpt-every", str(CKPT_EVERY), "--metrics-file", str(tmp / "mp.jsonl")]
     rows_dir = tmp / "rows"
     rows_dir.mkdir()
     procs = {
@@ -132,15 +133,7 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
                 "tests.train.multiprocess_child",
                 str(KILL_AT_CALL),
                 "--",
-                *_train_flags(
-                    ptb_offline_dir,
-                    "--ckpt-dir",
-                    str(ckpt),
-                    "--ckpt-every",
-                    str(CKPT_EVERY),
-                    "--metrics-file",
-                    str(tmp / "mp.jsonl"),
-                ),
+                *_train_flags(ptb_offline_dir, *checkpointed),
             ],
             dict(env, JREMAT_TEST_ROWS_DIR=str(rows_dir)),
         ),
@@ -192,16 +185,7 @@ def runs(request, tmp_path_factory, ptb_offline_dir):
                 sys.executable,
                 "-m",
                 "train.ptb",
-                *_train_flags(
-                    ptb_offline_dir,
-                    "--ckpt-dir",
-                    str(ckpt),
-                    "--ckpt-every",
-                    str(CKPT_EVERY),
-                    "--metrics-file",
-                    str(tmp / "mp.jsonl"),
-                    "--resume",
-                ),
+                *_train_flags(ptb_offline_dir, *checkpointed, "--resume"),
             ],
             env,
         )
