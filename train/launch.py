@@ -138,7 +138,7 @@ class Launch:
                 )
             except OSError as err:
                 self.stop()
-                self._close_pipes()
+                self._join_forwarders()
                 raise UsageError(f"cannot start {self.command[0]!r}: {err.strerror or err}") from None
             self.procs.append(proc)
             if piped:
@@ -203,9 +203,9 @@ class Launch:
                     return EXIT_TIMEOUT, f"the processes did not finish within {timeout_s:g} s; stopped them"
                 time.sleep(0.05)
         finally:
-            self._close_pipes()
+            self._join_forwarders()
 
-    def _close_pipes(self) -> None:
+    def _join_forwarders(self) -> None:
         # Each forwarding thread closes its pipe at end of file. A pipe still open after the wait
         # is held by a process the command started that outlived it; its daemon thread keeps
         # forwarding (closing the pipe here would block until that process exits).
