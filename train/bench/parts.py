@@ -13,7 +13,17 @@ from models import preset as model_preset
 from models.policy_memory import policy_memory
 from train.bench import harness, peers
 from train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
-from train.bench.harness import GIB, MIB, bench_peak, gpt_program, log, measure, measured_ratios, memory_fields
+from train.bench.harness import (
+    GIB,
+    MIB,
+    Measured,
+    bench_peak,
+    gpt_program,
+    log,
+    measure,
+    measured_ratios,
+    memory_fields,
+)
 
 CSV_COLUMNS = (
     "part",
@@ -138,6 +148,23 @@ def part_needle(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     return rows
 
 
+def _timed_fields(m: Measured, base: Measured, timing: tuple[float, float, float], time_steps: int) -> dict:
+    """The CSV columns of one timed program: FLOPs and their bound, compile time, time ratio, memory."""
+    ratio, low, high = timing
+    return dict(
+        flops=m.flops,
+        xla_flops=m.xla_flops,
+        flops_bound=m.flops / base.flops if base.flops else "",
+        compile_s=m.compile_s,
+        time_ratio_vs_none=ratio,
+        time_ratio_low=low,
+        time_ratio_high=high,
+        time_steps=time_steps,
+        peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
+        **memory_fields(m.memory),
+    )
+
+
 def _timed_rows(
     part: str, model: str, configs: dict[str, ModelConfig], batch: int, config: BenchConfig, **extra
 ) -> list[dict]:
@@ -150,7 +177,6 @@ def _timed_rows(
     rows = []
     for label, cfg in configs.items():
         m = measured[label]
-        ratio, low, high = ratios[label]
         rows.append(
             row(
                 part,
@@ -160,16 +186,7 @@ def _timed_rows(
                 cfg.max_seq_len,
                 model=model,
                 scope="whole step" if cfg.remat_head_chunks else "blocks",
-                flops=m.flops,
-                xla_flops=m.xla_flops,
-                flops_bound=m.flops / base_m.flops if base_m.flops else "",
-                compile_s=m.compile_s,
-                time_ratio_vs_none=ratio,
-                time_ratio_low=low,
-                time_ratio_high=high,
-                time_steps=config.time_steps,
-                peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base_m.memory),
-                **memory_fields(m.memory),
+                **_timed_fields(m, base_m, ratios[label], config.time_steps),
                 **extra.get(label, {}),
             )
         )
@@ -343,7 +360,6 @@ def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     rows = []
     for program in programs:
         m = measured[program.label]
-        ratio, low, high = ratios[program.label]
         rows.append(
             row(
                 "peers",
@@ -354,16 +370,7 @@ def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                 model="block-dominated",
                 scope="blocks",
                 compared_with=compared.get(program.label, ""),
-                flops=m.flops,
-                xla_flops=m.xla_flops,
-                flops_bound=m.flops / base.flops if base.flops else "",
-                compile_s=m.compile_s,
-                time_ratio_vs_none=ratio,
-                time_ratio_low=low,
-                time_ratio_high=high,
-                time_steps=config.time_steps,
-                peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
-                **memory_fields(m.memory),
+                **_timed_fields(m, base, ratios[program.label], config.time_steps),
             )
         )
     return rows
