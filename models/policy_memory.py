@@ -272,7 +272,7 @@ def compare_policies(
     timeline: bool = False,
     explain: bool = False,
     whole_step: bool = False,
-) -> list[PolicyMemory]:
+) -> tuple[list[PolicyMemory], PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
     ``none`` is measured too (first; returned as a row only if asked for) so that every row can
