@@ -24,22 +24,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jremat import registry
+from train.usage import OneLineErrorParser, UsageError
 
 EXIT_USAGE = 2
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
 POLICY_KEYS_FIELD = "policy_keys"
-
-
-class UsageError(ValueError):
-    """Bad user input: the CLI prints the message on one line and exits with code 2."""
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """An argument parser whose errors raise :class:`UsageError` (one line, exit 2, no usage dump)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def option(

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from train.cli import OneLineErrorParser, UsageError
+from train.usage import OneLineErrorParser, UsageError
 
 EXIT_USAGE, EXIT_TIMEOUT = 2, 124
 

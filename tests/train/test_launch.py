@@ -1,11 +1,22 @@
 """train.launch: per-process environment, argument errors, prefixed output, stopping every process."""
 
+import os
+import subprocess
 import sys
 import time
 
 import pytest
 
 from train import launch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def test_the_launcher_imports_no_jax():
+    check = "import sys, train.launch; print(sorted(m for m in ('jax', 'jremat', 'flax') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_process_env_sets_the_coordinator_and_replaces_the_device_count():
