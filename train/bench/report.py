@@ -189,8 +189,8 @@ MISS_NOTES = {
     ),
     "Needle fig. 3": (
         "The Needle block is one layer of d_model 20 next to a vocabulary-10000 head, so the recompute is a small "
-        "part of the step (FLOPs bound column) and the spread of the paired rounds on a shared CPU is larger than "
-        "the differences between k."
+        "part of the step: the FLOPs bound column differs by a few percent between the smallest and largest k, and "
+        "the measured step time does not follow k."
     ),
     "Megatron": (
         "The block's saved activations differ from Megatron-LM's accounting for this policy; the Megatron table "
