@@ -26,6 +26,8 @@ jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__fi
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+#: The repository root: the working directory of the tests that start a Python subprocess.
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 

@@ -1,6 +1,5 @@
 """Orbax checkpoints: round trip, and a crash in the middle of a save keeps the last good one."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.conftest import REPO
 from train.checkpoint import CheckpointError, Checkpoints, check_writable
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_save_restore_round_trip(tmp_path):

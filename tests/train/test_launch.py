@@ -1,15 +1,13 @@
 """train.launch: per-process environment, argument errors, prefixed output, stopping every process."""
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.conftest import REPO
 from train import launch
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def test_the_launcher_imports_no_jax():

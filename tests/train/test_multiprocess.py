@@ -20,12 +20,12 @@ import time
 
 import pytest
 
+from tests.conftest import REPO
 from train import distributed as dist
 from train import launch, ptb
 from train import sharding as sh
 from train.metrics import read_rows
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 STEPS, CKPT_EVERY, KILL_AT_CALL = 4, 2, 4  # killed before step 4: steps 1-3 done, checkpoint of step 2 complete
 RUN_TIMEOUT_S = 240  # each launch is bounded; the processes are killed past it
 FAILURE_TIMEOUT_S = 90  # the start-up failures end in seconds

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from models import preset
+from tests.conftest import REPO
 from train import data as data_lib
 from train import ptb
 from train.checkpoint import Checkpoints, pack_state
@@ -19,7 +20,6 @@ from train.config import TrainConfig
 from train.metrics import read_rows
 from train.step import OptimizerConfig, init_params
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 STEPS = 20
 
 

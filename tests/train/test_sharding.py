@@ -18,10 +18,9 @@ from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from models import GPT, cross_entropy_loss, preset
+from tests.conftest import REPO
 from train import distributed as dist
 from train import sharding as sh
-
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def abstract_mesh(**sizes):
