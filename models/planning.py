@@ -9,7 +9,6 @@ passes its own measurement (the benchmark measures its Adam step).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import jremat
 from jremat import Budget, Candidate, LayerPlan
 from models.config import ModelConfig
-from models.programs import block_program, step_flops, step_program
+from models.programs import block_program, step_flops, step_memory_report
 
 
 def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
@@ -33,15 +32,13 @@ def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
     )
 
 
-@functools.lru_cache(maxsize=256)
 def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
-    """Compiled peak of the gradient step of ``cfg`` (:func:`jremat.memory_report`; cached per config).
+    """Compiled peak of the gradient step of ``cfg`` (:func:`models.programs.step_memory_report`).
 
     Raises:
       ValueError: if the backend reports no memory figures.
     """
-    grad_fn, args = step_program(cfg, batch_size, seq_len)
-    report = jremat.memory_report(grad_fn, *args)
+    report = step_memory_report(cfg, batch_size, seq_len)
     if not report.available or report.peak_bytes is None:
         raise ValueError(
             f"this backend reports no compiled memory figures ({'; '.join(report.notes)}); auto cannot verify a plan"

@@ -29,7 +29,15 @@ from jremat import (
 from models.config import ModelConfig, whole_step_head_chunks
 from models.gpt import GPT
 from models.planning import plan_for_budget
-from models.programs import analytic_peak_bytes, block_program, loss_program, step_flops, step_program, step_residuals
+from models.programs import (
+    analytic_peak_bytes,
+    block_program,
+    loss_program,
+    step_flops,
+    step_memory_report,
+    step_program,
+    step_residuals,
+)
 
 
 def ratio(a, b):
@@ -154,7 +162,7 @@ def policy_memory(
         report = step_timeline.report
         notes.extend(report.notes)
     elif compile:
-        report = jremat.memory_report(grad_fn, *args)
+        report = step_memory_report(model_cfg, batch_size, seq_len)
         notes.extend(report.notes)
     else:
         report = None

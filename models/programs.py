@@ -7,11 +7,12 @@ Nothing here allocates: parameters and tokens are :class:`jax.ShapeDtypeStruct` 
 * :func:`train_step_fn`, :func:`eval_step_fn` (unjitted; ``train.step`` jits them) and
   :func:`adam_train_step` (the Adam train step with its abstract arguments);
 * :func:`step_residuals`, :func:`step_flops` and :func:`analytic_peak_bytes`: traced figures of
-  the gradient step.
+  the gradient step; :func:`step_memory_report`: its compiled figures.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -91,6 +92,24 @@ def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None =
     fn = make_block_fn(graphdef, remat, remat.resolved_policy())
     x = jax.ShapeDtypeStruct((batch_size, seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
     return fn, (params, x, key_shape())
+
+
+def step_memory_report(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jremat.MemoryReport:
+    """XLA's memory figures of the compiled gradient step (:func:`jremat.memory_report`); nothing runs.
+
+    Cached per ``(model_cfg, batch_size, seq_len)``: the planner behind ``--policy auto`` compiles
+    its chosen plan while planning, and the report's ``auto`` row is that same step.
+
+    Raises:
+      ValueError: on a non-positive batch size or a too-long sequence.
+    """
+    return _step_memory_report(model_cfg, batch_size, model_cfg.max_seq_len if seq_len is None else seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_memory_report(model_cfg: ModelConfig, batch_size: int, seq_len: int) -> jremat.MemoryReport:
+    grad_fn, args = step_program(model_cfg, batch_size, seq_len)
+    return jremat.memory_report(grad_fn, *args)
 
 
 def step_residuals(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> ResidualsReport:
@@ -225,6 +244,7 @@ __all__ = [
     "key_shape",
     "loss_program",
     "step_flops",
+    "step_memory_report",
     "step_program",
     "step_residuals",
     "train_step_fn",

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import jremat
+from models import programs
 from train import memory as tm
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
@@ -38,7 +39,8 @@ def test_json_rows_have_the_schema_and_consistent_figures(capsys):
     assert none["peak_ratio_vs_none"] == 1.0
 
 
-def test_auto_row_fits_its_budget(capsys):
+def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys):
+    hits_before = programs._step_memory_report.cache_info().hits
     code = tm.main(
         TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"]
     )
@@ -46,6 +48,7 @@ def test_auto_row_fits_its_budget(capsys):
     none, auto = json.loads(capsys.readouterr().out)
     budget = int(auto["policy"].split("auto:budget=")[1].split(" ")[0])
     assert auto["peak_bytes"] <= budget < none["peak_bytes"]
+    assert programs._step_memory_report.cache_info().hits > hits_before  # the auto row: the plan's own compile
 
 
 def test_table_and_plot(tmp_path, capsys):
