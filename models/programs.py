@@ -97,17 +97,19 @@ def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None =
 def step_memory_report(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> jremat.MemoryReport:
     """XLA's memory figures of the compiled gradient step (:func:`jremat.memory_report`); nothing runs.
 
-    Cached per ``(model_cfg, batch_size, seq_len)``: the planner behind ``--policy auto`` compiles
-    its chosen plan while planning, and the report's ``auto`` row is that same step.
+    Cached per ``(model_cfg, batch_size, seq_len)`` and remat engine (``jax_remat3``): the planner
+    behind ``--policy auto`` compiles its chosen plan while planning, and the report's ``auto``
+    row is that same step.
 
     Raises:
       ValueError: on a non-positive batch size or a too-long sequence.
     """
-    return _step_memory_report(model_cfg, batch_size, model_cfg.max_seq_len if seq_len is None else seq_len)
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    return _step_memory_report(model_cfg, batch_size, seq_len, getattr(jax.config, "jax_remat3", None))
 
 
 @functools.lru_cache(maxsize=256)
-def _step_memory_report(model_cfg: ModelConfig, batch_size: int, seq_len: int) -> jremat.MemoryReport:
+def _step_memory_report(model_cfg: ModelConfig, batch_size: int, seq_len: int, _remat3) -> jremat.MemoryReport:
     grad_fn, args = step_program(model_cfg, batch_size, seq_len)
     return jremat.memory_report(grad_fn, *args)
 

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 import jremat
-from models import preset
+from models import preset, programs
 from models.programs import (
     TRAIN_STEP_DONATE,
     adam_step_memory,
@@ -13,6 +13,7 @@ from models.programs import (
     block_program,
     loss_program,
     step_flops,
+    step_memory_report,
     step_program,
     step_residuals,
 )
@@ -59,3 +60,21 @@ def test_adam_step_memory_counts_donated_state(tiny):
     plain = jremat.memory_report(step, *args)
     assert report.available and report.alias_bytes > 0 and plain.alias_bytes == 0
     assert TRAIN_STEP_DONATE == (0, 1)
+
+
+def test_step_memory_report_compiles_once_per_config_and_engine(tiny, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(jremat, "memory_report", lambda fn, *args: compiled.append(args) or len(compiled))
+    batch = 3
+    before = jax.config.jax_remat3
+    programs._step_memory_report.cache_clear()
+    try:
+        assert step_memory_report(tiny, batch) == step_memory_report(tiny, batch, tiny.max_seq_len) == 1
+        assert step_memory_report(tiny.replace(remat_policy="none"), batch) == 2
+        jax.config.update("jax_remat3", not before)
+        assert step_memory_report(tiny, batch) == 3  # the other engine compiles another program
+        jax.config.update("jax_remat3", before)
+        assert step_memory_report(tiny, batch) == 1 and len(compiled) == 3
+    finally:
+        jax.config.update("jax_remat3", before)
+        programs._step_memory_report.cache_clear()  # drop the fake reports
