@@ -30,9 +30,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from train.usage import OneLineErrorParser, UsageError
+from train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
 
-EXIT_USAGE, EXIT_TIMEOUT = 2, 124
+EXIT_TIMEOUT = 124
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 _TERM_WAIT_S = 5.0

@@ -38,11 +38,11 @@ from train import distributed as distributed_lib
 from train import sharding as sharding_lib
 from train import step as step_lib
 from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
-from train.cli import UsageError
 from train.config import TRAJECTORY_FIELDS, TrainConfig
 from train.metrics import MetricsFile
+from train.usage import EXIT_USAGE, UsageError
 
-EXIT_OK, EXIT_NONFINITE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 1, 130
 
 #: Multi-process runs: how long the processes wait for each other to finish compiling.
 COMPILE_BARRIER_TIMEOUT_S = 3600

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 
+#: The exit code of every CLI for a user mistake (bad flag, bad value, missing file).
+EXIT_USAGE = 2
+
 
 class UsageError(ValueError):
-    """Bad user input: the CLI prints the message on one line and exits with code 2."""
+    """Bad user input: the CLI prints the message on one line and exits with :data:`EXIT_USAGE`."""
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An argument parser whose errors raise :class:`UsageError` (one line, exit 2, no usage dump)."""
+    """An argument parser whose errors raise :class:`UsageError` (one line, :data:`EXIT_USAGE`, no usage dump)."""
 
     def error(self, message):
         raise UsageError(f"{message} (see {self.prog} --help)")
