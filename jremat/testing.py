@@ -17,6 +17,7 @@ once jremat is installed) adds a ``remat_exact`` fixture that runs a test once p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -197,6 +198,16 @@ class RematMismatch(AssertionError):
         self.cause = cause
 
 
+@functools.lru_cache(maxsize=8)
+def _shared_apply(module):
+    """``module.apply``, one bound method for equal Linen modules.
+
+    A parametrized test builds its model anew for each policy; equal modules then share one
+    reference runner, so the reference compiles once.
+    """
+    return module.apply
+
+
 def assert_remat_exact(
     fn: Callable,
     policy: str | Policy,
@@ -285,7 +296,10 @@ def assert_remat_exact(
         call = _exactness.Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
     elif isinstance(fn, linen.Module):
         built = decorate(fn, policy)
-        reference = fn.apply
+        try:
+            reference = _shared_apply(fn)
+        except TypeError:  # a field that cannot be hashed
+            reference = fn.apply
         remat = built.apply if isinstance(built, linen.Module) else built
         call = _exactness.Call(reference, args, kwargs, nums, False)
     else:

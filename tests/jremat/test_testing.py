@@ -253,3 +253,15 @@ def test_every_policy_exact_on_unrolled_linen(policy):
 def test_every_policy_exact_on_nnx_call_time_rngs(policy):
     model = CallTimeRngNet(nnx.Rngs(0))
     assert_remat_exact(model, policy, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4), rngs=nnx.Rngs(dropout=1))
+
+
+def test_equal_linen_modules_share_one_reference_compile():
+    """A parametrized test builds its Linen model anew per policy; the reference compiles once."""
+    from jremat import _exactness
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    variables = UnrolledLinen(n_layers=3).init(jax.random.key(0), x, True)
+    _exactness._RUNNERS.clear()
+    for policy in ("full", "selective"):
+        assert_remat_exact(UnrolledLinen(n_layers=3), policy, variables, x, rngs={"dropout": jax.random.key(5)})
+    assert len(_exactness._RUNNERS) == 1
