@@ -74,7 +74,9 @@ def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, monkey
     assert hits == 1  # the auto row: the planner's compile of its plan
 
 
-def test_table_and_plot(tmp_path, capsys):
+def test_table_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(jremat, "memory_report", traced_memory_report)  # the layout, not XLA's figures
+    monkeypatch.setattr(programs, "_step_memory_report", programs._step_memory_report.__wrapped__)
     plot = tmp_path / "mem.png"
     assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out

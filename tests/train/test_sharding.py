@@ -192,14 +192,14 @@ def test_distributed_config_rejects_partial_or_bad_environments(env, fragment):
 def checks():
     """Run tests/train/sharded_checks.py on 8 simulated CPU devices; its JSON figures.
 
-    Two processes at once (gradients | the rest): most of the time is XLA compilation. The
-    gradient checks compare runs compiled the same way within a tolerance, so that process compiles
-    with ``TOLERANCE_XLA_FLAGS``; the one with the memory check keeps XLA's defaults.
+    Two processes at once: most of the time is XLA compilation. The gradient and train-step
+    checks compare runs compiled the same way within a tolerance, so they compile with
+    ``TOLERANCE_XLA_FLAGS``; the process with the memory check keeps XLA's defaults.
     """
     devices = "--xla_force_host_platform_device_count=8"
     groups = {
-        "grads": f"{devices} {TOLERANCE_XLA_FLAGS}",
-        "train_step sequence_memory errors": devices,
+        "grads train_step": f"{devices} {TOLERANCE_XLA_FLAGS}",
+        "sequence_memory errors": devices,
     }
     procs = [
         subprocess.Popen(
