@@ -198,13 +198,21 @@ class RematMismatch(AssertionError):
         self.cause = cause
 
 
-@functools.lru_cache(maxsize=8)
-def _shared_apply(module):
-    """``module.apply``, one bound method for equal Linen modules.
+def _reference_apply(module):
+    """``module.apply``, one bound method for Linen modules of one class with the same field values.
 
-    A parametrized test builds its model anew for each policy; equal modules then share one
-    reference runner, so the reference compiles once.
+    A parametrized test builds its model anew for each policy; such modules then share one
+    reference runner, so the reference compiles once. Field values are compared by ``repr`` too,
+    since ``0.0 == -0.0`` and ``1 == True``; a module that cannot be hashed keeps its own ``apply``.
     """
+    try:
+        return _shared_apply(module, tuple(repr(getattr(module, f.name)) for f in dataclasses.fields(module)))
+    except TypeError:
+        return module.apply
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_apply(module, field_reprs):
     return module.apply
 
 
@@ -296,10 +304,7 @@ def assert_remat_exact(
         call = _exactness.Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
     elif isinstance(fn, linen.Module):
         built = decorate(fn, policy)
-        try:
-            reference = _shared_apply(fn)
-        except TypeError:  # a field that cannot be hashed
-            reference = fn.apply
+        reference = _reference_apply(fn)
         remat = built.apply if isinstance(built, linen.Module) else built
         call = _exactness.Call(reference, args, kwargs, nums, False)
     else:

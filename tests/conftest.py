@@ -54,9 +54,9 @@ def ptb_offline_dir():
 
 
 #: XLA:CPU options for tests that compare programs compiled the same way within a tolerance (the
-#: gradient matrices, the multi-device runs): the older fusion emitters compile faster. They change
-#: code generation and can move a buffer, so tests of memory figures, bitwise checks and the CLIs'
-#: own runs compile with the defaults users get.
+#: gradient matrices, the multi-device and multi-process runs): the older fusion emitters compile
+#: faster. They change code generation and can move a buffer, so tests of memory figures, bitwise
+#: checks and the single-process CLI tests compile with the defaults users get.
 TOLERANCE_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 #: :data:`TOLERANCE_CPU_OPTIONS` as ``XLA_FLAGS`` words, for subprocesses.
 TOLERANCE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TOLERANCE_CPU_OPTIONS.items())
@@ -65,7 +65,7 @@ TOLERANCE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TOLERANCE_C
 def tolerance_jit(fn, **jit_kwargs):
     """``jax.jit(fn)`` with :data:`TOLERANCE_CPU_OPTIONS` on the CPU (other backends: the defaults)."""
     if jax.default_backend() == "cpu":
-        jit_kwargs.setdefault("compiler_options", TOLERANCE_CPU_OPTIONS)
+        jit_kwargs["compiler_options"] = {**TOLERANCE_CPU_OPTIONS, **jit_kwargs.get("compiler_options", {})}
     return jax.jit(fn, **jit_kwargs)
 
 

@@ -59,7 +59,7 @@ def test_forward_mode_through_an_unrolled_gpt():
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % cfg.vocab_size
     loss = lambda p: cross_entropy_loss(nnx.merge(graphdef, p), tokens, tokens)
     tangent = jax.tree.map(jnp.ones_like, params)
-    value, derivative = tolerance_jit(lambda p, t: jax.jvp(loss, (p,), (t,)))(params, tangent)
+    _, derivative = tolerance_jit(lambda p, t: jax.jvp(loss, (p,), (t,)))(params, tangent)
     grads = tolerance_jit(jax.grad(loss))(params)
     expected = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(tangent)))
     assert jnp.allclose(derivative, expected, rtol=1e-4), (derivative, expected)

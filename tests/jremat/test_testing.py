@@ -18,6 +18,7 @@ from jremat.testing import (
     CAUSE_STATE,
     CAUSE_VALUE,
     RematMismatch,
+    _reference_apply,
     assert_remat_exact,
     policies,
 )
@@ -265,3 +266,5 @@ def test_equal_linen_modules_share_one_reference_compile():
     for policy in ("full", "selective"):
         assert_remat_exact(UnrolledLinen(n_layers=3), policy, variables, x, rngs={"dropout": jax.random.key(5)})
     assert len(_exactness._RUNNERS) == 1
+    # Equal but not the same: 1 == True, so the field's repr keeps them apart.
+    assert _reference_apply(UnrolledLinen(n_layers=1)) is not _reference_apply(UnrolledLinen(n_layers=True))

@@ -69,11 +69,11 @@ def reference(model):
     return _REFERENCES[model]
 
 
-# CI runs every policy on a plain function with legacy uint32 keys and on call-time nnx.Rngs
-# (every policy on an unrolled Linen stack runs bitwise in tests/jremat/test_testing.py), the
-# other models under the policies that lower differently (full, names, offload, selective), and
-# the WMT re-type, the slowest to compile, under its own tensor name; the rest of the matrix runs
-# with ``-m slow``.
+# CI runs every policy on a plain function with legacy uint32 keys and on call-time nnx.Rngs,
+# the other models under the policies that lower differently (full, names, offload, selective),
+# and the WMT re-type, the slowest to compile, under its own tensor name; the rest of the matrix
+# runs with ``-m slow``. (Every policy on an unrolled Linen stack, with a typed key and instance
+# decoration, also runs bitwise in tests/jremat/test_testing.py.)
 _EVERY_POLICY_IN_CI = {"plain", "nnx_call_time_rngs"}
 _POLICIES_IN_CI = {"full", "names", "offload", "selective"}
 _WMT_POLICIES_IN_CI = {"names"}

@@ -1,5 +1,6 @@
 """python -m train.memory: JSON schema, table, plot and one-line errors with exit code 2 (tiny, compile-only)."""
 
+import functools
 import json
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
+from jremat._memory import PEAK_FROM_SUM
 from models import programs
 from train import memory as tm
 
@@ -54,29 +56,40 @@ def traced_memory_report(fn, *args):
         for v in eqn.outvars
         if jnp.issubdtype(v.aval.dtype, jnp.number)
     )
-    return jremat.MemoryReport(True, "cpu", 0, 0, 0, created, 0, created, "argument + output - alias + temp")
+    return jremat.MemoryReport(
+        available=True,
+        platform="cpu",
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=created,
+        generated_code_bytes=0,
+        peak_bytes=created,
+        peak_source=PEAK_FROM_SUM,
+    )
 
 
-def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, monkeypatch):
+@pytest.fixture
+def traced_reports(monkeypatch):
+    """``traced_memory_report`` behind a fresh report cache: no real report in, no fake one out."""
     monkeypatch.setattr(jremat, "memory_report", traced_memory_report)
-    programs._step_memory_report.cache_clear()  # no real reports
-    try:
-        code = tm.main(
-            TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"]
-        )
-        hits = programs._step_memory_report.cache_info().hits
-    finally:
-        programs._step_memory_report.cache_clear()  # no fake reports
+    fresh = functools.lru_cache(maxsize=256)(programs._step_memory_report.__wrapped__)
+    monkeypatch.setattr(programs, "_step_memory_report", fresh)
+    return fresh
+
+
+def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced_reports):
+    code = tm.main(
+        TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"]
+    )
     assert code == 0
     none, auto = json.loads(capsys.readouterr().out)
     budget = int(auto["policy"].split("auto:budget=")[1].split(" ")[0])
     assert auto["peak_bytes"] <= budget < none["peak_bytes"]
-    assert hits == 1  # the auto row: the planner's compile of its plan
+    assert traced_reports.cache_info().hits == 1  # the auto row: the planner's compile of its plan
 
 
-def test_table_and_plot(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(jremat, "memory_report", traced_memory_report)  # the layout, not XLA's figures
-    monkeypatch.setattr(programs, "_step_memory_report", programs._step_memory_report.__wrapped__)
+def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XLA's figures
     plot = tmp_path / "mem.png"
     assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out

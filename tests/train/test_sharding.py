@@ -194,7 +194,7 @@ def checks():
 
     Two processes at once: most of the time is XLA compilation. The gradient and train-step
     checks compare runs compiled the same way within a tolerance, so they compile with
-    ``TOLERANCE_XLA_FLAGS``; the process with the memory check keeps XLA's defaults.
+    ``TOLERANCE_XLA_FLAGS``; the process with the memory check runs without them.
     """
     devices = "--xla_force_host_platform_device_count=8"
     groups = {
