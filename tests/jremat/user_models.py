@@ -146,7 +146,7 @@ def linen_case(spec, *, block_cls=LinenBlock, batch=2, width=WIDTH) -> Case:
 
     model = Model()
     x = inputs(batch, width)
-    variables = model.init(jax.random.PRNGKey(0), x, False)
+    variables = jax.jit(model.init, static_argnums=2)(jax.random.PRNGKey(0), x, False)
     params = variables["params"]
     extra = {k: v for k, v in variables.items() if k != "params"}
 
@@ -374,7 +374,7 @@ def wmt_case(spec) -> Case:
     model = WmtTransformer(cfg, decorate(spec, WmtEncoderBlock), decorate(spec, WmtDecoderBlock))
     inputs_ = jnp.array([[3, 5, 7, 2, 0, 0], [4, 4, 9, 11, 13, 2]], jnp.int32)
     targets = jnp.array([[6, 8, 2, 0, 0, 0], [5, 12, 14, 15, 2, 0]], jnp.int32)
-    params = model.init(jax.random.PRNGKey(0), inputs_, targets, False)["params"]
+    params = jax.jit(model.init, static_argnums=3)(jax.random.PRNGKey(0), inputs_, targets, False)["params"]
 
     def loss_and_state(params, key):
         logits = model.apply({"params": params}, inputs_, targets, True, rngs={"dropout": key})

@@ -13,10 +13,12 @@ import os
 import sys
 import time
 
+from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# Faster LLVM code generation only; buffer assignment (every memory figure) is unchanged.
-os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if FAST_COMPILE_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_XLA_FLAGS
 
 import jax
 import jax.numpy as jnp

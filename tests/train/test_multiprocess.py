@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 from train import distributed as dist
 from train import launch, ptb
@@ -35,7 +36,7 @@ def _base_env(cache_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     env.update(
         # Faster compiles for these 11 processes; every comparison is between runs under the same flags.
-        XLA_FLAGS=f"--xla_backend_optimization_level=0 {TOLERANCE_XLA_FLAGS}",
+        XLA_FLAGS=f"{FAST_COMPILE_XLA_FLAGS} {TOLERANCE_XLA_FLAGS}",
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(cache_dir),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
