@@ -55,14 +55,20 @@ def loss_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = 
         raise ValueError(f"batch size and sequence length must be positive, got {batch_size} and {seq_len}")
     if seq_len > model_cfg.max_seq_len:
         raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    model = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model)
+    graphdef, params = _abstract_gpt(model_cfg)
+    params = jax.tree.map(lambda leaf: leaf, params)  # the caller's own tree: the cached one stays as built
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
 
     def loss(p, tok, tgt, key):
         return cross_entropy_loss(nnx.merge(graphdef, p), tok, tgt, key)
 
     return loss, (params, tokens, tokens, key_shape())
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_gpt(model_cfg: ModelConfig):
+    """``nnx.split`` of ``GPT(model_cfg)`` on shape structs, once per config (building it traces every initializer)."""
+    return nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
 
 
 def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
