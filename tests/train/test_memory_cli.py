@@ -101,7 +101,7 @@ def test_heads_without_head_dim_divides_d_model():
     assert (cfg.n_heads, cfg.head_dim, cfg.d_model) == (4, 16, 64)
 
 
-def test_live_on_cpu_says_why_and_keeps_compiled_figures(capsys):
+def test_live_on_cpu_says_why_and_keeps_compiled_figures(capsys, traced_reports):  # the wiring
     code = tm.main(TINY + ["--policy", "none", "--live", "--json"])
     captured = capsys.readouterr()
     assert code == 0
@@ -115,7 +115,7 @@ def test_live_child_prints_one_json_line(capsys):
     assert json.loads(capsys.readouterr().out) == {"live_peak_bytes": None}
 
 
-def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys):
+def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced_reports):  # the wiring
     calls = []
 
     def fake_child(config, spec):
