@@ -95,10 +95,10 @@ def max_relative_error(grads, reference):
     projection's bias, since softmax is shift-invariant), so a per-leaf ratio would divide
     float noise by float noise.
     """
+    assert jax.tree.structure(grads) == jax.tree.structure(reference)
     # On the host: an eager jax.numpy op per leaf shape would compile a program for each.
     got = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
     expected = [np.asarray(r, np.float64) for r in jax.tree.leaves(reference)]
-    assert jax.tree.structure(grads) == jax.tree.structure(reference)
     scale = max(float(np.max(np.abs(r))) for r in expected)
     return max(float(np.max(np.abs(g - r))) for g, r in zip(got, expected)) / scale
 

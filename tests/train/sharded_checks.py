@@ -17,8 +17,7 @@ from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-if FAST_COMPILE_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_XLA_FLAGS
+os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_XLA_FLAGS
 
 import jax
 import jax.numpy as jnp
