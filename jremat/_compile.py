@@ -37,6 +37,16 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
     return {"xla_disable_hlo_passes": CPU_HOISTING_PASS} if platform == "cpu" else {}
 
 
+def analysis_options() -> dict[str, str]:
+    """The XLA options of jremat's compile-only analyses (:func:`jremat.memory_report`, :func:`jremat.memory_timeline`).
+
+    Those of :func:`jit` (:func:`compiler_options`), so that a report describes the executable
+    :func:`jit` builds. Both analyses read them here, the one place a test suite can add
+    code-generation options to every analysis compile.
+    """
+    return compiler_options()
+
+
 def jit(fn: Callable, **jit_kwargs: Any):
     """``jax.jit(fn, **jit_kwargs)`` with :func:`compiler_options` for the default backend merged in.
 

@@ -172,11 +172,9 @@ def memory_report(
     """
     if not callable(fn):
         raise TypeError(f"memory_report needs a callable, got {type(fn).__name__}")
-    options = _compile.compiler_options() if compiler_options is None else compiler_options
+    options = _compile.analysis_options() if compiler_options is None else compiler_options
     if hasattr(fn, "lower"):
         compiled = fn.lower(*args, **kwargs).compile(options or None)
-    elif compiler_options is None:
-        compiled = _compile.jit(fn, donate_argnums=donate_argnums).lower(*args, **kwargs).compile()
     else:
         compiled = (
             jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options or None)

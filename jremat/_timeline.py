@@ -482,7 +482,7 @@ def memory_timeline(
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     traced = jitted.trace(*args, **kwargs)
     tags = checkpoint_name_locations(traced.jaxpr)
-    options = dict(_compile.compiler_options() if compiler_options is None else compiler_options)
+    options = dict(_compile.analysis_options() if compiler_options is None else compiler_options)
     folder = tempfile.mkdtemp(prefix="jremat-timeline-")
     try:
         options.update(xla_dump_to=folder, xla_dump_hlo_as_text=True)

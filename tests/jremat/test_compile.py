@@ -6,6 +6,7 @@ import pytest
 
 import jremat
 from jremat import _compile as jcompile
+from tests.conftest import library_analysis_options
 
 _ROWS, _WIDTH = 256, 512
 
@@ -30,6 +31,11 @@ def test_options_only_on_cpu():
     assert jcompile.compiler_options("cpu") == {"xla_disable_hlo_passes": jcompile.CPU_HOISTING_PASS}
     assert jcompile.compiler_options("gpu") == {}
     assert jcompile.compiler_options("tpu") == {}
+
+
+def test_analyses_compile_with_the_options_of_jit():
+    # The suite adds options to jcompile.analysis_options (conftest); the library's own function:
+    assert library_analysis_options() == jcompile.compiler_options()
 
 
 def test_jit_computes_the_same_and_user_options_win():

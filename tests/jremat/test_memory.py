@@ -2,9 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jremat
+from jremat import _compile
 from jremat import _memory as jmem
+from models import preset
+from models.programs import step_program
+from tests.conftest import ANALYSIS_CPU_OPTIONS
 
 
 def test_memory_report_fields_positive_and_consistent():
@@ -79,3 +84,25 @@ def test_diagnose_remat_flags_temp_that_did_not_follow():
     assert note is not None and "concurrency" in note and "fell" in note
     assert jremat.diagnose_remat(50, 100, 10.0, 100.0, scan_layers=True) is None
     assert jremat.diagnose_remat(100, 100, 95.0, 100.0) is None  # residuals barely changed
+
+
+@pytest.mark.parametrize(
+    "policy, scan_layers", [("none", True), ("full", False)], ids=["none-scanned", "full-unrolled-tied"]
+)
+def test_suite_analysis_options_keep_the_default_buffer_assignment(policy, scan_layers):
+    """The suite's memory analyses use :data:`conftest.ANALYSIS_CPU_OPTIONS`; users' use XLA's defaults.
+
+    Only one small constant scratch buffer may differ; every memory figure the suite asserts
+    then holds under the defaults too.
+    """
+    if jax.default_backend() != "cpu":
+        pytest.skip("the suite adds analysis options on the CPU only")
+    assert _compile.analysis_options() == {**jremat.compiler_options(), **ANALYSIS_CPU_OPTIONS}
+    cfg = preset("tiny", remat_policy=policy, remat_granularity="block", scan_layers=scan_layers)
+    grad_fn, args = step_program(cfg, 4)
+    suite = jremat.memory_report(grad_fn, *args)
+    default = jremat.memory_report(grad_fn, *args, compiler_options=jremat.compiler_options())
+    for field in ("argument_bytes", "output_bytes", "alias_bytes"):
+        assert getattr(suite, field) == getattr(default, field), field
+    assert abs(suite.temp_bytes - default.temp_bytes) <= 256, (suite.temp_bytes, default.temp_bytes)
+    assert suite.notes == default.notes

@@ -192,15 +192,12 @@ def test_distributed_config_rejects_partial_or_bad_environments(env, fragment):
 def checks():
     """Run tests/train/sharded_checks.py on 8 simulated CPU devices; its JSON figures.
 
-    Two processes at once: most of the time is XLA compilation. The gradient and train-step
-    checks compare runs compiled the same way within a tolerance, so they compile with
-    ``TOLERANCE_XLA_FLAGS``; the process with the memory check runs without them.
+    Two processes at once: most of the time is XLA compilation. Both compile with
+    ``TOLERANCE_XLA_FLAGS``: the gradient and train-step checks compare runs compiled the same
+    way within a tolerance, and the memory check only compiles (as ``ANALYSIS_CPU_OPTIONS``).
     """
-    devices = "--xla_force_host_platform_device_count=8"
-    groups = {
-        "grads train_step": f"{devices} {TOLERANCE_XLA_FLAGS}",
-        "sequence_memory errors": devices,
-    }
+    xla_flags = f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"
+    groups = ("grads train_step", "sequence_memory errors")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.train.sharded_checks", *group.split()],
@@ -210,7 +207,7 @@ def checks():
             stderr=subprocess.PIPE,
             text=True,
         )
-        for group, xla_flags in groups.items()
+        for group in groups
     ]
     result = {}
     for proc in procs:
