@@ -101,6 +101,29 @@ def remat3_tag_name(eqn) -> str | None:
     return prim.params["name"]
 
 
+def scan_counts(eqn) -> tuple[int, int]:
+    """``(constants, carried values)`` of a ``scan`` equation: how its leading inputs split.
+
+    A scan's parameters are private to JAX: older releases give the counts (``num_consts``,
+    ``num_carry``); newer ones a flat tree of (constants, carry, scanned inputs) (``ft_in``).
+    Chosen from the parameters the equation has.
+
+    Raises:
+      MissingJaxInternal: if the equation has neither form.
+    """
+    params = eqn.params
+    if "num_consts" in params and "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise MissingJaxInternal(
+        f"JAX {jax.__version__}'s scan equation has neither num_consts/num_carry nor ft_in "
+        f"(it has {', '.join(sorted(params))}); jremat needs them to follow values through layer loops "
+        "in saved-residual reports"
+    )
+
+
 def saved_residuals(fn: Callable, *args, **kwargs) -> list:
     """``[(aval, description)]`` of every value ``jax.vjp(fn, *args)`` keeps for the backward pass.
 
@@ -310,6 +333,7 @@ __all__ = [
     "remat3_offload",
     "remat3_tag_name",
     "saved_residuals",
+    "scan_counts",
     "source_current_name_stack",
     "source_summarize",
     "source_user_context",

@@ -260,7 +260,7 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
         outs = None
         if name == "scan":
             body = eqn.params["jaxpr"].jaxpr
-            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+            n_consts, n_carry = _jax_compat.scan_counts(eqn)
             carry = masks[n_consts : n_consts + n_carry]
             for _ in range(4):
                 inner = dict(zip(body.invars, masks[:n_consts] + carry + masks[n_consts + n_carry :]))

@@ -52,3 +52,23 @@ def test_remat3_primitives_build():
     assert jnp.array_equal(_jax_compat.remat3_name_tag(x, "n"), x)
     assert jnp.array_equal(_jax_compat.remat3_offload(x, jax.memory.Space.Device, jax.memory.Space.Host), x)
     assert _jax_compat.classic_name_primitive().name == "name"
+
+
+def test_scan_counts_split_constants_and_carry():
+    import jax
+    import jax.numpy as jnp
+
+    def loop(w, c, xs):
+        return jax.lax.scan(lambda c, x: ((c[0] * w + x, c[1] - x), jnp.sin(c[0])), c, xs)
+
+    jaxpr = jax.make_jaxpr(loop)(2.0, (1.0, 3.0), jnp.ones(4))
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert _jax_compat.scan_counts(scan) == (1, 2)
+
+
+def test_scan_without_either_form_is_named():
+    class Eqn:
+        params = {"length": 3}
+
+    with pytest.raises(_jax_compat.MissingJaxInternal, match="neither num_consts/num_carry nor ft_in"):
+        _jax_compat.scan_counts(Eqn())

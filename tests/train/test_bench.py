@@ -197,6 +197,8 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
     monkeypatch.setitem(bench.PART_FUNCTIONS, "time", fake_part)
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
+    kept = f"{report.KEPT_MARKER}\n\n## A run on another machine\n\n| a | table |\n"
+    md.write_text("# an older report\n\nits tables\n\n" + kept)
     code = bench.main(
         ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--policy", "full", "--quick"]
     )
@@ -204,6 +206,7 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
     assert (out / "bench.csv").exists() and (out / "time.png").exists()
     text = md.read_text()
     assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text
+    assert "an older report" not in text and text.endswith(kept) and text.count(report.KEPT_MARKER) == 1
     assert "met    Time, block-dominated: full <= 1.35x none" in capsys.readouterr().out
 
 

@@ -38,7 +38,7 @@ from train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_confi
 from train.bench.harness import bench_peak, measure, time_ratios
 from train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
 from train.bench.plots import write_plots
-from train.bench.report import check_targets, results_markdown, write_csv
+from train.bench.report import check_targets, kept_text, results_markdown, write_csv
 from train.cli import UsageError, run_main
 
 __all__ = [
@@ -113,10 +113,10 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
     plots = write_plots(rows, config.out)
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
+        text = results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes, READING_GUIDE)
+        text += kept_text(config.report)
         with open(config.report, "w") as f:
-            f.write(
-                results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes, READING_GUIDE)
-            )
+            f.write(text)
     return rows, plots, notes
 
 

@@ -414,6 +414,22 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
     return lines
 
 
+#: A report line after which ``train.bench`` keeps the old report's text when it rewrites it:
+#: results from other machines, written by hand (docs/RESULTS.md's accelerator runs).
+KEPT_MARKER = "<!-- train.bench keeps everything below this line when it rewrites this file -->"
+
+
+def kept_text(path: str) -> str:
+    """The text of the report at ``path`` from :data:`KEPT_MARKER` on, or ``""`` (no file, no marker)."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        return ""
+    at = old.find(KEPT_MARKER)
+    return "" if at < 0 else "\n" + old[at:]
+
+
 def results_markdown(
     rows: Sequence[dict],
     plots: Sequence[str],
