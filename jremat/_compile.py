@@ -40,9 +40,12 @@ def compiler_options(platform: str | None = None) -> dict[str, str]:
 def analysis_options() -> dict[str, str]:
     """The XLA options of jremat's compile-only analyses (:func:`jremat.memory_report`, :func:`jremat.memory_timeline`).
 
-    Those of :func:`jit` (:func:`compiler_options`), so that a report describes the executable
-    :func:`jit` builds. Both analyses read them here, the one place a test suite can add
-    code-generation options to every analysis compile.
+    The single source of both analyses' default options: those of :func:`jit`
+    (:func:`compiler_options` for the default backend), so that a report describes the executable
+    :func:`jit` builds.
+
+    Returns:
+      A dict of XLA option names to values.
     """
     return compiler_options()
 

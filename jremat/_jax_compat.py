@@ -108,6 +108,12 @@ def scan_counts(eqn) -> tuple[int, int]:
     ``num_carry``); newer ones a flat tree of (constants, carry, scanned inputs) (``ft_in``).
     Chosen from the parameters the equation has.
 
+    Args:
+      eqn: a jaxpr equation of the ``scan`` primitive.
+
+    Returns:
+      ``(number of constant inputs, number of carried inputs)``; the scanned inputs follow them.
+
     Raises:
       MissingJaxInternal: if the equation has neither form.
     """

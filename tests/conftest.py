@@ -86,12 +86,12 @@ TOLERANCE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TOLERANCE_C
 #: is but for one small constant scratch buffer (docs/xla-notes.md);
 #: tests/jremat/test_memory.py checks that against XLA's defaults.
 ANALYSIS_CPU_OPTIONS = TOLERANCE_CPU_OPTIONS
+#: The library's own ``jremat._compile.analysis_options`` (what users get), before the suite's below.
 library_analysis_options = _compile.analysis_options
 
 
 def _suite_analysis_options():
-    options = library_analysis_options()
-    return {**options, **ANALYSIS_CPU_OPTIONS} if jax.default_backend() == "cpu" else options
+    return {**library_analysis_options(), **ANALYSIS_CPU_OPTIONS}
 
 
 _compile.analysis_options = _suite_analysis_options

@@ -92,11 +92,10 @@ def test_diagnose_remat_flags_temp_that_did_not_follow():
 def test_suite_analysis_options_keep_the_default_buffer_assignment(policy, scan_layers):
     """The suite's memory analyses use :data:`conftest.ANALYSIS_CPU_OPTIONS`; users' use XLA's defaults.
 
-    Only one small constant scratch buffer may differ; every memory figure the suite asserts
-    then holds under the defaults too.
+    On these two programs the two differ only in temp, by at most 256 bytes.
     """
-    if jax.default_backend() != "cpu":
-        pytest.skip("the suite adds analysis options on the CPU only")
+    if not ANALYSIS_CPU_OPTIONS:
+        pytest.skip("the suite adds no analysis options here (not the CPU, or XLA lacks them)")
     assert _compile.analysis_options() == {**jremat.compiler_options(), **ANALYSIS_CPU_OPTIONS}
     cfg = preset("tiny", remat_policy=policy, remat_granularity="block", scan_layers=scan_layers)
     grad_fn, args = step_program(cfg, 4)

@@ -7,6 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.compilation_cache import compilation_cache
 
 import jremat
+from jremat import _compile
 from jremat import _timeline as jtl
 
 LAYERS, BATCH, WIDTH = 3, 64, 128
@@ -135,11 +136,11 @@ def test_timeline_compiles_past_the_persistent_cache(tmp_path):
     compilation_cache.reset_cache()  # JAX opens the cache directory once
     try:
         grad = jax.grad(_loss(None))
-        jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())  # now in the cache
+        jax.jit(grad).lower(*ARGS).compile(_compile.analysis_options())  # the timeline's options: now in the cache
         assert list(tmp_path.iterdir()), "the compile was not cached, so this test checks nothing"
         timeline = jremat.memory_timeline(grad, *ARGS)
         assert timeline.peak_bytes > 0 and timeline.top_buffers
-        jax.jit(grad).lower(*ARGS).compile(jremat.compiler_options())
+        jax.jit(grad).lower(*ARGS).compile(_compile.analysis_options())
         assert jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_compilation_cache_dir", previous_dir)

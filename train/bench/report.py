@@ -420,7 +420,14 @@ KEPT_MARKER = "<!-- train.bench keeps everything below this line when it rewrite
 
 
 def kept_text(path: str) -> str:
-    """The text of the report at ``path`` from :data:`KEPT_MARKER` on, or ``""`` (no file, no marker)."""
+    """The part of an existing report that a rewrite keeps: from :data:`KEPT_MARKER` to the end.
+
+    Args:
+      path: the report's path.
+
+    Returns:
+      A newline and that text, to append to the new report; ``""`` if there is no file or no marker.
+    """
     try:
         with open(path) as f:
             old = f.read()
