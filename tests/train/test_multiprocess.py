@@ -35,7 +35,7 @@ FAILURE_TIMEOUT_S = 90  # the start-up failures end in seconds
 def _base_env(cache_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     env.update(
-        # Faster compiles for these 11 processes; every comparison is between runs under the same flags.
+        # Faster compiles for these processes; every comparison is between runs under the same flags.
         XLA_FLAGS=f"{FAST_COMPILE_XLA_FLAGS} {TOLERANCE_XLA_FLAGS}",
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(cache_dir),
