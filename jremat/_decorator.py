@@ -22,6 +22,7 @@ name, after which every spec string, decorator and ``--policy`` flag accepts it.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 
 import jax
@@ -122,13 +123,12 @@ def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), pre
         raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
 
     def decorate(target):
-        from flax import linen, nnx
-
         if isinstance(target, staticmethod):
             return staticmethod(_function(target.__func__, chosen, prevent_cse))
         if isinstance(target, classmethod):
             return classmethod(_function(target.__func__, chosen, prevent_cse))
-        if isinstance(target, type) and issubclass(target, (linen.Module, nnx.Module)):
+        linen = sys.modules.get("flax.linen")
+        if isinstance(target, type) and issubclass(target, _flax_module_types()):
             missing = [m for m in methods if not callable(getattr(target, m, None))]
             if missing:
                 found = sorted(n for n in dir(target) if not n.startswith("_") and callable(getattr(target, n, None)))
@@ -136,7 +136,7 @@ def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), pre
                     f"@jremat.policy: {target.__name__} has no method {', '.join(map(repr, missing))}; "
                     f"its methods: __call__, {', '.join(found)}"
                 )
-            if issubclass(target, linen.Module):
+            if linen is not None and issubclass(target, linen.Module):
                 return _linen(target, chosen, prevent_cse, methods)
             attrs = {m: _function(getattr(target, m), chosen, prevent_cse) for m in methods}
             attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
@@ -173,9 +173,19 @@ def checkpoint(fn: Callable, policy: str | Policy = "full", *, prevent_cse: bool
 _policy_decorator = policy
 
 
-def _has_graph_node(tree) -> bool:
-    from flax.nnx import graph
+def _flax_module_types() -> tuple[type, ...]:
+    """Flax's Linen and NNX module classes, of the APIs the program has imported (never imports Flax).
 
+    A Flax module or graph node can only exist once its API is loaded, so a user of plain JAX,
+    Equinox or Haiku never pays for importing Flax.
+    """
+    return tuple(sys.modules[api].Module for api in ("flax.linen", "flax.nnx") if api in sys.modules)
+
+
+def _has_graph_node(tree) -> bool:
+    graph = sys.modules.get("flax.nnx.graph")
+    if graph is None:
+        return False
     return any(graph.is_graph_node(leaf) for leaf in jax.tree.leaves(tree, is_leaf=graph.is_graph_node))
 
 
@@ -188,14 +198,13 @@ def _function(fn: Callable, chosen: Policy, prevent_cse: bool) -> Callable:
 
     @functools.wraps(fn)
     def rematerialized(*args, **kwargs):
-        from flax import linen
-        from flax.nnx.transforms import general
-
-        if args and isinstance(args[0], linen.Module):
+        linen = sys.modules.get("flax.linen")
+        if linen is not None and args and isinstance(args[0], linen.Module):
             if not linen_lifted:  # a Linen method: lifted like nn.remat, on its first call
                 linen_lifted.append(_linen(fn, chosen, prevent_cse, ("__call__",)))
             return linen_lifted[0](*args, **kwargs)
         if _has_graph_node((args, kwargs)):
+            from flax.nnx.transforms import general
 
             def merged(args_kwargs):
                 a, kw = args_kwargs

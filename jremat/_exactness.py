@@ -8,6 +8,7 @@ builds one cached, jitted runner per function; :func:`compare` measures two leav
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import jax
@@ -50,9 +51,9 @@ def _is_float(x) -> bool:
 
 
 def _graph_node_types() -> tuple:
-    from flax import nnx
-
-    return (nnx.Pytree,)
+    # A graph node implies that its program imported Flax: without it, there are none (and no import).
+    nnx = sys.modules.get("flax.nnx")
+    return () if nnx is None else (nnx.Pytree,)
 
 
 def _key_text(key) -> str:
@@ -118,14 +119,24 @@ class Call:
 
     def split(self):
         """``(graphdef, diff_state, other_state, arrays)`` for a pure, jittable call."""
+        arrays = [jnp.asarray(self.leaves[i]) for i in self.array_pos]
+        if not self.node_pos:
+            return None, {}, {}, arrays
         from flax import nnx
 
         nodes = [self.leaves[i] for i in self.node_pos]
         wanted = set(self.diff_nodes)
         diff_filter = lambda path, value: path[0] in wanted and isinstance(value, nnx.Param)
         graphdef, diff_state, other_state = nnx.split(nodes, diff_filter, ...)
-        arrays = [jnp.asarray(self.leaves[i]) for i in self.array_pos]
         return graphdef, diff_state, other_state, arrays
+
+    def node_state(self):
+        """The NNX state of the graph nodes in the call (``{}`` without any)."""
+        if not self.node_pos:
+            return {}
+        from flax import nnx
+
+        return nnx.state([self.leaves[i] for i in self.node_pos])
 
     def runner(self, fn: Callable, graphdef) -> Callable:
         """A jitted ``(diff_state, other_state, arrays) -> (out, grads, new_state)`` calling ``fn``.
@@ -156,15 +167,19 @@ class Call:
         return _RUNNERS[key]
 
     def _runner(self, fn: Callable, graphdef) -> Callable:
-        from flax import nnx
+        if self.node_pos:
+            from flax import nnx
 
+            merge, state = nnx.merge, nnx.state
+        else:  # no graph nodes: no Flax
+            merge, state = (lambda *_: []), (lambda _: {})
         diff_idx = set(self.diff_arrays)
 
         def run(diff_state, other_state, arrays):
             diff_arrays = [a for j, a in enumerate(arrays) if j in diff_idx]
 
             def forward(diff_state, diff_arrays, other_state):
-                nodes = nnx.merge(graphdef, diff_state, other_state)
+                nodes = merge(graphdef, diff_state, other_state)
                 full = list(self.leaves)
                 for j, i in enumerate(self.node_pos):
                     full[i] = nodes[j]
@@ -173,7 +188,7 @@ class Call:
                     full[i] = next(it) if j in diff_idx else arrays[j]
                 args, kwargs = jax.tree.unflatten(self.treedef, full)
                 out = fn(*args, **kwargs)
-                return out, nnx.state(nodes)
+                return out, state(nodes)
 
             # The other state is a primal too (its cotangent is dropped): NNX only lets a call
             # update variables created at the trace level it runs at.

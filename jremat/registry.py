@@ -16,10 +16,11 @@ Tests and benches that add policies use :func:`scoped`, which restores the regis
         ...  # "mine" resolves here
     # and is gone here
 
-Built-in policies live in the ``policies`` package and are found through the
-``jremat.policies`` entry-point group declared in ``pyproject.toml``, so this core package never
-imports them; third-party packages can add policies the same way, or at run time with
-:func:`register` / :func:`load_module`.
+Built-in policies live in :mod:`jremat.policies`, imported by its full name on the first
+lookup (never by a top-level name that a user's ``policies.py`` could shadow); no module of the
+core imports it at import time. Third-party packages add policies through the
+``jremat.policies`` entry-point group, or at run time with :func:`register` /
+:func:`load_module`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 from jremat._policy import Policy
 
 ENTRY_POINT_GROUP = "jremat.policies"
+BUILTIN_MODULE = "jremat.policies"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,7 @@ def _load_builtins() -> None:
     if _builtins_loaded:
         return
     _builtins_loaded = True
+    importlib.import_module(BUILTIN_MODULE)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -267,12 +268,10 @@ def assert_remat_exact(
       ValueError: on a bad policy spec, bad ``argnums`` or tolerances, or nothing to
         differentiate.
     """
-    from flax import linen, nnx
-
     if rtol < 0 or atol < 0:
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r}, atol={atol!r}")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if isinstance(fn, nnx.Module) and not args and argnums == 0:
+    if _is_flax_module(fn, "flax.nnx") and not args and argnums == 0:
         nums = ()  # a module called without positional arguments: its parameters alone
     if any(not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < len(args) for n in nums):
         raise ValueError(
@@ -293,19 +292,19 @@ def assert_remat_exact(
         label = chosen.spec or label
 
         def decorate(f, _policy):
-            if isinstance(f, linen.Module):
+            if _is_flax_module(f, "flax.linen"):
                 return _linen_rebuilt(f, chosen)
             return _decorate_with(chosen)(f)
 
-    module_arg = isinstance(fn, nnx.Module)
+    module_arg = _is_flax_module(fn, "flax.nnx")
     if module_arg:
         reference = _call_module
         remat = decorate(_call_module, policy)
         call = _exactness.Call(reference, (fn, *args), kwargs, (0, *(n + 1 for n in nums)), True)
-    elif isinstance(fn, linen.Module):
+    elif _is_flax_module(fn, "flax.linen"):
         built = decorate(fn, policy)
         reference = _reference_apply(fn)
-        remat = built.apply if isinstance(built, linen.Module) else built
+        remat = built.apply if _is_flax_module(built, "flax.linen") else built
         call = _exactness.Call(reference, args, kwargs, nums, False)
     else:
         if not callable(fn):
@@ -319,7 +318,7 @@ def assert_remat_exact(
         )
 
     graphdef, diff_state, other_state, arrays = call.split()
-    initial_state = jax.tree.leaves(nnx.state([call.leaves[i] for i in call.node_pos]))
+    initial_state = jax.tree.leaves(call.node_state())
     ref_out, ref_grads, ref_state = call.runner(reference, graphdef)(diff_state, other_state, arrays)
     graphdef2, diff_state2, other_state2, arrays2 = call.split()
     got_out, got_grads, got_state = call._runner(remat, graphdef2)(diff_state2, other_state2, arrays2)
@@ -385,6 +384,12 @@ def assert_remat_exact(
 
 def _call_module(module, *args, **kwargs):
     return module(*args, **kwargs)
+
+
+def _is_flax_module(x, flax_api: str) -> bool:
+    """Whether ``x`` is a ``flax.nnx`` or ``flax.linen`` module; never imports Flax (a module implies it is loaded)."""
+    api = sys.modules.get(flax_api)
+    return api is not None and isinstance(x, api.Module)
 
 
 def _linen_rebuilt(module, chosen: Policy):

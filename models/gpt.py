@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jremat
 from jremat import names, ops
-from models.config import ModelConfig
+from jremat.models.config import ModelConfig
 
 # Dropout site ids inside one block; each site's mask comes from fold_in(layer_key, site).
 ATTN_DROPOUT_SITE = 0

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 import jremat
 from jremat import Budget, Candidate, LayerPlan
-from models.config import ModelConfig
-from models.programs import block_program, step_flops, step_memory_report
+from jremat.models.config import ModelConfig
+from jremat.models.programs import block_program, step_flops, step_memory_report
 
 
 def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:

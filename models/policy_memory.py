@@ -26,10 +26,10 @@ from jremat import (
     format_bytes,
     registry,
 )
-from models.config import ModelConfig, whole_step_head_chunks
-from models.gpt import GPT
-from models.planning import plan_for_budget
-from models.programs import (
+from jremat.models.config import ModelConfig, whole_step_head_chunks
+from jremat.models.gpt import GPT
+from jremat.models.planning import plan_for_budget
+from jremat.models.programs import (
     analytic_peak_bytes,
     block_program,
     loss_program,

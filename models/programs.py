@@ -23,8 +23,8 @@ from flax import nnx
 
 import jremat
 from jremat import ResidualsReport
-from models.config import ModelConfig
-from models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
+from jremat.models.config import ModelConfig
+from jremat.models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 
 #: Arguments of :func:`train_step_fn` a training loop donates: the parameters and optimizer state.
 TRAIN_STEP_DONATE = (0, 1)

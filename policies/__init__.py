@@ -4,4 +4,4 @@ Found by :mod:`jremat.registry` through the ``jremat.policies`` entry point, so 
 need to import it themselves.
 """
 
-from policies import auto, basic, every_k, names, nested, selective, skip_cheap  # noqa: F401
+from jremat.policies import auto, basic, every_k, names, nested, selective, skip_cheap  # noqa: F401

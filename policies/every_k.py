@@ -13,7 +13,7 @@ however often JAX calls it.
 from __future__ import annotations
 
 from jremat import Param, Plan, PlanPolicy, Program, register
-from policies.skip_cheap import DEFAULT_MIN_FLOPS_PER_BYTE, is_cheap
+from jremat.policies.skip_cheap import DEFAULT_MIN_FLOPS_PER_BYTE, is_cheap
 
 
 class EveryK(PlanPolicy):

@@ -18,8 +18,8 @@ import jremat
 from jremat import _compile
 from jremat._jax_compat import saved_residuals as _jax_saved_residuals
 from jremat._memory import PEAK_FROM_SUM
-from models import GPT, cross_entropy_loss, preset, programs
-from models.programs import step_program
+from jremat.models import GPT, cross_entropy_loss, preset, programs
+from jremat.models.programs import step_program
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from models import ModelConfig
-from train.cli import UsageError
+from jremat.models import ModelConfig
+from jremat.train.cli import UsageError
 
 #: ModelConfig fields that determine the parameter shapes.
 SHAPE_FIELDS = ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff", "param_dtype")

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jremat import registry
-from train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
+from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
 POLICY_KEYS_FIELD = "policy_keys"

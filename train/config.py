@@ -16,11 +16,11 @@ from typing import Any
 
 import jremat
 from jremat import parse_budget, registry
-from models import PRESETS, ModelConfig
-from models import preset as model_preset
-from models.config import DTYPES, whole_step_head_chunks
-from train import sharding
-from train.cli import UsageError, option, require, require_choice, require_int, require_number
+from jremat.models import PRESETS, ModelConfig
+from jremat.models import preset as model_preset
+from jremat.models.config import DTYPES, whole_step_head_chunks
+from jremat.train import sharding
+from jremat.train.cli import UsageError, option, require, require_choice, require_int, require_number
 
 
 @dataclasses.dataclass(frozen=True)

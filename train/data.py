@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.cli import UsageError
+from jremat.train.cli import UsageError
 
 SPLITS = ("train", "valid", "test")
 FILENAMES = {split: f"ptb.{split}.txt" for split in SPLITS}

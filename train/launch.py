@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
+from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
 
 EXIT_TIMEOUT = 124
 
@@ -216,7 +216,7 @@ class Launch:
 def build_parser() -> OneLineErrorParser:
     """The launcher's argument parser (the command to run follows ``--``)."""
     parser = OneLineErrorParser(
-        prog="python -m train.launch",
+        prog=program_name("train.launch"),
         description="Start N local processes of one multi-process JAX run (coordinator on 127.0.0.1).",
         epilog="Example: python -m train.launch --processes 2 --cpu-devices 4 -- "
         "python -m train.ptb --preset tiny --mesh data=4,fsdp=2 --batch-size 8",

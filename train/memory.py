@@ -21,12 +21,13 @@ from collections.abc import Sequence
 
 import jremat
 from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
-from models import PRESETS, ModelConfig
-from models import preset as model_preset
-from models.config import DTYPES, whole_step_head_chunks
-from models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
-from train import cli, timeline_plot
-from train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
+from jremat.models import PRESETS, ModelConfig
+from jremat.models import preset as model_preset
+from jremat.models.config import DTYPES, whole_step_head_chunks
+from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
+from jremat.train import cli, timeline_plot
+from jremat.train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
+from jremat.train.usage import program_name
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -289,7 +290,7 @@ def _allocator_stats_note() -> str | None:
 
 def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
     """The live peak of ``spec``, measured in a fresh Python process (``None`` if it failed)."""
-    argv = [sys.executable, "-m", "train.memory", *config.model_argv(), "--policy", spec, "--live-child"]
+    argv = [sys.executable, "-m", "jremat.train.memory", *config.model_argv(), "--policy", spec, "--live-child"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -328,7 +329,7 @@ def parse_config(argv: Sequence[str] | None) -> MemoryConfig:
     return cli.parse(
         MemoryConfig,
         argv,
-        prog="python -m train.memory",
+        prog=program_name("train.memory"),
         description="Compile-only memory report of the GPT gradient step, one row per remat policy.",
         epilog="registered policies:\n" + registry.describe(),
     )

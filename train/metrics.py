@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.cli import UsageError
+from jremat.train.cli import UsageError
 
 COLUMNS = ("step", "loss", "perplexity", "lr", "step_time_s", "tokens_per_s", "valid_loss", "valid_ppl")
 

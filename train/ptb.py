@@ -31,16 +31,23 @@ import numpy as np
 
 import jremat
 from jremat import registry
-from models import policy_memory
-from train import cli, sharded_steps
-from train import data as data_lib
-from train import distributed as distributed_lib
-from train import sharding as sharding_lib
-from train import step as step_lib
-from train.checkpoint import CheckpointError, Checkpoints, check_compatible, model_shape, pack_state, unpack_state
-from train.config import TRAJECTORY_FIELDS, TrainConfig
-from train.metrics import MetricsFile
-from train.usage import EXIT_USAGE, UsageError
+from jremat.models import policy_memory
+from jremat.train import cli, sharded_steps
+from jremat.train import data as data_lib
+from jremat.train import distributed as distributed_lib
+from jremat.train import sharding as sharding_lib
+from jremat.train import step as step_lib
+from jremat.train.checkpoint import (
+    CheckpointError,
+    Checkpoints,
+    check_compatible,
+    model_shape,
+    pack_state,
+    unpack_state,
+)
+from jremat.train.config import TRAJECTORY_FIELDS, TrainConfig
+from jremat.train.metrics import MetricsFile
+from jremat.train.usage import EXIT_USAGE, UsageError, program_name
 
 EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -100,7 +107,7 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
       SystemExit: ``--help`` (code 0).
       UsageError: on an unknown flag or an invalid value.
     """
-    return cli.parse(TrainConfig, argv, prog="python -m train.ptb", description=DESCRIPTION, epilog=epilog())
+    return cli.parse(TrainConfig, argv, prog=program_name("train.ptb"), description=DESCRIPTION, epilog=epilog())
 
 
 # ----------------------------------------------------------------------------- reports

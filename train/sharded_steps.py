@@ -20,8 +20,8 @@ from jax.sharding import Mesh
 
 import jremat
 from jremat import compiled_memory_report
-from models import GPT, ModelConfig, cross_entropy_loss
-from train.sharding import (
+from jremat.models import GPT, ModelConfig, cross_entropy_loss
+from jremat.train.sharding import (
     ActivationSharding,
     batch_sharding,
     check_batch,
@@ -84,7 +84,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, para
     sharded trees, or shape structs with shardings), batches are split per
     :func:`batch_sharding`, key and loss are replicated. ``params`` and ``opt_state`` are donated.
     """
-    from train import (
+    from jremat.train import (
         step as step_lib,  # the single-device step: the same update, here partitioned
     )
 
@@ -100,7 +100,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, para
 
 def make_eval_step(graphdef, mesh: Mesh, params: Any) -> Callable:
     """``train.step.make_eval_step`` jitted with explicit shardings: ``(params, tokens, targets) -> loss``."""
-    from train import step as step_lib
+    from jremat.train import step as step_lib
 
     b_sh = batch_sharding(mesh)
     return jremat.jit(

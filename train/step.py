@@ -23,8 +23,8 @@ import optax
 from flax import nnx
 
 import jremat
-from models import GPT, ModelConfig
-from models.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
+from jremat.models import GPT, ModelConfig
+from jremat.models.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:

@@ -7,9 +7,26 @@ starts none.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 #: The exit code of every CLI for a user mistake (bad flag, bad value, missing file).
 EXIT_USAGE = 2
+
+
+def program_name(module: str) -> str:
+    """How the user started the CLI ``module`` (e.g. ``"train.ptb"``), for its usage line and errors.
+
+    ``jremat-ptb`` when started by its console script, ``python -m jremat.train.ptb`` when run by
+    that name, else ``python -m train.ptb`` (a checkout's root, and calls of ``main`` from Python).
+    """
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if script.startswith("jremat-"):
+        return script
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == f"jremat.{module}":
+        return f"python -m jremat.{module}"
+    return f"python -m {module}"
 
 
 class UsageError(ValueError):

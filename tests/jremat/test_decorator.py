@@ -208,7 +208,7 @@ def test_custom_plan_policy_and_policy_module(tmp_path, monkeypatch):
     with registry.scoped():
         try:
             jremat.load_module("my_test_policies")  # what --policy-module does
-            from models import preset
+            from jremat.models import preset
             from tests.conftest import loss_and_grads, max_relative_error
 
             cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5)

@@ -52,7 +52,7 @@ def test_forward_mode_through_tied_remat(spec):
 
 
 def test_forward_mode_through_an_unrolled_gpt():
-    from models import GPT, cross_entropy_loss, preset
+    from jremat.models import GPT, cross_entropy_loss, preset
 
     cfg = preset("tiny", n_layers=2, scan_layers=False, remat_policy="full", max_seq_len=8, remat_head_chunks=2)
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
@@ -118,7 +118,7 @@ def test_names_except_removes_the_excluded_bytes():
 
 
 def test_names_except_saves_memory_on_the_gpt_under_scan():
-    from models import preset
+    from jremat.models import preset
     from tests.conftest import train_step_memory
 
     cfg = preset("tiny", n_layers=2)
@@ -232,7 +232,7 @@ def test_budget_numbers_without_a_unit():
 
 
 def test_train_cli_auto_policy_with_a_budget_key(tmp_path):
-    from train.config import TrainConfig
+    from jremat.train.config import TrainConfig
 
     cfg = TrainConfig(policy="auto", policy_keys=(("budget", "0.5"),))
     assert jremat.resolve(cfg.policy_spec()).spec == "auto:budget=0.5"

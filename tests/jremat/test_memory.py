@@ -7,8 +7,8 @@ import pytest
 import jremat
 from jremat import _compile
 from jremat import _memory as jmem
-from models import preset
-from models.programs import step_program
+from jremat.models import preset
+from jremat.models.programs import step_program
 from tests.conftest import ANALYSIS_CPU_OPTIONS
 
 

@@ -7,8 +7,8 @@ from flax import nnx
 
 import jremat
 from jremat import _residuals as jres
-from models import preset
-from models.gpt import Block, make_block_fn
+from jremat.models import preset
+from jremat.models.gpt import Block, make_block_fn
 
 
 def _block(cfg, policy, granularity="block", batch=2):
@@ -74,7 +74,7 @@ def test_plan_policy_tags_map_back_to_names(bf16_tiny):
 
 
 def test_scan_stacked_residuals_match_block_times_layers(bf16_tiny):
-    from models import GPT, cross_entropy_loss
+    from jremat.models import GPT, cross_entropy_loss
 
     cfg = bf16_tiny.replace(remat_policy="full", n_layers=3)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))

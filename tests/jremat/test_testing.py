@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jremat
 from jremat import Policy
+from jremat.models import GPT, cross_entropy_loss, preset
 from jremat.testing import (
     CAUSE_RANDOM,
     CAUSE_STATE,
@@ -22,7 +23,6 @@ from jremat.testing import (
     assert_remat_exact,
     policies,
 )
-from models import GPT, cross_entropy_loss, preset
 
 GPT_TAGS = ("q", "k", "mlp_in")
 

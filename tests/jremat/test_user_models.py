@@ -17,7 +17,9 @@ from tests.conftest import tolerance_jit
 from tests.jremat import user_models
 
 #: The built-in policies (registered by the ``policies`` package).
-BUILTINS = frozenset(name for name, e in registry.entries().items() if e.factory.__module__.startswith("policies."))
+BUILTINS = frozenset(
+    name for name, e in registry.entries().items() if e.factory.__module__.startswith("jremat.policies.")
+)
 STACK_LEVEL = {"nested"}
 
 

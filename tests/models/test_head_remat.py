@@ -2,7 +2,7 @@
 
 import pytest
 
-from models import preset
+from jremat.models import preset
 from tests.conftest import loss_and_grads, max_relative_error, train_step_memory
 
 

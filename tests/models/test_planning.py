@@ -4,8 +4,8 @@ import pytest
 
 import jremat
 from jremat import Candidate
-from models import preset
-from models.planning import apply_candidate, compiled_peak_bytes, plan_for_budget
+from jremat.models import preset
+from jremat.models.planning import apply_candidate, compiled_peak_bytes, plan_for_budget
 
 BATCH = 8
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from models import preset
-from models.policy_memory import config_for_spec, policy_memory, summary_vs_none
+from jremat.models import preset
+from jremat.models.policy_memory import config_for_spec, policy_memory, summary_vs_none
 
 
 def test_summary_vs_none_for_trainers():

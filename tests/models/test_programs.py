@@ -4,8 +4,8 @@ import jax
 import pytest
 
 import jremat
-from models import preset, programs
-from models.programs import (
+from jremat.models import preset, programs
+from jremat.models.programs import (
     TRAIN_STEP_DONATE,
     adam_step_memory,
     adam_train_step,

@@ -11,7 +11,7 @@ import pytest
 
 import jremat
 from jremat import Policy
-from models import preset
+from jremat.models import preset
 from tests.conftest import loss_and_grads, max_relative_error
 
 TOLERANCE = 1e-5

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from models import GPT, cross_entropy_loss, preset
+from jremat.models import GPT, cross_entropy_loss, preset
 from tests.conftest import saved_residuals, train_step_memory
 
 BATCH = 8

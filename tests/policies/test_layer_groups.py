@@ -8,7 +8,7 @@ import pytest
 
 import jremat
 from jremat._remat import parse_layer_policies
-from models import preset
+from jremat.models import preset
 from tests.conftest import loss_and_grads, max_relative_error
 
 
@@ -95,7 +95,7 @@ def test_layer_groups_run_one_scan_per_group():
     cfg = preset("tiny", n_layers=4, remat_layer_policies="1:full,rest:none")
     from flax import nnx
 
-    from models import GPT
+    from jremat.models import GPT
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
     tokens = jnp.zeros((1, cfg.max_seq_len), jnp.int32)

@@ -42,7 +42,7 @@ def reference(request):
 
 @pytest.fixture(scope="module")
 def module_tiny_config():
-    from models import preset
+    from jremat.models import preset
 
     return preset("tiny", attn_dropout=0.5, resid_dropout=0.5)
 

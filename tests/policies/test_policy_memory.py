@@ -2,7 +2,7 @@
 
 import functools
 
-from models import preset
+from jremat.models import preset
 from tests.conftest import train_step_memory
 
 

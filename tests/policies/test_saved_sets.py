@@ -9,8 +9,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from models import preset
-from models.gpt import Block, make_block_fn
+from jremat.models import preset
+from jremat.models.gpt import Block, make_block_fn
 from tests.conftest import saved_residuals
 from tests.policies.helpers import program_of, residual_bytes, saved_op_indices
 

@@ -20,7 +20,7 @@ import sys
 import jax
 import numpy as np
 
-from train import ptb, sharding
+from jremat.train import ptb, sharding
 
 
 def kill_at_call(n: int) -> None:

@@ -26,10 +26,10 @@ import optax
 from flax import nnx
 
 import jremat
-from models import cross_entropy_loss, preset
-from train import sharded_steps as steps
-from train import sharding as sh
-from train import step as step_lib
+from jremat.models import cross_entropy_loss, preset
+from jremat.train import sharded_steps as steps
+from jremat.train import sharding as sh
+from jremat.train import step as step_lib
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -6,10 +6,10 @@ import jax
 import pytest
 from flax import nnx
 
-from models import GPT
-from train import bench
-from train.bench import harness, parts, peers, plots, report
-from train.bench.config import BenchConfig
+from jremat.models import GPT
+from jremat.train.bench import cli as bench
+from jremat.train.bench import harness, parts, peers, plots, report
+from jremat.train.bench.config import BenchConfig
 
 
 def fake_rows() -> list[dict]:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jremat.train.checkpoint import CheckpointError, Checkpoints, check_writable
 from tests.conftest import REPO
-from train.checkpoint import CheckpointError, Checkpoints, check_writable
 
 
 def test_save_restore_round_trip(tmp_path):
@@ -37,7 +37,7 @@ CRASHING_SAVER = textwrap.dedent(
     import os, sys
     import jax.numpy as jnp
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
-    from train.checkpoint import Checkpoints
+    from jremat.train.checkpoint import Checkpoints
 
     ckpts = Checkpoints(sys.argv[1])
     ckpts.save(1, {"w": jnp.full((4,), 1.0)}, {"step": 1})

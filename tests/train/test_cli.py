@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from train import cli, ptb
-from train import memory as train_memory
+from jremat.train import cli, ptb
+from jremat.train import memory as train_memory
 
 
 @dataclasses.dataclass(frozen=True)

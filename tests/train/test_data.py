@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from train import data
+from jremat.train import data
 
 SPLIT_FILES = ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt")
 

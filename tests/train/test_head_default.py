@@ -1,8 +1,8 @@
 """A policy covers the whole step by default: the CLIs remat the head and loss in chunks unless the policy is none."""
 
-from models.config import whole_step_head_chunks
-from train.config import TrainConfig
-from train.memory import MemoryConfig
+from jremat.models.config import whole_step_head_chunks
+from jremat.train.config import TrainConfig
+from jremat.train.memory import MemoryConfig
 
 
 def test_whole_step_head_chunks():

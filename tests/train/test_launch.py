@@ -6,12 +6,12 @@ import time
 
 import pytest
 
+from jremat.train import launch
 from tests.conftest import REPO
-from train import launch
 
 
 def test_the_launcher_imports_no_jax():
-    check = "import sys, train.launch; print(sorted(m for m in ('jax', 'jremat', 'flax') if m in sys.modules))"
+    check = "import sys, jremat.train.launch; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

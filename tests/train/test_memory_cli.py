@@ -5,7 +5,7 @@ import json
 import pytest
 
 import jremat
-from train import memory as tm
+from jremat.train import memory as tm
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
 KEYS = {

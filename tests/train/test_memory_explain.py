@@ -2,9 +2,9 @@
 
 import json
 
-import train.memory as tm
-from models import preset
-from models.policy_memory import compare_policies
+import jremat.train.memory as tm
+from jremat.models import preset
+from jremat.models.policy_memory import compare_policies
 
 
 def test_explain_section_reports_decisions_and_names_per_policy():

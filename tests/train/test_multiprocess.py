@@ -20,12 +20,12 @@ import time
 
 import pytest
 
+from jremat.train import distributed as dist
+from jremat.train import launch, ptb
+from jremat.train import sharding as sh
+from jremat.train.metrics import read_rows
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
-from train import distributed as dist
-from train import launch, ptb
-from train import sharding as sh
-from train.metrics import read_rows
 
 STEPS, CKPT_EVERY, KILL_AT_CALL = 4, 2, 4  # killed before step 4: steps 1-3 done, checkpoint of step 2 complete
 RUN_TIMEOUT_S = 240  # each launch is bounded; the processes are killed past it
@@ -308,7 +308,7 @@ def test_processes_with_different_process_counts_both_exit_2_naming_both_counts(
 
 
 def test_each_process_feeds_only_its_own_rows_of_the_batch(runs, ptb_offline_dir):
-    from train import data as data_lib
+    from jremat.train import data as data_lib
 
     rows = runs["rows"]
     assert sorted(rows) == [0, 1], rows
@@ -483,7 +483,7 @@ def test_one_process_holds_every_row_and_shard_batch_checks_the_share():
 def test_batches_keep_only_the_rows_asked_for():
     import numpy as np
 
-    from train import data as data_lib
+    from jremat.train import data as data_lib
 
     stream = np.arange(100, dtype=np.int32)
     full, own = (

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import preset
+from jremat.models import preset
+from jremat.train import data as data_lib
+from jremat.train import ptb
+from jremat.train.checkpoint import Checkpoints, pack_state
+from jremat.train.config import TrainConfig
+from jremat.train.metrics import read_rows
+from jremat.train.step import OptimizerConfig, init_params
 from tests.conftest import REPO
-from train import data as data_lib
-from train import ptb
-from train.checkpoint import Checkpoints, pack_state
-from train.config import TrainConfig
-from train.metrics import read_rows
-from train.step import OptimizerConfig, init_params
 
 STEPS = 20
 

@@ -17,10 +17,10 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from models import GPT, cross_entropy_loss, preset
+from jremat.models import GPT, cross_entropy_loss, preset
+from jremat.train import distributed as dist
+from jremat.train import sharding as sh
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
-from train import distributed as dist
-from train import sharding as sh
 
 
 def abstract_mesh(**sizes):

@@ -6,10 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from models import preset
-from train.cli import UsageError
-from train.config import TrainConfig
-from train.step import OptimizerConfig, init_params, learning_rate_schedule, make_train_step
+from jremat.models import preset
+from jremat.train.cli import UsageError
+from jremat.train.config import TrainConfig
+from jremat.train.step import OptimizerConfig, init_params, learning_rate_schedule, make_train_step
 
 
 def test_schedule_warms_up_linearly_then_decays_to_a_tenth():

@@ -2,6 +2,6 @@
 
 import sys
 
-from train.bench import main
+from jremat.train.bench.cli import main
 
 sys.exit(main())

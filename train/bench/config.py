@@ -7,9 +7,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from models import PRESETS, ModelConfig
-from models import preset as model_preset
-from train.cli import UsageError, apply_policy_keys, option, parse
+from jremat.models import PRESETS, ModelConfig
+from jremat.models import preset as model_preset
+from jremat.train.cli import UsageError, apply_policy_keys, option, parse
+from jremat.train.usage import program_name
 
 PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto")
 
@@ -233,6 +234,6 @@ def parse_config(argv: Sequence[str] | None) -> BenchConfig:
     return parse(
         BenchConfig,
         argv,
-        prog="python -m train.bench",
+        prog=program_name("train.bench"),
         description="Memory and time of every remat policy and its peers; regenerates docs/RESULTS.md.",
     )

@@ -27,9 +27,9 @@ from flax import nnx
 
 from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
 from jremat._memory import PEAK_FROM_SUM
-from models import GPT, ModelConfig
-from models.programs import adam_train_step
-from train.step import make_train_step
+from jremat.models import GPT, ModelConfig
+from jremat.models.programs import adam_train_step
+from jremat.train.step import make_train_step
 
 GIB = 2**30
 MIB = 2**20

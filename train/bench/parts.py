@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from models import ModelConfig
-from models import preset as model_preset
-from models.policy_memory import policy_memory
-from train.bench import harness, peers
-from train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
-from train.bench.harness import (
+from jremat.models import ModelConfig
+from jremat.models import preset as model_preset
+from jremat.models.policy_memory import policy_memory
+from jremat.train.bench import harness, peers
+from jremat.train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
+from jremat.train.bench.harness import (
     GIB,
     MIB,
     Measured,
@@ -383,7 +383,7 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     plans are timed in one interleaved run, and each budget's row names the fastest built-in that
     fits it. ``compile_s`` of an ``auto`` row is the planning time (solve + verification compiles).
     """
-    from models.planning import plan_for_budget
+    from jremat.models.planning import plan_for_budget
 
     cfg, batch = model_preset(config.time_preset), config.time_batch
 

@@ -27,8 +27,8 @@ from flax import nnx
 
 import jremat
 from jremat import ops
-from models import ModelConfig
-from train.bench.harness import Program
+from jremat.models import ModelConfig
+from jremat.train.bench.harness import Program
 
 
 class JaxCheckpointPeer(jremat.Policy):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from train.bench.harness import MIB
-from train.bench.report import rows_by_part
+from jremat.train.bench.harness import MIB
+from jremat.train.bench.report import rows_by_part
 
 
 def write_plots(rows: Sequence[dict], out: str) -> list[str]:

@@ -12,8 +12,8 @@ from typing import Any
 import jax
 
 from jremat import format_bytes
-from train.bench.harness import GIB
-from train.bench.parts import CSV_COLUMNS
+from jremat.train.bench.harness import GIB
+from jremat.train.bench.parts import CSV_COLUMNS
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:

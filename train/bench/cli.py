@@ -1,0 +1,115 @@
+"""``python -m train.bench`` (installed: ``jremat-bench``): run the parts, write the CSV, plots and report.
+
+What the parts measure: :mod:`jremat.train.bench`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+
+from jremat.train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
+from jremat.train.bench.harness import bench_peak, measure, time_ratios
+from jremat.train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
+from jremat.train.bench.plots import write_plots
+from jremat.train.bench.report import check_targets, kept_text, results_markdown, write_csv
+from jremat.train.cli import UsageError, run_main
+
+__all__ = [
+    "BenchConfig",
+    "CSV_COLUMNS",
+    "DEFAULT_POLICIES",
+    "PARTS",
+    "PART_FUNCTIONS",
+    "bench_peak",
+    "check_targets",
+    "main",
+    "measure",
+    "parse_config",
+    "run",
+    "time_ratios",
+]
+
+#: What the report says about scopes and the FLOPs bound (placed after the verdict).
+READING_GUIDE = """\
+## What each number covers
+
+* **Scope.** `blocks`: the policy checkpoints the transformer blocks only. `head`: `none` on the blocks, the final
+  LayerNorm, vocabulary head and loss recomputed over sequence chunks (`ModelConfig.remat_head_chunks`). `whole
+  step`: both, as the Needle study checkpoints the whole graph. The bench applies every policy but `none` to the
+  whole step (`--remat-head-chunks`, default 4); the Megatron and peer tables are blocks only, because the formulas
+  and the peers cover blocks only.
+* **Step.** Memory and time are of a full Adam train step (parameters, gradients, both moments; parameters and
+  optimizer state donated), except the Megatron table, which is the gradient step that `python -m train.memory`
+  reports and `analytic_peak_bytes` models.
+* **FLOPs bound.** `1 + recompute FLOPs / step FLOPs`: the policy's step FLOPs over `none`'s, counted on the
+  traced step (`jremat.program_flops`, which multiplies a scan body by its length). XLA:CPU's
+  `cost_analysis()` of the compiled step counts a loop body once, so with scanned layers or a chunked head it
+  undercounts (its figure is in the CSV, column `xla_flops`, and can fall below `none`'s). The bound is the time ratio if every FLOP cost the same. When the vocabulary head dominates the
+  step (the head-dominated model), the recompute is a small share of the FLOPs, the bound is near 1, and no time
+  ratio there says much about remat; the block-dominated model is where a policy's cost shows. Measured ratios
+  below the bound mean the recomputed FLOPs are cheaper than the step's average FLOP on this machine (the Adam
+  update, memory traffic and dispatch do not grow with recompute); ratios above it mean the recompute costs more
+  than its FLOPs (extra passes over memory, lost fusion).
+* **Below 1.** In the `time` and `needle_time` tables `none` keeps the head whole while every other policy
+  runs it in chunks, so their ratios include that change too: a ratio below 1 means the chunked step ran faster
+  than `none`'s on this machine, which the blocks' recompute cannot explain. The peers table (blocks only, no
+  chunking) has no such term.
+* **Peers that recompute nothing.** A peer row whose FLOPs bound is 1.000 recomputes nothing and keeps `none`'s
+  peak: its checkpoint did not survive into the compiled step. A row with a FLOPs bound above 1 and `none`'s peak
+  recomputes but saves no memory: XLA scheduled the recomputation where it frees nothing. Either way the
+  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat._tie`, keeps the
+  recomputation in the backward pass).
+"""
+
+
+def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[str]]:
+    """Run the configured parts; write the CSV and plots into ``config.out`` and the report.
+
+    Returns:
+      ``(rows, plot file names, notes)``.
+
+    Raises:
+      UsageError: if ``config.out`` cannot be created.
+    """
+    policies, notes = list(config.policy), []
+    try:
+        os.makedirs(config.out, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create --out {config.out!r}: {err}") from None
+    rows: list[dict] = []
+    started = time.perf_counter()
+    for part in config.parts:
+        t0 = time.perf_counter()
+        rows += PART_FUNCTIONS[part](config, policies)
+        print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        write_csv(rows, os.path.join(config.out, "bench.csv"))  # keep what is done if a later part fails
+    plots = write_plots(rows, config.out)
+    if config.report:
+        plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
+        text = results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes, READING_GUIDE)
+        text += kept_text(config.report)
+        with open(config.report, "w") as f:
+            f.write(text)
+    return rows, plots, notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
+    config = parse_config(argv)
+    rows, plots, _ = run(config, "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv))
+    print(
+        f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench.csv')}, {len(plots)} plots"
+        + (f" and {config.report}" if config.report else "")
+    )
+    for target, measured, ok in check_targets(rows):
+        print(f"  {'met   ' if ok else 'MISSED'} {target}: {measured}")
+    return 0
