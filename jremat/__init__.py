@@ -38,7 +38,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # The budget planner: per-layer and per-name choices under a memory budget.
     "jremat._planner": ("Candidate", "LayerPlan", "NameCost", "name_costs", "plan_function", "plan_layers"),
     # Policies: the base classes, the plan a plan policy returns, and the offload precondition.
-    "jremat._policy": ("CallbackPolicy", "NoRemat", "Plan", "PlanPolicy", "Policy", "require_host_memory"),
+    "jremat._policy": (
+        "CallbackPolicy",
+        "NoRemat",
+        "Plan",
+        "PlanPolicy",
+        "Policy",
+        "PolicyDoesNotApply",
+        "require_host_memory",
+    ),
     # Programs: the traced equations a plan policy chooses from.
     "jremat._program": ("Op", "Program", "trace_program"),
     # Layer stacks: where remat applies, scanned or unrolled layers, chunked recomputation.

@@ -11,9 +11,12 @@
     @jremat.policy("full")
     class Block(nn.Module): ...               # Flax Linen: params and rngs are lifted
 
-Arguments that are not arrays (``deterministic=True``, ints, strings, ``None``) are treated as
-static: they are closed over, never traced, so Python control flow on them keeps working (the
-equivalent of ``static_argnums`` without having to count arguments).
+On a plain function the decorator is a drop-in for ``jax.checkpoint``: the same arguments
+(``policy`` may also be a JAX policy callable or ``None``; ``prevent_cse`` a bool or a pytree
+prefix of the arguments; ``static_argnums``), every other argument traced as JAX traces it
+(Python scalars included), the same errors, and one trace per argument structure and avals. On
+Flax modules it lifts like ``nnx.remat`` / ``nn.remat``: there, arguments that are not arrays
+(``deterministic=True``) are static.
 
 :func:`custom_policy` registers a user's JAX policy callback (or whole-program plan) under a
 name, after which every spec string, decorator and ``--policy`` flag accepts it.
@@ -21,9 +24,10 @@ name, after which every spec string, decorator and ``--policy`` flag accepts it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -85,12 +89,21 @@ def split_static(
     return with_dynamic, leaves, dynamic_positions
 
 
-def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), prevent_cse: bool = True, **keys):
+def policy(
+    spec: str | Policy | Callable | None = None,
+    /,
+    *,
+    methods: Iterable[str] = ("__call__",),
+    prevent_cse: bool | Sequence = True,
+    static_argnums: int | Sequence[int] = (),
+    **keys,
+):
     """Decorator applying a rematerialization policy to a function or a Flax module.
 
     Works on:
 
-    1. a plain function of pytrees (``staticmethod`` and ``classmethod`` objects included);
+    1. a plain function of pytrees (``staticmethod`` and ``classmethod`` objects included),
+       exactly as ``jax.checkpoint`` does (see the module docstring);
     2. a Flax NNX module class (its ``methods`` run rematerialized) or an NNX method. Every NNX
        graph node anywhere in the arguments (modules, ``nnx.Rngs`` passed at call time,
        variables, shared references) behaves as undecorated: state updates such as RNG
@@ -103,9 +116,15 @@ def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), pre
     (:mod:`jremat._tie`), so it saves memory in unrolled code too.
 
     Args:
-      spec: a spec string (``"every_k:k=4"``, ``"every_k"``) or a :class:`Policy`.
+      spec: a spec string (``"every_k:k=4"``, ``"every_k"``), a :class:`Policy`, a JAX policy
+        callable ``(prim, *avals, **params) -> bool`` (any ``jax.checkpoint_policies`` entry), or
+        ``None`` for ``full`` (recompute everything, as ``jax.checkpoint`` without a policy).
       methods: for module classes, the methods to rematerialize.
-      prevent_cse: as in ``jax.checkpoint``; ``False`` only inside a ``lax.scan`` of more than one step.
+      prevent_cse: as in ``jax.checkpoint``: a bool, or a tuple whose items are pytree prefixes
+        of the positional arguments (after removing static ones), e.g. ``(False, True)`` not to
+        guard FSDP-gathered weights; ``False`` only inside a ``lax.scan`` of more than one step.
+      static_argnums: as in ``jax.checkpoint``: positions of arguments that are closed over as
+        Python values (hashable or not) instead of traced; a new value traces again.
       **keys: policy keys given separately (``k=4``).
 
     Returns:
@@ -114,19 +133,24 @@ def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), pre
     Raises:
       ValueError: at decoration time, on a bad spec, a layer-stack spec (``nested``), a
         target that is not callable, or a method name the class does not have.
+      TypeError: on a ``prevent_cse`` or ``static_argnums`` of the wrong type (as ``jax.checkpoint``).
     """
-    chosen = registry.resolve(spec, **keys)  # refuses a layer-stack spec (nested)
+    chosen = _resolve(spec, keys)
+    prevent_cse = _check_prevent_cse(prevent_cse)
+    static_argnums = _check_static_argnums(static_argnums)
     if isinstance(methods, str):
         raise ValueError(f"methods must be a sequence of method names, got the string {methods!r}")
     methods = tuple(methods)
     if not methods or not all(isinstance(m, str) for m in methods):
         raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
+    options = _Options(prevent_cse, static_argnums)
 
     def decorate(target):
         if isinstance(target, staticmethod):
-            return staticmethod(_function(target.__func__, chosen, prevent_cse))
-        if isinstance(target, classmethod):
-            return classmethod(_function(target.__func__, chosen, prevent_cse))
+            return staticmethod(_function(target.__func__, chosen, options))
+        if isinstance(target, classmethod):  # the class is static; the caller's positions start after it
+            shifted = (0, *(d + 1 if d >= 0 else d for d in options.static_argnums))
+            return classmethod(_function(target.__func__, chosen, dataclasses.replace(options, static_argnums=shifted)))
         linen = sys.modules.get("flax.linen")
         if isinstance(target, type) and issubclass(target, _flax_module_types()):
             missing = [m for m in methods if not callable(getattr(target, m, None))]
@@ -137,28 +161,39 @@ def policy(spec: str | Policy, /, *, methods: Iterable[str] = ("__call__",), pre
                     f"its methods: __call__, {', '.join(found)}"
                 )
             if linen is not None and issubclass(target, linen.Module):
-                return _linen(target, chosen, prevent_cse, methods)
-            attrs = {m: _function(getattr(target, m), chosen, prevent_cse) for m in methods}
+                return _linen(target, chosen, options.any_cse, methods)
+            attrs = {m: _function(getattr(target, m), chosen, options) for m in methods}
             attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
             return type(target.__name__, (target,), attrs)
         if callable(target):
-            return _function(target, chosen, prevent_cse)
+            return _function(target, chosen, options)
         raise ValueError(f"@jremat.policy needs a function or a Flax module class, got {target!r}")
 
     return decorate
 
 
-def checkpoint(fn: Callable, policy: str | Policy = "full", *, prevent_cse: bool = True, **keys) -> Callable:
-    """Rematerialize ``fn`` under a policy: ``jremat.checkpoint(f, "every_k:k=4")``.
+def checkpoint(
+    fn: Callable,
+    policy: str | Policy | Callable | None = None,
+    *,
+    prevent_cse: bool | Sequence = True,
+    static_argnums: int | Sequence[int] = (),
+    **keys,
+) -> Callable:
+    """Rematerialize ``fn`` under a policy: a drop-in for ``jax.checkpoint`` (``jremat.checkpoint(f, "every_k:k=4")``).
 
-    The same as ``jremat.policy(policy, prevent_cse=prevent_cse, **keys)(fn)``: non-array
-    arguments are static, NNX graph nodes and Linen modules are lifted, and the checkpoint is
-    tied to its cotangent where it may sit in straight-line code.
+    The same as ``jremat.policy(policy, prevent_cse=..., static_argnums=..., **keys)(fn)``.
+    Code written for ``jax.checkpoint(fn, policy=..., prevent_cse=..., static_argnums=...)``
+    runs unchanged, with the same values, gradients, errors and trace counts; the one
+    difference, the tie to the cotangent that keeps the saving in straight-line code, changes
+    no value (docs/policies.md, "jremat.checkpoint and jax.checkpoint").
 
     Args:
       fn: a function, an NNX/Linen method or module class.
-      policy: a spec string or :class:`Policy`.
-      prevent_cse: as in ``jax.checkpoint``; ``False`` only inside a ``lax.scan`` of more than one step.
+      policy: a spec string, a :class:`Policy`, a JAX policy callable or ``jax.checkpoint_policies``
+        entry, or ``None`` (``full``).
+      prevent_cse: as in ``jax.checkpoint`` (a bool or a tuple of pytree prefixes).
+      static_argnums: as in ``jax.checkpoint``.
       **keys: policy keys given separately, e.g. ``k=4``.
 
     Returns:
@@ -166,8 +201,132 @@ def checkpoint(fn: Callable, policy: str | Policy = "full", *, prevent_cse: bool
 
     Raises:
       ValueError: as :func:`policy`.
+      TypeError: as :func:`policy`.
     """
-    return _policy_decorator(policy, prevent_cse=prevent_cse, **keys)(fn)
+    return _policy_decorator(policy, prevent_cse=prevent_cse, static_argnums=static_argnums, **keys)(fn)
+
+
+def _resolve(spec, keys: dict) -> Policy:
+    if spec is None:
+        spec = "full"
+    if isinstance(spec, (str, Policy)):
+        return registry.resolve(spec, **keys)  # refuses a layer-stack spec (nested)
+    if callable(spec) and not isinstance(spec, type):
+        if keys:
+            raise ValueError(
+                f"policy keys {sorted(keys)} were given with a JAX policy callable {spec!r}; keys belong to "
+                "spec strings such as 'every_k:k=4'"
+            )
+        return CallbackPolicy(spec)
+    raise ValueError(
+        f"policy must be a spec string (e.g. 'every_k:k=4'; jremat.available() lists the names), a "
+        f"jremat.Policy, a JAX policy callable such as jax.checkpoint_policies.dots_saveable, or None "
+        f"(= 'full'); got {spec!r}"
+    )
+
+
+def _check_prevent_cse(prevent_cse):
+    """``prevent_cse`` as ``jax.checkpoint`` takes it: a bool, or a sequence made a tuple."""
+    if isinstance(prevent_cse, Sequence) and not isinstance(prevent_cse, str):
+        return tuple(prevent_cse)
+    if not isinstance(prevent_cse, bool):
+        raise TypeError(f"prevent_cse must be a bool or tuple of bools, got {type(prevent_cse)=}")
+    return prevent_cse
+
+
+def _check_static_argnums(static_argnums) -> tuple[int, ...]:
+    if type(static_argnums) is int:
+        return (static_argnums,)
+    if isinstance(static_argnums, (tuple, list)) and all(type(d) is int for d in static_argnums):
+        return tuple(static_argnums)
+    raise TypeError(
+        "the `static_argnums` argument to `jax.checkpoint` / `jax.remat` must be an int, tuple of ints or, "
+        f"bool, but got value {static_argnums}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """``jax.checkpoint``'s options, checked."""
+
+    prevent_cse: bool | tuple
+    static_argnums: tuple[int, ...]
+
+    @property
+    def any_cse(self) -> bool:
+        """Whether any argument asks for CSE prevention (what the Flax paths, which take a bool, use)."""
+        return self.prevent_cse if isinstance(self.prevent_cse, bool) else any(jax.tree.leaves(self.prevent_cse))
+
+
+class _Static:
+    """A static argument in a cache key: by value where hashable, by identity otherwise (as JAX)."""
+
+    def __init__(self, value):
+        self.value = value
+        try:
+            self.hash, self.hashable = hash(value), True
+        except TypeError:
+            self.hash, self.hashable = id(value), False
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Static) or self.hashable != other.hashable:
+            return False
+        return self.value == other.value if self.hashable else self.value is other.value
+
+
+_MAX_TRACES = 32
+
+
+def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` rematerialized the way ``jax.checkpoint`` calls a function."""
+    nums = options.static_argnums
+    if not all(-len(args) <= d < len(args) for d in nums):
+        raise ValueError(
+            "the `static_argnums` argument to `jax.checkpoint` / `jax.remat` can only take integer values greater "
+            f"than or equal to `-len(args)` and less than `len(args)`, but got {nums}, while `len(args)` = {len(args)}"
+        )
+    static_positions = frozenset(d % len(args) for d in nums)
+    dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_positions)
+    statics = tuple((i, _Static(args[i])) for i in sorted(static_positions))
+    leaves, in_tree = jax.tree.flatten((dynamic_args, kwargs))
+    cse = _leaf_prevent_cse(options.prevent_cse, dynamic_args, kwargs)
+    key = (in_tree, tuple(jax.typeof(leaf) for leaf in leaves), statics, cse)  # TypeError on a non-JAX value
+    flat = traced.get(key)
+    if flat is None:
+
+        def flat_fn(*dynamic_leaves):
+            a, kw = jax.tree.unflatten(in_tree, dynamic_leaves)
+            full = list(a)
+            for i, value in statics:
+                full.insert(i, value.value)
+            return fn(*full, **kw)
+
+        flat = chosen.wrap(flat_fn, prevent_cse=cse)
+        if len(traced) >= _MAX_TRACES:
+            traced.pop(next(iter(traced)))
+        traced[key] = flat
+    return flat(*leaves)
+
+
+def _leaf_prevent_cse(prevent_cse, args: tuple, kwargs: dict):
+    """A bool, or one bool per argument leaf (JAX's broadcast of the prefix over the arguments)."""
+    if isinstance(prevent_cse, bool):
+        return prevent_cse
+    full = (args, kwargs) if kwargs else args
+    try:
+        broadcast = jax.tree.broadcast(prevent_cse, full)
+    except ValueError as err:
+        raise ValueError(
+            f"prevent_cse={prevent_cse!r} is not a prefix of the arguments' pytree (one bool per argument, or a "
+            f"pytree of bools matching an argument); {err}"
+        ) from None
+    flags = jax.tree.leaves(broadcast)
+    if len(flags) != len(jax.tree.leaves(full)) or not all(isinstance(f, bool) for f in flags):
+        raise ValueError(f"prevent_cse={prevent_cse!r} must hold one bool for each argument leaf or subtree")
+    return tuple(flags)
 
 
 _policy_decorator = policy
@@ -192,16 +351,17 @@ def _has_graph_node(tree) -> bool:
 _NNX_CONTEXT = "jremat"
 
 
-def _function(fn: Callable, chosen: Policy, prevent_cse: bool) -> Callable:
+def _function(fn: Callable, chosen: Policy, options: _Options) -> Callable:
     """Rematerialize a function; NNX graph nodes in its arguments and Linen ``self`` are lifted."""
     linen_lifted: list[Callable] = []
+    traced: dict = {}  # per argument structure, avals and static values: the rematerialized flat function
 
     @functools.wraps(fn)
     def rematerialized(*args, **kwargs):
         linen = sys.modules.get("flax.linen")
         if linen is not None and args and isinstance(args[0], linen.Module):
             if not linen_lifted:  # a Linen method: lifted like nn.remat, on its first call
-                linen_lifted.append(_linen(fn, chosen, prevent_cse, ("__call__",)))
+                linen_lifted.append(_linen(fn, chosen, options.any_cse, ("__call__",)))
             return linen_lifted[0](*args, **kwargs)
         if _has_graph_node((args, kwargs)):
             from flax.nnx.transforms import general
@@ -212,10 +372,10 @@ def _function(fn: Callable, chosen: Policy, prevent_cse: bool) -> Callable:
 
             def checkpointed(pure_args_kwargs):
                 inner = general.merge_inputs(merged, ctxtag=_NNX_CONTEXT)
-                return call_rematerialized(inner, chosen, (pure_args_kwargs,), {}, prevent_cse=prevent_cse)
+                return call_rematerialized(inner, chosen, (pure_args_kwargs,), {}, prevent_cse=options.any_cse)
 
             return general.split_inputs(checkpointed, ctxtag=_NNX_CONTEXT)((args, kwargs))
-        return call_rematerialized(fn, chosen, args, kwargs, prevent_cse=prevent_cse)
+        return _plain_call(fn, chosen, options, traced, args, kwargs)
 
     return rematerialized
 

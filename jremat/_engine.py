@@ -33,12 +33,16 @@ The engine is detected from what ``jax.checkpoint`` actually emits, never from a
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
+from jax.extend import core as jcore
 
 from jremat import _jax_compat
+
+#: Call-like primitives whose body is inlined when a program is flattened.
+INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 #: The classic engine: ``jax.checkpoint`` binds ``remat2`` and consults policy callbacks.
 CLASSIC = "classic"
@@ -140,21 +144,58 @@ def checkpoint(
     if both:
         raise ValueError(f"jremat._engine.checkpoint: {both} listed both to save and to offload; give each name once")
 
+    classic = _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse)
+    remat3_traces = AvalCache()
+
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
         if active_engine() == CLASSIC:
-            return _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse)(
-                *args, **kwargs
-            )
+            return classic(*args, **kwargs)
         if callback is not None and not natively_understood(callback):
-            return _remat3_callback(fn, callback, args, kwargs)
-        if callback is not None:
+            lower = lambda: _remat3_callback(fn, callback, args, kwargs)
+        elif callback is not None:
             policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
-            return _remat3_rebound(fn, policy, {}, args, kwargs)
-        offload = {name: (offload_src, offload_dst) for name in offload_names}
-        return _remat3_names(fn, save_names, offload, args, kwargs)
+            lower = lambda: _remat3_rebound(fn, policy, {}, args, kwargs)
+        else:
+            offload = {name: (offload_src, offload_dst) for name in offload_names}
+            lower = lambda: _remat3_names(fn, save_names, offload, args, kwargs)
+        out_tree, flat = remat3_traces.get(args, kwargs, lower)
+        return jax.tree.unflatten(out_tree, flat(*jax.tree.leaves((args, kwargs))))
 
     return checkpointed
+
+
+class AvalCache:
+    """Lowerings of one function built once per argument structure and avals, as ``jax.checkpoint``
+    caches its trace, so repeated calls do not trace the function again.
+
+    A lowering returns ``(out_tree, flat_fn, consts)``; one whose traced program closes over a
+    tracer of an outer trace (in ``consts``) belongs to that trace and is not kept.
+
+    Args:
+      maxsize: lowerings kept; the oldest goes first.
+    """
+
+    def __init__(self, maxsize: int = 32):
+        self.maxsize = maxsize
+        self._entries: dict = {}
+
+    def get(self, args: tuple, kwargs: dict, lower: Callable[[], tuple]) -> tuple:
+        """``(out_tree, flat_fn)`` for these arguments, lowered by ``lower()`` on a miss."""
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        try:
+            key = (treedef, tuple(jax.typeof(leaf) for leaf in leaves))
+            hash(key)
+        except TypeError:  # not JAX values: lowering raises JAX's own error
+            return lower()[:2]
+        if key not in self._entries:
+            out_tree, flat, consts = lower()
+            if any(isinstance(c, jax.core.Tracer) for c in consts):
+                return out_tree, flat
+            if len(self._entries) >= self.maxsize:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (out_tree, flat)
+        return self._entries[key]
 
 
 def _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse):
@@ -187,24 +228,28 @@ def _remat3_names(fn, save_names, offload: Mapping[str, tuple[str, str]], args, 
 def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kwargs):
     """``jax.checkpoint(fn, policy=policy)`` under remat3, ``fn`` traced once with the classic
     primitives and re-bound: its name tags become :func:`name_tag` (which batches), the values
-    named in ``offload`` go through :func:`offload_function`."""
-    from jremat import _program
+    named in ``offload`` go through :func:`offload_function`.
 
+    Returns:
+      ``(out_tree, flat_fn, consts)``: ``flat_fn`` takes the flattened argument leaves.
+    """
     for src, dst in offload.values():
         offload_function(src, dst)  # check the memory kinds before tracing anything
-    prog = _program.trace_program(fn, *args, **kwargs)
-    outs = jax.checkpoint(
-        lambda *leaves: _evaluate(prog.closed_jaxpr.jaxpr, prog.closed_jaxpr.consts, leaves, offload),
+    # Nested jits stay jits (their compile caches and names kept) unless they hold name tags or
+    # checkpoints, which must be re-emitted for remat3.
+    closed, _, out_tree = trace_flat(fn, args, kwargs, inline=False)
+    flat = jax.checkpoint(
+        lambda *leaves: _evaluate(closed.jaxpr, closed.consts, leaves, offload, keep_calls=True),
         policy=policy,
-    )(*jax.tree.leaves((args, kwargs)))
-    return jax.tree.unflatten(prog.out_tree, outs)
+    )
+    return out_tree, flat, closed.consts
 
 
-def callback_decisions(program, callback: Callable) -> tuple[frozenset[int], dict[int, tuple[str, str]]]:
-    """Ask ``callback`` about every equation of ``program``, as the classic engine does.
+def callback_decisions(closed_jaxpr, callback: Callable) -> tuple[frozenset[int], dict[int, tuple[str, str]]]:
+    """Ask ``callback`` about every equation of a flattened jaxpr, as the classic engine does.
 
     Args:
-      program: a :class:`jremat.Program` (nested ``jit`` inlined).
+      closed_jaxpr: a flattened program's jaxpr (nested ``jit`` inlined: :func:`trace_flat`).
       callback: ``(prim, *in_avals, **params)`` returning a bool or ``Saveable`` /
         ``Recompute`` / ``Offloadable``.
 
@@ -213,7 +258,7 @@ def callback_decisions(program, callback: Callable) -> tuple[frozenset[int], dic
       memory kinds for those to offload.
     """
     save, offload = set(), {}
-    for i, eqn in enumerate(program.closed_jaxpr.jaxpr.eqns):
+    for i, eqn in enumerate(closed_jaxpr.jaxpr.eqns):
         if not eqn.outvars:
             continue
         decision = callback(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
@@ -228,11 +273,9 @@ _callback_tag_counter = iter(range(1 << 62))
 
 
 def _remat3_callback(fn, callback, args, kwargs):
-    from jremat import _program
-
-    prog = _program.trace_program(fn, *args, **kwargs)
-    eqns = prog.closed_jaxpr.jaxpr.eqns
-    save, offload = callback_decisions(prog, callback)
+    closed, _, out_tree = trace_flat(fn, args, kwargs)
+    eqns = closed.jaxpr.eqns
+    save, offload = callback_decisions(closed, callback)
     # A kept name tag is saved under its own name (the value keeps its name in reports), unless
     # the callback decided differently for two tags of the same name.
     by_name: dict = {}
@@ -249,13 +292,13 @@ def _remat3_callback(fn, callback, args, kwargs):
     tags = {i: f"{prefix}/{i}" for i in sorted(save | set(offload)) if i not in own_name}
 
     def names_of(i):
-        return [own_name[i]] if i in own_name else _program.tag_names(tags[i], prog.ops[i])
+        return [own_name[i]] if i in own_name else output_tag_names(tags[i], len(eqns[i].outvars))
 
     save_names = sorted({n for i in save for n in names_of(i)})
     offload_by_name = {n: offload[i] for i in sorted(offload) for n in names_of(i)}
-    tagged = lambda *leaves: _program.evaluate_tagged(prog, tags, leaves)
-    outs = _remat3_names(tagged, save_names, offload_by_name, tuple(jax.tree.leaves((args, kwargs))), {})
-    return jax.tree.unflatten(prog.out_tree, outs)
+    tagged = lambda *leaves: evaluate_tagged(closed, tags, leaves)
+    _, flat, _ = _remat3_names(tagged, save_names, offload_by_name, tuple(jax.tree.leaves((args, kwargs))), {})
+    return out_tree, lambda *leaves: flat(*leaves), closed.consts
 
 
 def offload_function(src: str, dst: str) -> Callable:
@@ -328,27 +371,164 @@ def bind_translated(eqn, invals) -> list:
     return list(checkpoint(fun, callback=policy)(*invals))
 
 
-def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]]) -> list:
+def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_calls: bool = False) -> list:
     """Evaluate a (classic) jaxpr, re-emitting name tags and checkpoints for the active engine
-    and offloading the values tagged with the names in ``offload``."""
-    from jremat import _program
+    and offloading the values tagged with the names in ``offload``; ``keep_calls``: nested calls
+    with nothing to re-emit stay calls."""
 
     def offload_named(eqn, outs):
         if eqn.primitive.name == NAME_PRIMITIVE and eqn.params["name"] in offload:
             return [offload_function(*offload[eqn.params["name"]])(outs[0])]
         return outs
 
-    return _program._eval_inlined(jaxpr, consts, args, offload_named)
+    return evaluate_inlined(jaxpr, consts, args, offload_named, keep_calls=keep_calls)
+
+
+def _holds_translated(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or one nested in it) holds a name tag or a classic checkpoint."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == NAME_PRIMITIVE or eqn.primitive.name in CLASSIC_CHECKPOINT_PRIMITIVES:
+            return True
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if isinstance(inner, jcore.Jaxpr) and _holds_translated(inner):
+                    return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Flattened programs: tracing with nested calls inlined, and re-evaluation (tags added)
+# ---------------------------------------------------------------------------------------------
+
+
+def _read(env, v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def bind_equation(eqn, invals) -> list:
+    """Bind ``eqn``'s primitive to ``invals`` with its source line and name stack, for the active engine.
+
+    Returns:
+      The outputs, as a list.
+    """
+    if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
+        return bind_translated(eqn, invals)
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
+        name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
+        with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outs = eqn.primitive.bind(*invals, **bind_params)
+    else:  # pragma: no cover
+        outs = eqn.primitive.bind(*invals, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def evaluate_inlined(jaxpr, consts, args, after_bind=None, keep_calls: bool = False) -> list:
+    """Evaluate ``jaxpr`` with nested call bodies inlined; ``after_bind(eqn, outs)`` may replace
+    the outputs of each re-bound equation. With ``keep_calls``, a nested call (``jit``) whose body
+    holds nothing to re-emit for the active engine is bound as the call it is."""
+    env = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+        if eqn.primitive.name in INLINED_CALL_PRIMITIVES and not (keep_calls and not _holds_translated(sub_jaxpr)):
+            sub_consts = sub.consts if hasattr(sub, "consts") else ()
+            outs = evaluate_inlined(sub_jaxpr, sub_consts, invals, after_bind, keep_calls)
+        else:
+            outs = bind_equation(eqn, invals)
+            if after_bind is not None:
+                outs = after_bind(eqn, outs)
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def inline_calls(closed_jaxpr, flat_args: Sequence):
+    """Re-trace ``closed_jaxpr`` with nested ``jit`` / ``closed_call`` bodies inlined.
+
+    Args:
+      closed_jaxpr: the jaxpr to flatten.
+      flat_args: arguments (arrays, tracers or shape structs) matching its inputs.
+
+    Returns:
+      A ``ClosedJaxpr`` computing the same values without nested call equations.
+    """
+    return jax.make_jaxpr(lambda *a: evaluate_inlined(closed_jaxpr.jaxpr, closed_jaxpr.consts, a))(*flat_args)
+
+
+def trace_flat(fn: Callable, args: tuple, kwargs: dict, *, inline: bool = True):
+    """Trace ``fn(*args, **kwargs)`` with the classic primitives, nested calls inlined (``inline``).
+
+    Traced with the classic primitives (``name``, ``remat2``) under either remat engine, so that
+    policies see the same program; re-binding (:func:`bind_equation`) re-emits them for the
+    active engine.
+
+    Returns:
+      ``(closed_jaxpr, in_tree, out_tree)``; the jaxpr takes the flattened ``(args, kwargs)`` leaves.
+    """
+    flat_args, in_tree = jax.tree.flatten((args, kwargs))
+
+    def flat_fn(*leaves):
+        a, kw = jax.tree.unflatten(in_tree, leaves)
+        return fn(*a, **kw)
+
+    with _jax_compat.classic_remat_context():
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
+        flat = inline_calls(closed, flat_args) if inline else closed
+    return flat, in_tree, jax.tree.structure(out_shape)
+
+
+def output_tag_names(tag: str, n_outputs: int) -> list[str]:
+    """The checkpoint names :func:`evaluate_tagged` gives an equation's outputs for ``tag``."""
+    return [tag] if n_outputs == 1 else [f"{tag}.{j}" for j in range(n_outputs)]
+
+
+def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) -> list:
+    """Evaluate a flattened jaxpr with the outputs of equation ``i`` tagged as ``tags[i]``
+    (several outputs: :func:`output_tag_names`).
+
+    Returns:
+      The flat list of outputs.
+    """
+    jaxpr = closed_jaxpr.jaxpr
+    env = {}
+    for v, c in zip(jaxpr.constvars, closed_jaxpr.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, flat_args):
+        env[v] = a
+    for i, eqn in enumerate(jaxpr.eqns):
+        outs = bind_equation(eqn, [_read(env, v) for v in eqn.invars])
+        tag = tags.get(i)
+        if tag is not None:
+            outs = [name_tag(o, n) for o, n in zip(outs, output_tag_names(tag, len(outs)))]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = o
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 __all__ = [
     "CLASSIC",
     "ENGINES",
     "REMAT3",
+    "INLINED_CALL_PRIMITIVES",
     "active_engine",
+    "bind_equation",
     "bind_translated",
     "callback_decisions",
     "checkpoint",
+    "evaluate_inlined",
+    "evaluate_tagged",
+    "inline_calls",
+    "output_tag_names",
+    "trace_flat",
     "name_tag",
     "natively_understood",
     "offload_function",

@@ -72,8 +72,10 @@ class Explanation:
       baseline_saved_bytes: the same without remat.
       temp_bytes: XLA's compiled temp bytes of the gradient with the policy (``None``: not compiled).
       baseline_temp_bytes: the same without remat.
-      messages: one line per problem found: a name that matched nothing, no saving, a policy
-        that could not be applied.
+      messages: one line per problem found: a name that matched nothing, no saving, more memory
+        than without remat, a policy that could not be applied.
+      matched: how the policy matched the function, one line each (:meth:`jremat.Policy.describe_match`:
+        ``selective``'s attention core found by tag or by structure); whole-function explanations only.
     """
 
     policy: str
@@ -87,6 +89,7 @@ class Explanation:
     temp_bytes: int | None = None
     baseline_temp_bytes: int | None = None
     messages: tuple[str, ...] = ()
+    matched: tuple[str, ...] = ()
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -114,6 +117,7 @@ class Explanation:
             )
         for m in self.names:
             lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
+        lines.extend(f"  matched: {line}" for line in self.matched)
         if self.saved_bytes is not None:
             lines.append(
                 f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
@@ -136,6 +140,7 @@ class Explanation:
         out["names"] = [dataclasses.asdict(m) for m in self.names]
         out["names_found"] = list(self.names_found)
         out["messages"] = list(self.messages)
+        out["matched"] = list(self.matched)
         return out
 
 
@@ -255,9 +260,9 @@ def explain(
 ) -> Explanation:
     """Explain what ``policy`` does to ``fn(*args, **kwargs)``; nothing is executed.
 
-    The policy is applied around ``fn`` as ``@jremat.policy(policy)`` would. For a function
-    that already contains its checkpoints (a model configured with a policy) use
-    :func:`explain_applied`.
+    The policy is applied around ``fn`` as ``@jremat.policy(policy)`` would, positional
+    arguments that hold no array (or shape struct) static. For a function that already contains
+    its checkpoints (a model configured with a policy) use :func:`explain_applied`.
 
     Args:
       fn: a function of pytrees of arrays.
@@ -277,8 +282,11 @@ def explain(
     """
     chosen = registry.resolve(policy)
     label = chosen.spec or type(chosen).__name__
+    # Positional arguments with no array in them (a layer count, an activation's name) are
+    # static, as explain's own flattening keeps them.
+    static = tuple(i for i, a in enumerate(args) if not any(_is_dynamic(leaf) for leaf in jax.tree.leaves(a)))
     try:
-        remat_fn = _decorate_with(chosen)(fn)
+        remat_fn = _decorate_with(chosen, static_argnums=static)(fn)
     except ValueError as err:
         return _failed(label, fn, err)
     return explain_applied(
@@ -393,6 +401,11 @@ def explain_applied(
                 temps.append(report.temp_bytes if report.available else None)
             temp_bytes, baseline_temp_bytes = temps
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
+    messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
+    matched = ()
+    if whole_function and flat_base is not None:
+        with _jax_compat.classic_remat_context():
+            matched = tuple(chosen.describe_match(_program.trace_program(flat_base, *structs)))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
         line = _no_saving_line(
             label,
@@ -418,7 +431,24 @@ def explain_applied(
         temp_bytes,
         baseline_temp_bytes,
         tuple(messages),
+        matched,
     )
+
+
+def _more_than_none_lines(label, saved, base_saved, temp, base_temp) -> list[str]:
+    """A line for each measure by which the policy keeps *more* than no remat at all."""
+    lines = []
+    if None not in (saved, base_saved) and saved > base_saved:
+        lines.append(
+            f"more than none ({label}): the policy keeps {saved:,} bytes of residuals for the backward pass, "
+            f"more than the {base_saved:,} without remat"
+        )
+    if None not in (temp, base_temp) and temp > base_temp:
+        lines.append(
+            f"more than none ({label}): compiled temp memory of the gradient is {temp:,} bytes with the policy, "
+            f"more than the {base_temp:,} without remat"
+        )
+    return lines
 
 
 __all__ = [

@@ -37,6 +37,15 @@ class Plan:
     offload: frozenset[int] = frozenset()
 
 
+class PolicyDoesNotApply(ValueError):
+    """A policy that cannot mean anything for this function: names it lists that the function does
+    not tag, or ``selective`` on a function without an attention core.
+
+    A ``ValueError``; the message says what was looked for and what to use instead. The pytest
+    plugin's ``remat_exact`` reports such a policy as skipped for that function.
+    """
+
+
 class Policy(abc.ABC):
     """A rematerialization policy.
 
@@ -56,10 +65,12 @@ class Policy(abc.ABC):
         Args:
           fn: a function of positional pytrees of arrays.
           prevent_cse: :func:`jremat._tie.needs_tie` of where the checkpoint runs: ``True`` in
-            straight-line code, ``False`` inside a ``lax.scan`` of more than one step.
+            straight-line code, ``False`` inside a ``lax.scan`` of more than one step; or one bool
+            per argument leaf (``jax.checkpoint``'s tuple form), tied if any is ``True``.
         """
         checkpointed = self.checkpoint(fn, prevent_cse=prevent_cse)
-        if prevent_cse and checkpointed is not fn:
+        tie = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
+        if tie and checkpointed is not fn:
             return _tie.tie_to_cotangent(checkpointed)
         return checkpointed
 
@@ -71,6 +82,14 @@ class Policy(abc.ABC):
           fn: a function of positional pytrees of arrays.
           prevent_cse: passed to ``jax.checkpoint``.
         """
+
+    def describe_match(self, program: _program.Program) -> list[str]:
+        """How this policy matches ``program``, one line each, for :func:`jremat.explain`.
+
+        The default says nothing; ``selective`` says where it found the attention core (by tag or
+        by structure). Raises nothing: a policy that does not apply says so here instead.
+        """
+        return []
 
     def __eq__(self, other) -> bool:
         return type(self) is type(other) and bool(self.spec) and self.spec == other.spec
@@ -118,9 +137,9 @@ class PlanPolicy(Policy):
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        @functools.wraps(fn)
-        def rematerialized(*args, **kwargs):
-            prog = _program.trace_program(fn, *args, **kwargs)
+        cache = _program.TraceCache()
+
+        def build(prog: _program.Program):
             chosen = check_plan(self.plan(prog), prog, self.spec or type(self).__name__)
             # A value only side effects use (jax.debug.print's argument) is not a residual;
             # tagging it would make JAX keep it for a backward pass that never reads it.
@@ -140,8 +159,12 @@ class PlanPolicy(Policy):
                 offload_dst=self.offload_dst,
                 prevent_cse=prevent_cse,
             )
-            outs = tagged(*jax.tree.leaves((args, kwargs)))
-            return jax.tree.unflatten(prog.out_tree, outs)
+            return prog.out_tree, tagged
+
+        @functools.wraps(fn)
+        def rematerialized(*args, **kwargs):
+            out_tree, tagged = cache.get(fn, args, kwargs, build)
+            return jax.tree.unflatten(out_tree, tagged(*jax.tree.leaves((args, kwargs))))
 
         return rematerialized
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat
+from jremat import _engine
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -57,7 +57,9 @@ SHAPE_ONLY_PRIMITIVES = frozenset(
 )
 
 #: Call-like primitives whose body is inlined before classification.
-INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+INLINED_CALL_PRIMITIVES = _engine.INLINED_CALL_PRIMITIVES
+#: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._engine.inline_calls`).
+inline_calls = _engine.inline_calls
 
 #: Primitives priced as matrix multiplies by the cost model.
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
@@ -196,61 +198,6 @@ class Program:
         return tuple(op for op in self.ops if op.tensor_name in wanted)
 
 
-def _read(env, v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _bind(eqn, invals):
-    if _engine.translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
-        return _engine.bind_translated(eqn, invals)
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
-        name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
-        with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **bind_params)
-    else:  # pragma: no cover
-        outs = eqn.primitive.bind(*invals, **bind_params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def inline_calls(closed_jaxpr, flat_args: Sequence):
-    """Re-trace ``closed_jaxpr`` with nested ``jit`` / ``closed_call`` bodies inlined.
-
-    Args:
-      closed_jaxpr: the jaxpr to flatten.
-      flat_args: arguments (arrays, tracers or shape structs) matching its inputs.
-
-    Returns:
-      A ``ClosedJaxpr`` computing the same values without nested call equations.
-    """
-    return jax.make_jaxpr(lambda *a: _eval_inlined(closed_jaxpr.jaxpr, closed_jaxpr.consts, a))(*flat_args)
-
-
-def _eval_inlined(jaxpr, consts, args, after_bind=None):
-    """Evaluate ``jaxpr`` with nested call bodies inlined; ``after_bind(eqn, outs)`` may replace
-    the outputs of each re-bound equation."""
-    env = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in INLINED_CALL_PRIMITIVES:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            sub_consts = sub.consts if hasattr(sub, "consts") else ()
-            sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            outs = _eval_inlined(sub_jaxpr, sub_consts, invals, after_bind)
-        else:
-            outs = _bind(eqn, invals)
-            if after_bind is not None:
-                outs = after_bind(eqn, outs)
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
 def _is_float(aval) -> bool:
     dtype = getattr(aval, "dtype", None)
     return dtype is not None and not is_key(aval) and jnp.issubdtype(dtype, jnp.inexact)
@@ -326,19 +273,51 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
     Returns:
       The :class:`Program`; its jaxpr takes the flattened ``(args, kwargs)`` leaves.
     """
-    flat_args, in_tree = jax.tree.flatten((args, kwargs))
-
-    def flat_fn(*leaves):
-        a, kw = jax.tree.unflatten(in_tree, leaves)
-        return fn(*a, **kw)
-
-    # Traced with the classic primitives (``name``, ``remat2``) under either remat engine, so
-    # that policies see the same program; re-binding re-emits them for the active engine.
-    with _jax_compat.classic_remat_context():
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-        flat = inline_calls(closed, flat_args)
-    out_tree = jax.tree.structure(out_shape)
+    flat, in_tree, out_tree = _engine.trace_flat(fn, args, kwargs)
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
+
+
+class TraceCache:
+    """Programs of one function traced once per argument structure, shapes and dtypes.
+
+    The same contract as ``jax.checkpoint``'s own cache: calling a rematerialized function again
+    with arguments of the same structure and avals reuses the trace, so the user's function runs
+    once (Python side effects, trace counters). A program that closes over a tracer of an outer
+    trace (the function reads a value of an enclosing ``jit`` it was not given) is never kept:
+    it belongs to that trace alone.
+
+    Args:
+      maxsize: programs kept; the oldest goes first.
+    """
+
+    def __init__(self, maxsize: int = 32):
+        self.maxsize = maxsize
+        self._entries: dict = {}
+
+    def get(self, fn: Callable, args: tuple, kwargs: dict, build: Callable[[Program], Any] = lambda p: p):
+        """``build(trace_program(fn, *args, **kwargs))``, from the cache when traced before.
+
+        Args:
+          fn: the function (fixed for one cache).
+          args: positional arguments.
+          kwargs: keyword arguments.
+          build: what to keep per program (the program itself by default).
+        """
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        try:
+            key = (treedef, tuple(jax.typeof(leaf) for leaf in leaves))
+            hash(key)
+        except TypeError:  # not JAX values: tracing raises JAX's own error
+            return build(trace_program(fn, *args, **kwargs))
+        if key in self._entries:
+            return self._entries[key]
+        program = trace_program(fn, *args, **kwargs)
+        built = build(program)
+        if not any(isinstance(c, jax.core.Tracer) for c in program.closed_jaxpr.consts):
+            if len(self._entries) >= self.maxsize:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = built
+        return built
 
 
 def feeds_only_effects(program: Program) -> frozenset[int]:
@@ -400,28 +379,9 @@ def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequen
     Returns:
       The flat list of outputs.
     """
-    jaxpr = program.closed_jaxpr.jaxpr
-    env = {}
-    for v, c in zip(jaxpr.constvars, program.closed_jaxpr.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, flat_args):
-        env[v] = a
-    for i, eqn in enumerate(jaxpr.eqns):
-        outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
-        tag = tags.get(i)
-        if tag is not None:
-            if len(outs) == 1:
-                outs = [_engine.name_tag(outs[0], tag)]
-            else:
-                outs = [_engine.name_tag(o, f"{tag}.{j}") for j, o in enumerate(outs)]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [_read(env, v) for v in jaxpr.outvars]
+    return _engine.evaluate_tagged(program.closed_jaxpr, tags, flat_args)
 
 
 def tag_names(tag: str, op: Op) -> list[str]:
     """The checkpoint names :func:`evaluate_tagged` gives the outputs of ``op`` for ``tag``."""
-    if len(op.out_shapes) == 1:
-        return [tag]
-    return [f"{tag}.{j}" for j in range(len(op.out_shapes))]
+    return _engine.output_tag_names(tag, len(op.out_shapes))

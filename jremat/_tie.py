@@ -68,7 +68,10 @@ def _tied_call(converted: Callable, consts: tuple, args: tuple):
 
     def call_bwd(vjp_fn, cotangent):
         residuals, treedef = jax.tree.flatten(vjp_fn)
-        float_cotangents = [c for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.floating)]
+        # A cotangent may be a Python scalar (jax.vjp's pullback called with 1.0): no .dtype.
+        float_cotangents = [
+            jnp.asarray(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(jnp.result_type(c), jnp.floating)
+        ]
         if float_cotangents:
             # One element of every cotangent: some may be zeros that XLA folds (an output the
             # loss does not use, such as state written back), never all of those that matter.

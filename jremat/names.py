@@ -10,6 +10,8 @@ tags found (:func:`require_found`).
 import contextlib
 import contextvars
 
+from jremat._policy import PolicyDoesNotApply
+
 BLOCK_INPUT = "block_input"
 LN1_OUT = "ln1_out"
 QUERY = "q"
@@ -70,10 +72,38 @@ def deferred_name_checks():
     finally:
         _DEFERRED.reset(token)
     found_by_request: dict = {}
-    for wanted, found, policy, key in records:
+    satisfied: dict = {}
+    for record in records:
+        if record[0] == _REQUIREMENT:
+            _, key, ok, message = record
+            previous = satisfied.get(key, (False, message))
+            satisfied[key] = (previous[0] or ok, message)
+            continue
+        wanted, found, policy, key = record
         found_by_request.setdefault((wanted, policy, key), set()).update(found)
     for (wanted, policy, key), found in found_by_request.items():
         require_found(wanted, found, policy=policy, key=key)
+    for ok, message in satisfied.values():
+        if not ok:
+            raise PolicyDoesNotApply(message)
+
+
+_REQUIREMENT = "requirement"
+
+
+def check_requirement(key, satisfied: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``satisfied``; inside :func:`deferred_name_checks`, only
+    if no checkpoint of the group with the same ``key`` satisfied it (an MLP sublayer needs no
+    attention core when its attention sublayer has one).
+
+    Raises:
+      PolicyDoesNotApply: (a ``ValueError``) ``message``, now or at the end of the enclosing group.
+    """
+    records = _DEFERRED.get()
+    if records is not None:
+        records.append((_REQUIREMENT, key, satisfied, message))
+    elif not satisfied:
+        raise PolicyDoesNotApply(message)
 
 
 def check_found(wanted, found, *, policy: str, key: str) -> None:
@@ -107,7 +137,7 @@ def require_found(wanted, found, *, policy: str, key: str) -> tuple[str, ...]:
     missing = [n for n in wanted if n not in found]
     if missing:
         listed = ", ".join(sorted(found)) if found else "none (tag values with jax.ad_checkpoint.checkpoint_name)"
-        raise ValueError(
+        raise PolicyDoesNotApply(
             f"policy {policy!r}: {key}= names {', '.join(map(repr, missing))}, which the checkpointed function "
             f"does not tag; tags it has: {listed}"
         )

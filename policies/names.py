@@ -39,10 +39,9 @@ from jremat import (
     Program,
     register,
     require_host_memory,
-    trace_program,
 )
 from jremat import _engine as engine
-from jremat._program import SHAPE_ONLY_PRIMITIVES, evaluate_tagged, jaxpr_tags
+from jremat._program import SHAPE_ONLY_PRIMITIVES, TraceCache, evaluate_tagged, jaxpr_tags
 from jremat.names import check_found
 from jremat.registry import REQUIRED
 
@@ -54,15 +53,20 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     side effects (a Linen scope drawing RNG keys) runs exactly once per call.
     """
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        program = trace_program(fn, *args, **kwargs)
-        found = jaxpr_tags(program.closed_jaxpr.jaxpr)
-        for wanted, name, key in requirements:
-            check_found(wanted, found, policy=name, key=key)
+    cache = TraceCache()
+
+    def build(program: Program):
         checkpointed = engine.checkpoint(
             lambda *leaves: evaluate_tagged(program, {}, leaves), callback=policy.callback, prevent_cse=prevent_cse
         )
+        return program, checkpointed
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        program, checkpointed = cache.get(fn, args, kwargs, build)
+        found = jaxpr_tags(program.closed_jaxpr.jaxpr)
+        for wanted, name, key in requirements:
+            check_found(wanted, found, policy=name, key=key)
         return jax.tree.unflatten(program.out_tree, checkpointed(*jax.tree.leaves((args, kwargs))))
 
     return call

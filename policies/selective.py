@@ -6,20 +6,34 @@ the probabilities-times-``V`` product. Those are the ``[batch, heads, seq, seq]`
 far the largest per byte of compute, and are recomputed in the backward pass from the saved
 ``q``, ``k``, ``v``.
 
-The core is found from the model's tensor names (:mod:`jremat.names`): it is every equation of
-the traced program that lies on a data path from a value tagged ``q``, ``k`` or ``v`` to a value
-tagged ``attn_context`` (the paths are not followed past those tags, so several attention
-layers in one checkpoint each get their own core). Every other computed value is saveable;
-JAX then keeps those the backward pass needs. Values derived only from PRNG keys (dropout masks)
-are never saved: they are regenerated from the threaded key. A checkpointed function without
-attention (an MLP sublayer) is left with everything saveable, like ``none``.
+The core is found in one of two ways (:func:`find_attention_core` says which):
+
+* **by tag**, where the model tags its attention with :mod:`jremat.names` (the reference GPT):
+  every equation on a data path from a value tagged ``q``, ``k`` or ``v`` to a value tagged
+  ``attn_context`` (not followed past those tags, so several attention layers in one checkpoint
+  each get their own core);
+* **by structure**, in any other model (Flax's ``nnx.MultiHeadAttention`` and Linen's
+  ``MultiHeadDotProductAttention``, ``jax.nn.softmax`` in plain JAX, Equinox): a *scores*
+  ``dot_general``, a softmax over its output (``exp``, a ``reduce_sum`` of it and the division
+  by that sum; scaling, masking and the max subtraction may sit between), and the ``dot_general``
+  of the normalized probabilities (after dropout, if any) with the values. The core is both
+  ``dot_general`` equations and every equation on a data path between them.
+
+Every other computed value is saveable; JAX then keeps those the backward pass needs. Values
+derived only from PRNG keys (dropout masks) are never saved: they are regenerated from the
+threaded key. A checkpointed function with no attention core is an error naming what was looked
+for (``selective`` would keep everything there, like ``none``); in a layer stack checkpointed
+per sublayer, the MLP sublayer needs none as long as the attention sublayer has one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax.extend import core as jcore
 
 from jremat import Plan, PlanPolicy, Program, names, register
+from jremat._program import nested_jaxprs
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
 CORE_INPUTS = (names.QUERY, names.KEY, names.VALUE)
@@ -30,8 +44,124 @@ def _is_var(v) -> bool:
     return not isinstance(v, jcore.Literal)
 
 
+#: Matrix products that delimit an attention core found by structure.
+_DOTS = frozenset({"dot_general"})
+#: Calls whose body may hold a whole softmax (``jax.nn.softmax`` as a ``custom_jvp``).
+_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: How the core was found.
+BY_TAG = "tag"
+BY_STRUCTURE = "structure"
+#: What ``selective`` looks for, for error messages.
+LOOKED_FOR = (
+    f"values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
+    f"{names.ATTN_CONTEXT} (jremat.names), or by structure a scores dot_general, a softmax over it "
+    "(exp, reduce_sum, divide; scaling and masking allowed) and the dot_general of the probabilities with the values"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCore:
+    """The attention core(s) of a program.
+
+    Attributes:
+      equations: indices of the equations recomputed (scores, softmax, dropout, probabilities x V).
+      matched_by: :data:`BY_TAG` or :data:`BY_STRUCTURE`; ``None`` when no core was found.
+      count: how many attention cores (one per scores ``dot_general``).
+    """
+
+    equations: frozenset[int]
+    matched_by: str | None
+    count: int
+
+
+def find_attention_core(program: Program) -> AttentionCore:
+    """The attention core(s) of ``program``: by tag where it tags its attention, else by structure.
+
+    Raises:
+      ValueError: if the program tags attention tensors but not the core's boundary (see
+        :func:`attention_core`).
+    """
+    by_tag = attention_core(program)
+    if by_tag:
+        n_scores = sum(1 for i in by_tag if program.closed_jaxpr.jaxpr.eqns[i].primitive.name in _DOTS)
+        return AttentionCore(by_tag, BY_TAG, max(1, n_scores // 2))
+    cores = structural_attention_cores(program)
+    if not cores:
+        return AttentionCore(frozenset(), None, 0)
+    return AttentionCore(frozenset().union(*cores), BY_STRUCTURE, len(cores))
+
+
+def _softmax_call(eqn) -> bool:
+    """A custom-derivative call whose body is a softmax (exp, reduce_sum and div inside)."""
+    if eqn.primitive.name not in _CALLS:
+        return False
+    found, stack = set(), nested_jaxprs(eqn)
+    while stack:
+        jaxpr = stack.pop()
+        for inner in jaxpr.eqns:
+            found.add(inner.primitive.name)
+            stack.extend(nested_jaxprs(inner))
+    return {"exp", "reduce_sum", "div"} <= found
+
+
+def structural_attention_cores(program: Program) -> list[frozenset[int]]:
+    """Attention cores found from the program's structure alone (no tags), one per softmax.
+
+    For each ``exp`` whose output is summed (``reduce_sum``) and divided by that sum, the scores
+    ``dot_general`` equations are those reached backwards from the ``exp`` without crossing another
+    matrix product, and the context ``dot_general`` equations those reached forwards from the division
+    the same way. The core is those products and every equation on a data path between them.
+
+    Returns:
+      One frozenset of equation indices per softmax that has both products.
+    """
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    consumers: dict = {}
+    for i, e in enumerate(eqns):
+        for v in filter(_is_var, e.invars):
+            consumers.setdefault(v, []).append(i)
+    is_dot = lambda i: eqns[i].primitive.name in _DOTS
+
+    def reach(starts, step, stop) -> set[int]:
+        """Equations reached from ``starts`` (excluded) by ``step``, not expanding past ``stop``."""
+        seen: set[int] = set()
+        stack = [j for i in starts for j in step(i)]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if not stop(i):
+                stack += step(i)
+        return seen
+
+    forward = lambda i: [j for v in eqns[i].outvars for j in consumers.get(v, ())]
+    backward = lambda i: [producer[v] for v in filter(_is_var, eqns[i].invars) if v in producer]
+    cores = []
+    for e, eqn in enumerate(eqns):
+        if eqn.primitive.name == "exp":
+            after_exp = reach([e], forward, is_dot)
+            sums = [i for i in after_exp if eqns[i].primitive.name == "reduce_sum"]
+            after_sums = reach(sums, forward, is_dot)
+            normalized = [i for i in after_exp & after_sums if eqns[i].primitive.name in ("div", "mul")]
+        elif _softmax_call(eqn):
+            normalized = [e]
+        else:
+            continue
+        if not normalized:
+            continue
+        scores = {i for i in reach([e], backward, is_dot) if is_dot(i)}
+        contexts = {i for i in reach(normalized, forward, is_dot) if is_dot(i)} - scores
+        if not scores or not contexts:
+            continue
+        between = reach(scores, forward, contexts.__contains__) & reach(contexts, backward, scores.__contains__)
+        cores.append(frozenset(scores | contexts | between))
+    return cores
+
+
 def attention_core(program: Program) -> frozenset[int]:
-    """Equation indices of the attention core(s) of ``program`` (see the module docstring).
+    """Equation indices of the attention core(s) of ``program`` found by tag (see the module docstring).
 
     Raises:
       ValueError: if the program tags attention-core tensors (:data:`jremat.names.ATTENTION_CORE`)
@@ -89,7 +219,15 @@ class Selective(PlanPolicy):
     """Save everything except the attention core; never save dropout masks."""
 
     def plan(self, program: Program) -> Plan:
-        core = attention_core(program)
+        found = find_attention_core(program)
+        names.check_requirement(
+            ("selective", "attention core"),
+            found.matched_by is not None,
+            "policy 'selective': the checkpointed function has no attention core, so selective would keep "
+            f"everything, like 'none'; it looks for {LOOKED_FOR}. Use 'full', 'dots' or 'every_k:k=K' here, "
+            "or apply selective only where there is attention",
+        )
+        core = found.equations
         return Plan(
             save=frozenset(
                 op.index
@@ -98,12 +236,28 @@ class Selective(PlanPolicy):
             )
         )
 
+    def describe_match(self, program: Program) -> list[str]:
+        found = find_attention_core(program)
+        if found.matched_by is None:
+            return [f"no attention core: looked for {LOOKED_FOR}"]
+        how = (
+            f"between the {names.QUERY}/{names.KEY}/{names.VALUE} and {names.ATTN_CONTEXT} tags"
+            if found.matched_by == BY_TAG
+            else "scores dot_general, softmax, probabilities x values dot_general"
+        )
+        recomputed = sum(program.ops[i].out_bytes for i in found.equations)
+        return [
+            f"attention core found by {found.matched_by} ({how}): {found.count} core"
+            f"{'' if found.count == 1 else 's'}, {len(found.equations)} equations, {recomputed:,} bytes recomputed"
+        ]
+
 
 @register(
     "selective",
     doc="Megatron-style selective recomputation: save everything except the attention core (scores, "
-    "softmax, attention dropout, probabilities x V: every op between the q/k/v tags and the "
-    "attn_context tag), which is recomputed from the saved q, k, v; dropout masks are never saved.",
+    "softmax, attention dropout, probabilities x V: between the q/k/v and attn_context tags, or found by "
+    "structure in untagged models), which is recomputed from the saved q, k, v; dropout masks are never "
+    "saved; an error where the function has no attention core.",
 )
 def selective_policy() -> Selective:
     """Build the ``selective`` policy."""

@@ -35,6 +35,20 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 
 
+#: Policies that mean nothing on a model without attention (its MLP-only user models): they
+#: raise :class:`jremat.PolicyDoesNotApply` there instead of silently keeping everything.
+ATTENTION_ONLY_POLICIES = frozenset({"selective"})
+
+
+def expect_does_not_apply(policy: str):
+    """A context manager: ``pytest.raises(PolicyDoesNotApply)`` for an attention-only policy, else nothing."""
+    import contextlib
+
+    if policy.partition(":")[0] in ATTENTION_ONLY_POLICIES:
+        return pytest.raises(jremat.PolicyDoesNotApply, match="no attention core")
+    return contextlib.nullcontext()
+
+
 @pytest.fixture(autouse=True)
 def _registry_restored():
     """Every test leaves the policy registry as it found it, whatever code under test registers."""

@@ -104,3 +104,38 @@ def test_policies_that_do_nothing_or_cannot_apply_say_so():
         jremat.explain(mlp, "fulll", *ARGS)
     with pytest.raises(ValueError, match="unknown decision"):
         none.count("keep")
+
+
+def test_selective_says_how_it_found_the_attention_core():
+    def attention(wq, x):
+        q = x @ wq
+        probs = jax.nn.softmax(q @ x.T, axis=-1)
+        return jnp.sum(jnp.tanh(probs @ x) ** 2)
+
+    structs = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
+    untagged = jremat.explain(attention, "selective", *structs, compile=False)
+    assert [line.split(" (")[0] for line in untagged.matched] == ["attention core found by structure"]
+    assert "matched: attention core found by structure" in untagged.text()
+    assert untagged.to_json()["matched"] == list(untagged.matched)
+
+    def tagged(wq, x):
+        q, k, v = (checkpoint_name(t, n) for t, n in ((x @ wq, "q"), (x, "k"), (x, "v")))
+        return jnp.sum(jnp.tanh(checkpoint_name(jax.nn.softmax(q @ k.T, axis=-1) @ v, "attn_context")) ** 2)
+
+    assert (
+        jremat.explain(tagged, "selective", *structs, compile=False)
+        .matched[0]
+        .startswith("attention core found by tag")
+    )
+    no_core = jremat.explain(mlp, "selective", *ARGS, compile=False)
+    assert any("no attention core" in m for m in no_core.messages)
+
+
+def test_a_policy_that_keeps_more_than_none_is_said_to():
+    remat_mlp = jremat.checkpoint(mlp, "full")
+    more = explain_applied(
+        remat_mlp, *ARGS, policy="full", baseline=mlp, temp_bytes=2_000_000, baseline_temp_bytes=1_000_000
+    )
+    assert any(m.startswith("more than none (full): compiled temp") and "2,000,000" in m for m in more.messages)
+    less = explain_applied(remat_mlp, *ARGS, policy="full", baseline=mlp, temp_bytes=1, baseline_temp_bytes=1_000_000)
+    assert not any(m.startswith("more than none") for m in less.messages)

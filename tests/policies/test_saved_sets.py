@@ -151,10 +151,10 @@ def test_selective_rejects_half_tagged_attention():
         jax.grad(jremat.checkpoint(fn, "selective"))(jnp.ones(3))
 
 
-def test_selective_without_attention_saves_like_none():
+def test_selective_without_attention_says_so():
     x = jnp.linspace(0.1, 1.0, 6)
-    saved, _ = saved_op_indices(jremat.checkpoint(sin_chain, "selective"), x)
-    assert len(saved) == 6
+    with pytest.raises(jremat.PolicyDoesNotApply, match="no attention core.*looks for.*softmax.*Use 'full'"):
+        saved_op_indices(jremat.checkpoint(sin_chain, "selective"), x)
 
 
 def test_offload_moves_named_values_to_host():
