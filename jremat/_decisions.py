@@ -157,6 +157,24 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
             entry[3].append(name)
 
 
+def checkpoint_bodies(jaxpr) -> list[tuple[str, object]]:
+    """``(where, body)`` for every checkpoint in ``jaxpr`` (inside scans too; nested ones included),
+    ``body`` the checkpointed jaxpr."""
+    found = []
+
+    def walk(jx, scopes):
+        for eqn in jx.eqns:
+            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
+            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+                body = eqn.params["jaxpr"]
+                found.append((_where(scopes), getattr(body, "jaxpr", body)))
+            for sub in _program.nested_jaxprs(eqn):
+                walk(sub, inner)
+
+    walk(jaxpr, ())
+    return found
+
+
 def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
     """One ``(signature, decisions)`` per checkpoint in ``jaxpr`` (nested ones included).
 

@@ -22,6 +22,7 @@ the same as a dict.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -74,8 +75,9 @@ class Explanation:
       baseline_temp_bytes: the same without remat.
       messages: one line per problem found: a name that matched nothing, no saving, more memory
         than without remat, a policy that could not be applied.
-      matched: how the policy matched the function, one line each (:meth:`jremat.Policy.describe_match`:
-        ``selective``'s attention core found by tag or by structure); whole-function explanations only.
+      matched: how the policy matched each checkpoint, one line per kind of match with the
+        checkpoints' count and place (:meth:`jremat.Policy.describe_match`: ``selective``'s
+        attention core found by tag or by structure).
     """
 
     policy: str
@@ -402,10 +404,7 @@ def explain_applied(
             temp_bytes, baseline_temp_bytes = temps
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
-    matched = ()
-    if whole_function and flat_base is not None:
-        with _jax_compat.classic_remat_context():
-            matched = tuple(chosen.describe_match(_program.trace_program(flat_base, *structs)))
+    matched = tuple(_match_lines(chosen, jaxpr))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
         line = _no_saving_line(
             label,
@@ -433,6 +432,22 @@ def explain_applied(
         tuple(messages),
         matched,
     )
+
+
+def _match_lines(chosen: Policy, jaxpr) -> list[str]:
+    """How ``chosen`` matched each checkpoint of ``jaxpr`` (:meth:`jremat.Policy.describe_match`),
+    the same line for several checkpoints given once with their count and place."""
+    counts: dict = collections.Counter()
+    for where, body in _decisions.checkpoint_bodies(jaxpr):
+        try:
+            lines = chosen.describe_match(_program.program_of_jaxpr(body))
+        except (ValueError, TypeError):  # a body this policy cannot read (a model's own checkpoint)
+            continue
+        for line in lines:
+            counts[(where, line)] += 1
+    if any(not line.startswith("no ") for _, line in counts):  # a model's own checkpoints match nothing
+        counts = collections.Counter({k: n for k, n in counts.items() if not k[1].startswith("no ")})
+    return [f"{n} checkpoint{'' if n == 1 else 's'} ({where}): {line}" for (where, line), n in counts.items()]
 
 
 def _more_than_none_lines(label, saved, base_saved, temp, base_temp) -> list[str]:

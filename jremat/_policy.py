@@ -87,7 +87,8 @@ class Policy(abc.ABC):
         """How this policy matches ``program``, one line each, for :func:`jremat.explain`.
 
         The default says nothing; ``selective`` says where it found the attention core (by tag or
-        by structure). Raises nothing: a policy that does not apply says so here instead.
+        by structure). A line that starts with ``"no "`` says the policy matched nothing here;
+        :func:`jremat.explain` shows such lines only when no checkpoint matched. Raises nothing.
         """
         return []
 

@@ -277,6 +277,12 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
 
 
+def program_of_jaxpr(jaxpr) -> Program:
+    """A :class:`Program` of an already traced, flattened jaxpr without constants (a checkpoint's
+    body), for policies to describe; its trees are unknown (``None``)."""
+    return Program(closed_jaxpr=jcore.ClosedJaxpr(jaxpr, []), ops=_classify(jaxpr), in_tree=None, out_tree=None)
+
+
 class TraceCache:
     """Programs of one function traced once per argument structure, shapes and dtypes.
 

@@ -114,21 +114,37 @@ def test_selective_says_how_it_found_the_attention_core():
 
     structs = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
     untagged = jremat.explain(attention, "selective", *structs, compile=False)
-    assert [line.split(" (")[0] for line in untagged.matched] == ["attention core found by structure"]
-    assert "matched: attention core found by structure" in untagged.text()
+    assert [line.split(": ", 1)[1].split(" (")[0] for line in untagged.matched] == ["attention core found by structure"]
+    assert "matched: 1 checkpoint (top level): attention core found by structure" in untagged.text()
     assert untagged.to_json()["matched"] == list(untagged.matched)
 
     def tagged(wq, x):
         q, k, v = (checkpoint_name(t, n) for t, n in ((x @ wq, "q"), (x, "k"), (x, "v")))
         return jnp.sum(jnp.tanh(checkpoint_name(jax.nn.softmax(q @ k.T, axis=-1) @ v, "attn_context")) ** 2)
 
-    assert (
-        jremat.explain(tagged, "selective", *structs, compile=False)
-        .matched[0]
-        .startswith("attention core found by tag")
-    )
+    assert "attention core found by tag" in jremat.explain(tagged, "selective", *structs, compile=False).matched[0]
     no_core = jremat.explain(mlp, "selective", *ARGS, compile=False)
     assert any("no attention core" in m for m in no_core.messages)
+
+
+def test_selective_on_a_layer_stack_says_per_checkpoint_how_it_matched():
+    """Per-layer checkpoints under scan: one line with their count and place; the model's own
+    checkpoints without attention are not listed once one matched."""
+
+    def layer(x, w):
+        q = x @ w
+        probs = jax.nn.softmax(q @ x.T, axis=-1)
+        return jnp.tanh(probs @ x), None
+
+    def model(w, x):
+        body = jremat.checkpoint(layer, "selective", prevent_cse=False)
+        other = jremat.checkpoint(jnp.tanh, "full")  # a checkpoint of the model's own, no attention
+        return jnp.sum(other(jax.lax.scan(lambda h, _: body(h, w), x, None, length=3)[0]))
+
+    structs = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
+    report = explain_applied(model, *structs, policy="selective", compile=False)
+    assert len(report.matched) == 1 and report.matched[0].startswith("1 checkpoint (inside scan(length=3)")
+    assert "attention core found by structure" in report.matched[0]
 
 
 def test_a_policy_that_keeps_more_than_none_is_said_to():

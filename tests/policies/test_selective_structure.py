@@ -138,10 +138,12 @@ def _unrolled(fn, spec, n_layers=4):
 
 
 def _scanned(fn, spec, n_layers=4):
-    block = jremat.checkpoint(fn, spec)
+    """The layers under ``lax.scan``, each with its own slice of stacked parameters (and keys)."""
+    block = jremat.checkpoint(fn, spec, prevent_cse=False)
 
-    def loss(params, x):
-        x, _ = jax.lax.scan(lambda h, _: (block(params, h), None), x, None, length=n_layers)
+    def loss(first, x, *rest):
+        stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_layers, *a.shape)), (first, rest))
+        x, _ = jax.lax.scan(lambda h, layer: (block(layer[0], h, *layer[1]), None), x, stacked)
         return jnp.sum(x**2)
 
     return loss
@@ -165,13 +167,13 @@ def _nnx_module_step(spec, n_layers=4):
 
 
 def _step(model, layout, spec):
-    if model == "nnx":
+    if model == "nnx" and layout is _unrolled:
         return _nnx_module_step(spec)
     fn, args = MODELS[model]()
     return jax.grad(layout(fn, spec)), args
 
 
-LAYOUTS = [("plain", _unrolled), ("plain", _scanned), ("nnx", _unrolled), ("linen", _unrolled)]
+LAYOUTS = [(model, layout) for model in sorted(MODELS) for layout in (_unrolled, _scanned)]
 
 
 @pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{f.__name__[1:]}" for m, f in LAYOUTS])

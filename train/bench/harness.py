@@ -14,6 +14,8 @@ between programs measured in the same process.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 import statistics
 import sys
 import time
@@ -88,6 +90,8 @@ class Measured:
         counts a loop body once, so with scanned layers or a chunked head it undercounts.
       compile_s: seconds of trace + lower + compile.
       rounds: per interleaved round, the step seconds (empty when not timed).
+      hlo_fingerprint: :func:`hlo_fingerprint` of the compiled step: equal for two programs
+        that compile to the same optimized HLO ("" when not compiled here).
     """
 
     memory: MemoryReport
@@ -95,6 +99,16 @@ class Measured:
     xla_flops: float
     compile_s: float
     rounds: list[list[float]] = dataclasses.field(default_factory=list)
+    hlo_fingerprint: str = ""
+
+
+def hlo_fingerprint(compiled) -> str:
+    """A short hash of ``compiled``'s optimized HLO without its metadata (source lines, op names)
+    and module name: two steps with the same fingerprint run the same program, so a time
+    difference between them is the machine's noise."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    text = re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def compiled_flops(compiled) -> float:
@@ -138,7 +152,9 @@ def compile_program(program: Program):
     if not report.available:
         raise RuntimeError("; ".join(report.notes))
     flops = jaxpr_flops(traced.jaxpr)
-    return compiled, Measured(report, flops, compiled_flops(compiled), compile_s)
+    return compiled, Measured(
+        report, flops, compiled_flops(compiled), compile_s, hlo_fingerprint=hlo_fingerprint(compiled)
+    )
 
 
 _MEMORY_CACHE: dict = {}

@@ -65,6 +65,7 @@ CSV_COLUMNS = (
     "time_steps",
     "best_fitting_policy",
     "best_fitting_time_ratio",
+    "hlo_fingerprint",
 )
 
 
@@ -370,6 +371,7 @@ def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                 model="block-dominated",
                 scope="blocks",
                 compared_with=compared.get(program.label, ""),
+                hlo_fingerprint=m.hlo_fingerprint,
                 **_timed_fields(m, base, ratios[program.label], config.time_steps),
             )
         )
