@@ -76,6 +76,18 @@ class ModelConfig:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
         self.remat_config().validate_layers(self.n_layers)  # policy, granularity, layer groups
 
+    def parameter_count(self) -> int:
+        """Parameters of the GPT this config builds (embeddings, blocks, final LayerNorm, head; biases included)."""
+        d, inner, d_ff = self.d_model, self.n_heads * self.head_dim, self.d_ff
+        attention = 3 * (d * inner + inner) + inner * d + d
+        mlp = d * d_ff + d_ff + d_ff * d + d
+        block = attention + mlp + 4 * d  # two LayerNorms
+        return self.vocab_size * d + self.max_seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size + self.vocab_size
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters in ``param_dtype``."""
+        return self.parameter_count() * (2 if self.param_dtype == "bfloat16" else 4)
+
     def remat_config(self) -> jremat.RematConfig:
         """The :class:`jremat.RematConfig` these fields describe."""
         return jremat.RematConfig(

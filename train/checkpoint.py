@@ -5,12 +5,29 @@ One checkpoint per saved step, as two orbax items: ``state`` (arrays, written wi
 vocabulary fingerprint). Orbax writes each checkpoint into a temporary directory and renames
 it into place only when complete, so a crash during a save leaves the previous checkpoint as
 the latest good one (the half-written temporary directory is ignored).
+
+A checkpoint damaged afterwards (a file emptied, overwritten or deleted) is told apart from one
+of another model: its stored array metadata matches the model and it still does not restore,
+or its metadata does not read (:class:`CorruptCheckpoint`). :meth:`Checkpoints.quarantine` moves
+it into ``corrupt/`` inside the directory, where orbax no longer sees it, so a resumed run
+continues from the newest good checkpoint and can save that step again.
+
+One run at a time writes a directory: :class:`RunLock` holds an exclusive ``flock`` on
+``.jremat-run.lock`` for the run's lifetime. The kernel releases it when the process dies, so a
+killed run's lock is taken over by the next run (and reported), never a stale lock to delete by hand.
 """
 
 from __future__ import annotations
 
+import fcntl
+import gc
+import json
 import os
+import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +43,62 @@ SHAPE_FIELDS = ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "
 
 class CheckpointError(UsageError):
     """A checkpoint directory is unusable, empty on --resume, or holds an incompatible checkpoint."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose files are damaged: its metadata or arrays do not read back."""
+
+
+#: The lock file of the run that writes a checkpoint directory.
+LOCK_NAME = ".jremat-run.lock"
+#: Where damaged checkpoints are moved, inside the checkpoint directory.
+CORRUPT_DIR = "corrupt"
+#: Longest wait for a failed read's leftover callbacks to finish (:func:`_quietly`).
+QUIET_WAIT_S = 3.0
+
+
+class RunLock:
+    """An exclusive lock on a checkpoint directory for one run (see the module docstring).
+
+    Args:
+      directory: the checkpoint directory (exists, writable).
+
+    Attributes:
+      taken_over: the holder written in the lock file by a run that ended without releasing it
+        (killed), or ``""``.
+
+    Raises:
+      CheckpointError: if another live process holds the lock; the message names it.
+    """
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        holder = os.read(fd, 512).decode(errors="replace").strip()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise CheckpointError(
+                f"--ckpt-dir {str(directory)!r} is in use by another run ({holder or 'holder unknown'}); two runs "
+                "writing one directory would overwrite each other's checkpoints: wait for it to end, or choose "
+                "another --ckpt-dir"
+            ) from None
+        self.taken_over = holder
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
+        )
+        self._fd = fd
+
+    def release(self) -> None:
+        """Empty the lock file and release the lock (a clean end leaves nothing to take over)."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
 
 
 def check_writable(directory: str | os.PathLike) -> Path:
@@ -83,74 +156,145 @@ class Checkpoints:
       CheckpointError: if the directory is not writable.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, lock: bool = False):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        self.keep = keep
         self.path = check_writable(directory)
+        self.lock = RunLock(self.path) if lock else None
         self.manager = ocp.CheckpointManager(
             self.path,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True),
-            item_names=("state", "meta"),
+            # Handlers named up front, so that a fresh manager reads a checkpoint's array metadata.
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or ``None``."""
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Every complete checkpoint's step, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def quarantine(self, step: int) -> Path:
+        """Move the checkpoint of ``step`` into ``corrupt/`` (out of orbax's sight); returns where it went."""
+        target = self.path / CORRUPT_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(str(self.path / str(step)), str(target))
+        self.manager.reload()
+        return target
+
+    def prune(self) -> None:
+        """Delete the oldest checkpoints beyond ``keep`` (orbax counts only the steps it saved itself)."""
+        for step in self.all_steps()[self.keep :]:
+            self.manager.delete(step)
+
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Write the checkpoint of ``step`` and wait until it is complete on disk."""
+        """Write the checkpoint of ``step``, wait until it is complete on disk, keep the newest ``keep``."""
         ocp = self._ocp
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
         )
         self.manager.wait_until_finished()
+        self.prune()
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        """The JSON metadata of the checkpoint of ``step``."""
-        ocp = self._ocp
-        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        """The JSON metadata of the checkpoint of ``step``.
+
+        Raises:
+          CorruptCheckpoint: if it does not read as a JSON object.
+        """
+        path = self.path / str(step) / "meta" / "metadata"
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CorruptCheckpoint(f"its metadata {str(path)!r} does not read ({_first_line(err)})") from None
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise CorruptCheckpoint(f"its metadata {str(path)!r} holds no step")
+        return meta
 
     def restore_state(self, step: int, template: dict[str, Any]) -> dict[str, Any]:
         """The array tree of the checkpoint of ``step``, restored into ``template``'s shapes and shardings.
 
         Raises:
-          CheckpointError: if the stored arrays do not fit ``template``.
+          CheckpointError: if the stored arrays do not fit ``template`` (another model or
+            optimizer): the message lists the first differences.
+          CorruptCheckpoint: if the stored metadata does not read, or fits ``template`` but the
+            arrays do not restore (damaged files).
         """
         ocp = self._ocp
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))[
-                "state"
-            ]
-        except Exception as err:  # orbax raises various types for structure / shape mismatches
+        stored, reason = _quietly(lambda: self.manager.item_metadata(step)["state"])
+        stored = getattr(stored, "tree", stored)
+        if reason is not None:
+            raise CorruptCheckpoint(f"its array metadata does not read ({reason})")
+        if not isinstance(stored, dict):
+            raise CorruptCheckpoint("its array metadata is missing")
+        differences = _tree_differences(stored, template)
+        if differences:
             raise CheckpointError(
                 f"checkpoint step {step} in {str(self.path)!r} does not fit this model and optimizer: "
-                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
-            ) from None
-        return restored
+                + "; ".join(differences[:5])
+                + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
+            )
+        restored, reason = _quietly(
+            lambda: self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))
+        )
+        if reason is not None:  # the metadata fits: the array files are damaged
+            raise CorruptCheckpoint(f"its arrays do not restore ({reason})")
+        return restored["state"]
 
     def close(self) -> None:
-        """Release the manager's resources."""
+        """Release the manager's resources and the run lock."""
         self.manager.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
-def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, vocab_md5: str, directory: Path) -> None:
-    """Refuse to resume a checkpoint of a different model shape or vocabulary.
+def _quietly(read):
+    """``(read(), None)``, or ``(None, reason)`` when orbax fails to read damaged files.
 
-    Raises:
-      CheckpointError: naming each differing field, the checkpoint's value and this run's.
+    A failed orbax read leaves asyncio objects behind whose clean-up raises "Event loop is
+    closed" when they are collected; they are collected here, their noise dropped, so the user
+    sees one line instead of pages of "Exception ignored" tracebacks.
     """
-    stored = meta.get("model_shape", {})
-    wanted = model_shape(model_cfg)
-    diffs = [f"{k}: checkpoint {stored.get(k)!r}, this run {v!r}" for k, v in wanted.items() if stored.get(k) != v]
-    if diffs:
-        raise CheckpointError(
-            f"cannot resume from {str(directory)!r} (step {meta.get('step')}): the checkpoint is for a "
-            f"different model shape ({'; '.join(diffs)}). Resume with the checkpoint's --preset and data, "
-            "or start a fresh run in another --ckpt-dir"
-        )
-    if meta.get("vocab_md5") != vocab_md5:
-        raise CheckpointError(
-            f"cannot resume from {str(directory)!r} (step {meta.get('step')}): the checkpoint was trained "
-            "with a different vocabulary (other training data); use the same --data-dir as the original run"
-        )
+    previous = sys.unraisablehook
+    dropped = [0]
+    sys.unraisablehook = lambda unraisable: dropped.__setitem__(0, dropped[0] + 1)
+    try:
+        try:
+            return read(), None
+        except Exception as err:  # orbax and TensorStore raise many types for damaged files
+            reason = _first_line(err)
+        # TensorStore completes the reads still in flight on its own threads, whose callbacks then
+        # find orbax's event loop closed: wait until they have gone quiet.
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while time.monotonic() < deadline:
+            before = dropped[0]
+            gc.collect()
+            time.sleep(0.1)
+            if dropped[0] == before:
+                break
+        return None, reason
+    finally:
+        sys.unraisablehook = previous
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def _tree_differences(stored, template) -> list[str]:
+    """``path: checkpoint SHAPE DTYPE, this run SHAPE DTYPE`` for each leaf that differs, and missing/extra paths."""
+    flat_stored = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    flat_template = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]}
+    out = [f"{k}: missing in the checkpoint" for k in flat_template if k not in flat_stored]
+    out += [f"{k}: in the checkpoint, not in this run" for k in flat_stored if k not in flat_template]
+    for key in flat_template.keys() & flat_stored.keys():
+        s, t = flat_stored[key], flat_template[key]
+        s_shape, t_shape = tuple(getattr(s, "shape", ())), tuple(getattr(t, "shape", ()))
+        if s_shape != t_shape:
+            out.append(f"{key}: checkpoint shape {s_shape}, this run {t_shape}")
+    return sorted(out)

@@ -52,7 +52,9 @@ class TrainConfig:
     eval_every: int | None = option(None, "valid perplexity every N steps (0: only at the end)")
     eval_batches: int = option(0, "limit each evaluation to N batches (0: the whole split)")
     ckpt_dir: str | None = option(None, "orbax checkpoint directory (none: no checkpoints)")
-    ckpt_every: int = option(100, "checkpoint every N steps (also at the end and on Ctrl-C)")
+    ckpt_every: int = option(
+        100, "checkpoint every N steps (0: only at the end); also at the end and on Ctrl-C or SIGTERM"
+    )
     keep_checkpoints: int = option(3, "how many most recent checkpoints to keep")
     resume: bool = option(False, "continue from the latest checkpoint in --ckpt-dir")
     metrics_file: str | None = option(None, "per-step metrics file: JSON lines, or CSV if it ends in .csv")
@@ -77,6 +79,8 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        if isinstance(self.ckpt_dir, str) and self.ckpt_dir.strip().lower() in ("none", ""):
+            object.__setattr__(self, "ckpt_dir", None)  # --ckpt-dir none: no checkpoints (not a folder named none)
         if self.preset not in PRESETS:
             raise UsageError(f"unknown preset {self.preset!r}; valid presets: {', '.join(PRESETS)}")
         defaults = TRAIN_PRESETS[self.preset]
@@ -199,18 +203,55 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
 #: Optimizer steps when neither ``--steps`` nor ``--epochs`` is given: short runs on a 2-core CPU.
 DEFAULT_STEPS: dict[str, int] = {"tiny": 20, "small": 300, "needle": 1000, "gpt2-small": 1000}
 
-#: Fields whose change makes a resumed run's losses differ from an uninterrupted run's.
-TRAJECTORY_FIELDS = (
-    "batch_size",
-    "seq_len",
-    "steps",
-    "epochs",
-    "lr",
-    "warmup",
-    "clip",
-    "weight_decay",
-    "dtype",
-    "accum",
-    "seed",
-    "dropout",
-)
+#: Model fields a resumed run may change: where and how remat applies, which changes no loss
+#: beyond float rounding.
+REMAT_FIELDS = ("remat_policy", "remat_granularity", "scan_layers", "remat_layer_policies", "remat_head_chunks")
+#: Training fields that decide which tokens each step reads: a resume must keep them.
+DATA_FIELDS = ("batch_size", "seq_len", "accum")
+#: Optimizer and schedule fields: a resume may change them, with a warning (the losses differ).
+OPTIMIZER_FIELDS = ("steps", "epochs", "lr", "warmup", "clip", "weight_decay", "seed")
+
+
+def resume_differences(meta: dict, cfg: TrainConfig, model_fields: dict, vocab_md5: str) -> tuple[list[str], list[str]]:
+    """What differs between a checkpoint and the run that resumes it.
+
+    Args:
+      meta: the checkpoint's metadata (``model``, ``train``, ``vocab_md5``).
+      cfg: the resuming run's configuration.
+      model_fields: the resuming run's model config as JSON values.
+      vocab_md5: the resuming run's vocabulary fingerprint.
+
+    Returns:
+      ``(refused, notes)``: ``field: checkpoint X, this run Y`` for every model field but the
+      remat ones, the data fields and the vocabulary (a resume must not change them); and lines
+      to log for changed remat fields and optimizer fields.
+    """
+    stored_model, stored_train = meta.get("model", {}), meta.get("train", {})
+    refused = [
+        f"{k}: checkpoint {stored_model.get(k)!r}, this run {v!r}"
+        for k, v in model_fields.items()
+        if k not in REMAT_FIELDS and stored_model.get(k) != v
+    ]
+    refused += [
+        f"--{k.replace('_', '-')}: checkpoint {stored_train.get(k)!r}, this run {getattr(cfg, k)!r}"
+        for k in DATA_FIELDS
+        if stored_train.get(k) != getattr(cfg, k)
+    ]
+    if meta.get("vocab_md5") != vocab_md5:
+        refused.append("vocabulary: another training text (use the original --data-dir)")
+    remat = [
+        f"{k}: {stored_model.get(k)!r} -> {model_fields[k]!r}"
+        for k in REMAT_FIELDS
+        if k in model_fields and stored_model.get(k) != model_fields[k]
+    ]
+    optimizer = [k for k in OPTIMIZER_FIELDS if stored_train.get(k) != getattr(cfg, k)]
+    notes = []
+    if remat:
+        notes.append(
+            f"note: remat changed since the checkpoint ({'; '.join(remat)}); losses stay equal up to float rounding"
+        )
+    if optimizer:
+        notes.append(
+            f"warning: resuming with changed {', '.join(optimizer)}; losses will differ from an uninterrupted run"
+        )
+    return refused, notes

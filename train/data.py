@@ -142,13 +142,25 @@ def fetch_into_cache(
         except Exception as err:  # network errors, HTTP errors, hash mismatch, unwritable cache
             if target.exists() and (not target.is_file() or _md5(target) != MD5[split]):
                 target.unlink(missing_ok=True)  # never keep a file that failed verification
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise DataError(
                 f"PTB file {FILENAMES[split]} is not in the cache {cache} and could not be fetched "
-                f"from {base_url + FILENAMES[split]} ({type(err).__name__}: {reason}). "
-                f"{_how_to_provide(cache)}"
+                f"from {base_url + FILENAMES[split]} ({_download_reason(err)}). {_how_to_provide(cache)}"
             ) from None
     return cache
+
+
+def _download_reason(err: BaseException) -> str:
+    """A short reason a download failed: "no network" for connection and name-resolution errors."""
+    import requests
+
+    if isinstance(err, requests.exceptions.Timeout):
+        return "no network: the server did not answer in time"
+    if isinstance(err, requests.exceptions.ConnectionError):
+        return "no network: the server could not be reached"
+    if isinstance(err, requests.exceptions.HTTPError) and err.response is not None:
+        return f"the server answered HTTP {err.response.status_code}"
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {reason[:200]}" if reason else type(err).__name__
 
 
 def locate(

@@ -13,6 +13,11 @@ configuration, the table, JSON and plot output, and ``--live`` (one fresh proces
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM end it at once, from before JAX is imported
+    from jremat.train.interrupts import INTERRUPTS
+
+    INTERRUPTS.install()
+
 import dataclasses
 import json
 import subprocess
@@ -25,9 +30,13 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
 from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
-from jremat.train import cli, timeline_plot
+from jremat.train import cli, interrupts, timeline_plot
 from jremat.train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
 from jremat.train.usage import program_name
+
+#: Parameters larger than this are refused up front: the report is of one device's step, and no
+#: device holds a model this size (building one would take hours of Python before any compile).
+MAX_PARAMETER_BYTES = 1 << 40
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -81,10 +90,10 @@ class MemoryConfig:
     )
 
     def __post_init__(self):
-        if self.timeline is not None:
-            problem = timeline_plot.png_path_problem(self.timeline)
+        for flag, path in (("--timeline", self.timeline), ("--plot", self.plot)):
+            problem = None if path is None else timeline_plot.png_path_problem(path)
             if problem:
-                raise UsageError(f"--timeline {self.timeline!r}: {problem}")
+                raise UsageError(f"{flag} {path!r}: {problem}")
         require_choice("preset", self.preset, tuple(PRESETS))
         if self.remat_head_chunks is not None:
             require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
@@ -126,6 +135,13 @@ class MemoryConfig:
                 raise UsageError(f"bad --policy-module: {err}") from None
         object.__setattr__(self, "policy", apply_policy_keys(self.policy, self.policy_keys))
         object.__setattr__(self, "policy_keys", ())
+        model_bytes = self.model_config("none").parameter_bytes()
+        require(
+            model_bytes <= MAX_PARAMETER_BYTES,
+            f"the model is too large: its parameters alone take {format_bytes(model_bytes)}, more than "
+            f"{format_bytes(MAX_PARAMETER_BYTES)}, and this report is for one device (the largest hold under "
+            "300 GiB); choose fewer --layers or a smaller --d-model / --d-ff",
+        )
 
     def model_config(self, policy: str) -> ModelConfig:
         """The :class:`ModelConfig` for one policy spec, with every override applied.
@@ -360,7 +376,13 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr)."""
+    """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr; 130/143
+    when interrupted by SIGINT/SIGTERM, at once: nothing is written before the report is complete)."""
+    with interrupts.handled():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         config = parse_config(argv)
         if config.live_child:

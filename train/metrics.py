@@ -8,6 +8,7 @@ and produce the same values); a fresh run refuses to overwrite a non-empty file.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -35,6 +36,8 @@ class MetricsFile:
     def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None):
         self.path = Path(path).expanduser().absolute()
         self.is_csv = self.path.suffix.lower() == ".csv"
+        if self.path.is_dir():
+            raise UsageError(f"--metrics-file {str(self.path)!r} is a directory; give a file path (.jsonl or .csv)")
         exists = self.path.is_file() and self.path.stat().st_size > 0
         if exists and resume_step is None:
             raise UsageError(
@@ -55,6 +58,8 @@ class MetricsFile:
             os.replace(tmp, self.path)
             self._handle = open(self.path, "a", newline="")
         except OSError as err:
+            with contextlib.suppress(OSError, UnboundLocalError):
+                tmp.unlink(missing_ok=True)  # never leave the half-made file behind
             raise UsageError(f"cannot write metrics file {str(self.path)!r}: {err.strerror or err}") from None
 
     def write(self, row: dict[str, Any]) -> None:

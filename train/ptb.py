@@ -5,8 +5,9 @@ registered remat policy is also a flag (``--k``, ``--skip-cheap``, ...) passed t
 ``jremat.resolve`` only when given. See "Training on Penn Treebank" in README.md.
 
 Exit codes: 0 done; 2 bad input (message, nothing written is lost); 1 the loss became NaN/inf
-(the last good checkpoint is kept); 130 interrupted with Ctrl-C (a checkpoint was saved first
-when ``--ckpt-dir`` is set).
+(the last good checkpoint is kept); 130 interrupted with Ctrl-C, 143 stopped by SIGTERM (during
+training, the finished step is saved first when ``--ckpt-dir`` is set; before training, the run
+ends at once: :mod:`train.interrupts`).
 
 Multi-process runs (``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM or
 Open MPI; ``python -m train.launch`` on one machine): every process runs the same command with
@@ -16,10 +17,15 @@ saves and restores its own checkpoint shards. See docs/multiprocess.md.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM are handled from before JAX is imported
+    from jremat.train.interrupts import INTERRUPTS
+
+    INTERRUPTS.install()
+
+import contextlib
 import dataclasses
 import json
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +38,7 @@ import numpy as np
 import jremat
 from jremat import registry
 from jremat.models import policy_memory
-from jremat.train import cli, sharded_steps
+from jremat.train import cli, interrupts, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
 from jremat.train import sharding as sharding_lib
@@ -40,16 +46,16 @@ from jremat.train import step as step_lib
 from jremat.train.checkpoint import (
     CheckpointError,
     Checkpoints,
-    check_compatible,
+    CorruptCheckpoint,
     model_shape,
     pack_state,
     unpack_state,
 )
-from jremat.train.config import TRAJECTORY_FIELDS, TrainConfig
+from jremat.train.config import TrainConfig, resume_differences
 from jremat.train.metrics import MetricsFile
 from jremat.train.usage import EXIT_USAGE, UsageError, program_name
 
-EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 
 #: Multi-process runs: how long the processes wait for each other to finish compiling.
 COMPILE_BARRIER_TIMEOUT_S = 3600
@@ -96,7 +102,7 @@ def epilog() -> str:
     return (
         "Registered policies (spec keys are also flags):\n"
         + jremat.describe()
-        + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C)."
+        + "\n\nExit codes: 0 done, 1 loss became NaN/inf, 2 bad input, 130 interrupted (Ctrl-C), 143 SIGTERM."
     )
 
 
@@ -227,43 +233,72 @@ def compiled_steps(
     return _STEP_CACHE[key]
 
 
-class _InterruptFlag:
-    """First Ctrl-C sets a flag (the loop saves and stops after the current step); a second one aborts."""
+def resume_from_newest_good(ckpts: Checkpoints, template: dict, check: Callable[[dict], None], log, move: bool):
+    """``(step, meta, state)`` of the newest checkpoint that reads back, checked by ``check(meta)``.
 
-    def __init__(self):
-        self.raised = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave Ctrl-C alone
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        if self.raised:
-            raise KeyboardInterrupt
-        self.raised = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-
-def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: bool = True) -> RunResult:
-    """Run training as configured; see the module docstring for the CLI around it.
+    A damaged checkpoint (:class:`CorruptCheckpoint`) is reported, moved aside when ``move``
+    (process 0) and the next older one tried; a checkpoint of another model or data stops the
+    search (``check`` raises).
 
     Raises:
-      UsageError: bad input (data, checkpoint directory, resume target, metrics file).
+      CheckpointError: no checkpoint, none intact, or ``check``'s refusal.
     """
+    damaged = []
+    for step in ckpts.all_steps():
+        try:
+            meta = ckpts.read_meta(step)
+            check(meta)
+            return step, meta, ckpts.restore_state(step, template)
+        except CorruptCheckpoint as err:
+            damaged.append(f"step {step}: {err}")
+            where = f"; moved to {ckpts.quarantine(step)}" if move else ""
+            log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}){where}; trying the one before")
+    if not damaged:
+        raise CheckpointError(
+            f"--resume: no checkpoint found in {str(ckpts.path)!r}; run without --resume to start fresh"
+        )
+    raise CheckpointError(
+        f"--resume: no intact checkpoint in {str(ckpts.path)!r} ({'; '.join(damaged)}); start a fresh run in another "
+        "--ckpt-dir"
+    )
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    signals: interrupts.Interrupts | None = None,
+) -> RunResult:
+    """Run training as configured; see the module docstring for the CLI around it.
+
+    Args:
+      cfg: the run's configuration.
+      log: where lines go (process 0 only).
+      progress: show a progress bar.
+      signals: SIGINT/SIGTERM handling (:mod:`train.interrupts`); a signal during training ends
+        the run after the step, saved. ``None``: the process's, installed for the call.
+
+    Raises:
+      UsageError: bad input (data, checkpoint directory, resume target, metrics file, a policy
+        that does not fit the model).
+    """
+    with interrupts.handled() if signals is None else contextlib.nullcontext(signals) as signals:
+        primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
+        ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
+        try:
+            return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
+        finally:
+            if ckpts:
+                ckpts.close()
+
+
+def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool) -> RunResult:
     from tqdm import tqdm
 
-    primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
-    if not primary:
-        log, progress = (lambda _line: None), False
-    ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints) if cfg.ckpt_dir else None
+    signals.startup_note = "nothing was trained, nothing to save"
+    if ckpts and ckpts.lock is not None and ckpts.lock.taken_over:
+        log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
     latest = ckpts.latest_step() if ckpts else None
     if cfg.resume and latest is None:
         raise CheckpointError(
@@ -289,9 +324,6 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
 
     model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
-    if cfg.resume:
-        meta = ckpts.read_meta(latest)
-        check_compatible(meta, model_cfg, corpus.vocab_md5(), ckpts.path)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))
@@ -305,12 +337,28 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
 
     start_step = 0
     if cfg.resume:
-        changed = [f for f in TRAJECTORY_FIELDS if meta.get("train", {}).get(f) != _jsonable(getattr(cfg, f))]
-        if changed:
-            log(f"warning: resuming with changed {', '.join(changed)}; losses will differ from an uninterrupted run")
-        tree = ckpts.restore_state(latest, pack_state(params, opt_state, base_key))
+
+        def check(meta):
+            refused, notes = resume_differences(meta, cfg, _jsonable(dataclasses.asdict(model_cfg)), corpus.vocab_md5())
+            if refused:
+                raise CheckpointError(
+                    f"cannot resume from {str(ckpts.path)!r} (step {meta.get('step')}): the checkpoint is of another "
+                    f"model or data ({'; '.join(refused)}); resume with the flags and --data-dir of the original run, "
+                    "or start a fresh run in another --ckpt-dir"
+                )
+            for note in notes:
+                log(note)
+
+        template = pack_state(params, opt_state, base_key)
+        latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary)
         params, opt_state, base_key = unpack_state(tree, params, opt_state)
         start_step = int(meta["step"])
+        if start_step >= total_steps:
+            raise UsageError(
+                f"--resume: the checkpoint in {str(ckpts.path)!r} is at step {start_step}, which --steps "
+                f"{total_steps} already reaches; nothing is left to train: pass a larger --steps (or --epochs)"
+            )
+        signals.startup_note = f"the checkpoint of step {start_step} is unchanged"
         if int(meta["data_position"]) != start_step * cfg.accum:
             log(
                 f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
@@ -334,14 +382,17 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
         log(plan_table)
-    if cfg.memory_report and primary:
-        log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
-        if mesh is not None:
-            log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
     t_compile = time.perf_counter()
-    train_step, eval_step = compiled_steps(
-        model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh
-    )
+    try:  # a policy that does not fit this model (nested:block=3 on 2 layers, a name it does not tag)
+        if cfg.memory_report and primary:
+            log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
+            if mesh is not None:
+                log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
+        train_step, eval_step = compiled_steps(
+            model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh
+        )
+    except ValueError as err:
+        raise UsageError(f"--policy {model_cfg.remat_policy!r} does not fit this model: {err}") from None
     log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
     distributed_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
 
@@ -361,7 +412,7 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
     )
     step = start_step
     try:
-        with _InterruptFlag() as interrupt:
+        with signals.deferred():
             while step < total_steps:
                 t0 = time.perf_counter()
                 micro_losses = []
@@ -416,17 +467,19 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
                 if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
                     last_saved = step
-                if distributed_lib.agree_any(interrupt.raised):  # every process stops after the same step
+                if distributed_lib.agree_any(signals.requested):  # every process stops after the same step
                     if ckpts and last_saved != step:
                         save(step)
                         last_saved = step
                     result.status = "interrupted"
-                    result.message = f"interrupted after step {step}; " + (
+                    result.message = f"interrupted ({signal_name(signals)}) after step {step}; " + (
                         f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
                         if ckpts
                         else "no --ckpt-dir, so nothing was saved"
                     )
                     return result
+            if ckpts and last_saved != step:
+                save(step)
     finally:
         bar.close()
         if metrics:
@@ -434,13 +487,8 @@ def train(cfg: TrainConfig, *, log: Callable[[str], None] = print, progress: boo
         if step_times:
             result.mean_step_time_s = float(np.mean(step_times))
             result.tokens_per_s = tokens_per_step * len(step_times) / float(np.sum(step_times))
-        if ckpts and result.status != "done":
-            ckpts.close()
 
-    if ckpts and last_saved != step:
-        save(step)
-    if ckpts:
-        ckpts.close()
+    signals.startup_note = f"finished {step} steps" + (f"; the checkpoint of step {step} is saved" if ckpts else "")
     result.valid_ppl = _perplexity(evaluate(eval_step, params, valid_batches, cfg.eval_batches, put))
     result.test_ppl = _perplexity(evaluate(eval_step, params, test_batches, cfg.eval_batches, put))
     result.message = f"finished {step} steps"
@@ -500,29 +548,38 @@ def start_distributed(cfg: TrainConfig) -> bool:
         raise UsageError(f"multi-host environment: {err}") from None
 
 
+def signal_name(signals: interrupts.Interrupts) -> str:
+    """``SIGINT`` or ``SIGTERM``: the signal that stopped the run."""
+    return "SIGTERM" if signals.exit_code == EXIT_TERMINATED else "SIGINT"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI entry point; returns the exit code (see the module docstring)."""
-    try:
-        cfg = parse_config(argv)
-        start_distributed(cfg)
-        result = train(cfg)
-    except SystemExit as exit_:  # --help
-        return int(exit_.code or 0)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if result.status == "nonfinite":
-        if distributed_lib.is_primary():
-            print(f"error: {result.message}", file=sys.stderr)
-        return EXIT_NONFINITE
-    if result.status == "interrupted":
-        if distributed_lib.is_primary():
-            print(result.message, file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_OK
+    with interrupts.handled() as signals:
+        try:
+            cfg = parse_config(argv)
+            start_distributed(cfg)
+            result = train(cfg, signals=signals)
+        except SystemExit as exit_:  # --help
+            return int(exit_.code or 0)
+        except UsageError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:  # a second signal during training: stop at once
+            print(
+                f"interrupted again ({signal_name(signals)}): stopped at once; the checkpoints on disk are intact",
+                file=sys.stderr,
+            )
+            return signals.exit_code
+        if result.status == "nonfinite":
+            if distributed_lib.is_primary():
+                print(f"error: {result.message}", file=sys.stderr)
+            return EXIT_NONFINITE
+        if result.status == "interrupted":
+            if distributed_lib.is_primary():
+                print(result.message, file=sys.stderr)
+            return signals.exit_code
+        return EXIT_OK
 
 
 if __name__ == "__main__":

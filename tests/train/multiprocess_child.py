@@ -1,10 +1,14 @@
-"""``python -m train.ptb`` that SIGKILLs its own process when the train step is called for the N-th time.
+"""``python -m train.ptb`` that SIGKILLs its own process at a chosen point, with no chance to clean up.
 
-Run by tests/train/test_multiprocess.py under ``python -m train.launch`` to kill every process of
-a multi-process run at the same point with no chance to clean up:
-``python -m tests.train.multiprocess_child N -- <train.ptb flags>``. Call N starts optimizer
-step N (with ``--accum 1``), so steps up to N - 1 have finished on every process (each step
-is a collective over all of them) and a checkpoint saved after step N - 1 is complete.
+``python -m tests.train.multiprocess_child N -- <train.ptb flags>`` dies when the train step is
+called for the N-th time. Run by tests/train/test_multiprocess.py under ``python -m
+train.launch`` to kill every process of a multi-process run at the same point: call N starts
+optimizer step N (with ``--accum 1``), so steps up to N - 1 have finished on every process (each
+step is a collective over all of them) and a checkpoint saved after step N - 1 is complete.
+
+``python -m tests.train.multiprocess_child save:N -- <flags>`` dies half-way through writing the
+checkpoint of step N: its arrays are written into orbax's temporary directory, its metadata is
+not, and nothing is committed (tests/train/test_ptb.py).
 
 With ``JREMAT_TEST_ROWS_DIR`` set, each process also writes ``rows.<process>.json`` there: the
 batch rows it was assigned and the rows it handed to ``train.sharding.shard_batch`` first.
@@ -44,6 +48,30 @@ def kill_at_call(n: int) -> None:
     ptb.compiled_steps = patched
 
 
+def kill_while_saving(step: int) -> None:
+    """SIGKILL this process while the checkpoint of ``step`` is being written (after its arrays)."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    from jremat.train import checkpoint
+
+    real_save, real_json = checkpoint.Checkpoints.save, json_checkpoint_handler.JsonCheckpointHandler._save_fn
+    saving = [None]
+
+    def save(self, at_step, state, meta):
+        saving[0] = at_step
+        return real_save(self, at_step, state, meta)
+
+    def json_save(self, *args, **kwargs):
+        if saving[0] == step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_json(self, *args, **kwargs)
+
+    checkpoint.Checkpoints.save = save
+    json_checkpoint_handler.JsonCheckpointHandler._save_fn = json_save
+
+
 def record_rows(directory: str) -> None:
     """Write this process's row range and the first rows it places to ``directory/rows.<process>.json``."""
     real_rows, real_shard = sharding.process_batch_rows, sharding.shard_batch
@@ -65,11 +93,16 @@ def record_rows(directory: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``N -- FLAGS``: run ``train.ptb`` with ``FLAGS``, killed at the N-th train-step call."""
-    if len(argv) < 2 or argv[1] != "--" or not argv[0].isdigit() or int(argv[0]) < 1:
-        print("usage: python -m tests.train.multiprocess_child N -- TRAIN_PTB_FLAGS (N >= 1)", file=sys.stderr)
+    """``N -- FLAGS`` or ``save:N -- FLAGS``: run ``train.ptb`` with ``FLAGS``, killed at the
+    N-th train-step call or while writing the checkpoint of step N."""
+    where, _, number = argv[0].rpartition(":") if argv else ("", "", "")
+    if len(argv) < 2 or argv[1] != "--" or where not in ("", "save") or not number.isdigit() or int(number) < 1:
+        print("usage: python -m tests.train.multiprocess_child [save:]N -- TRAIN_PTB_FLAGS (N >= 1)", file=sys.stderr)
         return 2
-    kill_at_call(int(argv[0]))
+    if where == "save":
+        kill_while_saving(int(number))
+    else:
+        kill_at_call(int(number))
     if os.environ.get("JREMAT_TEST_ROWS_DIR"):
         record_rows(os.environ["JREMAT_TEST_ROWS_DIR"])
     return ptb.main(argv[2:])

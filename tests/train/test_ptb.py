@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from jremat.models import preset
 from jremat.train import data as data_lib
 from jremat.train import ptb
-from jremat.train.checkpoint import Checkpoints, pack_state
+from jremat.train.checkpoint import LOCK_NAME, Checkpoints, pack_state
 from jremat.train.config import TrainConfig
 from jremat.train.metrics import read_rows
 from jremat.train.step import OptimizerConfig, init_params
@@ -86,7 +87,7 @@ def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, 
 
     wrap_train_step(monkeypatch, ctrl_c_at_8)
     assert ptb.main(args) == ptb.EXIT_INTERRUPTED
-    assert "interrupted after step 8" in capsys.readouterr().err
+    assert "interrupted (SIGINT) after step 8" in capsys.readouterr().err
     assert Checkpoints(ckpt).latest_step() == 8
     assert sorted(losses_of(metrics)) == list(range(1, 9))
     monkeypatch.undo()
@@ -213,8 +214,9 @@ def test_resume_from_a_different_model_shape(tmp_path, base_args, capsys, ptb_of
     before = sorted(os.listdir(ckpt))
     assert ptb.main(base_args + ["--ckpt-dir", str(ckpt), "--resume"]) == ptb.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "different model shape" in err and "d_model: checkpoint 20, this run 32" in err
-    assert sorted(os.listdir(ckpt)) == before and Checkpoints(ckpt).latest_step() == 3
+    assert "the checkpoint is of another model or data" in err and "d_model: checkpoint 20, this run 32" in err
+    # Nothing written but the (empty, released) run lock
+    assert sorted(set(os.listdir(ckpt)) - {LOCK_NAME}) == before and Checkpoints(ckpt).latest_step() == 3
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints_or_metrics(tmp_path, base_args, capsys, ptb_offline_dir):
@@ -283,3 +285,206 @@ def test_help_lists_policies_and_their_keys(capsys):
     for text in ("--k VALUE", "--skip-cheap VALUE", "--batch-size", "--ckpt-dir", "every_k", "Exit codes"):
         assert text in out
     assert preset("tiny").max_seq_len == 16  # the seq-len error case above relies on it
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+def _child(mode, args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "tests.train.multiprocess_child", mode, "--", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
+
+
+def _assert_resume_matches_reference(args, metrics, reference_run, restored_at):
+    assert ptb.main(args + ["--resume"]) == 0
+    resumed, expected = losses_of(metrics), {r["step"]: r["loss"] for r in reference_run}
+    after = [s for s in range(restored_at + 1, STEPS + 1)]
+    assert [resumed[s] for s in after] == [expected[s] for s in after]  # bitwise: same program, data, keys
+
+
+@pytest.mark.parametrize(
+    "mode, restored_at",
+    [
+        pytest.param("save:8", 4, id="during-a-checkpoint-write"),
+        pytest.param("11", 8, id="between-steps", marks=pytest.mark.slow),
+    ],
+)
+def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, base_args, reference_run, mode, restored_at):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "4"]
+    args += ["--metrics-file", str(metrics)]
+    killed = _child(mode, args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert Checkpoints(ckpt).latest_step() == restored_at  # the half-written step 8 is not a checkpoint
+    _assert_resume_matches_reference(args, metrics, reference_run, restored_at)
+
+
+def _damage(ckpt, step, how):
+    step_dir = ckpt / str(step)
+    if how == "meta emptied":
+        (step_dir / "meta" / "metadata").write_text("")
+    else:
+        largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        if how == "data emptied":
+            largest.write_bytes(b"")
+        elif how == "data overwritten":
+            largest.write_bytes(os.urandom(largest.stat().st_size))
+        else:
+            largest.unlink()
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "data overwritten",
+        pytest.param("meta emptied", marks=pytest.mark.slow),
+        pytest.param("data emptied", marks=pytest.mark.slow),
+        pytest.param("data deleted", marks=pytest.mark.slow),
+    ],
+)
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+    monkeypatch, tmp_path, base_args, reference_run, capsys, how
+):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "4"]
+    args += ["--metrics-file", str(metrics)]
+
+    def stop_after_12(n, outputs):
+        if n == 12:
+            signal.raise_signal(signal.SIGINT)
+        return outputs
+
+    wrap_train_step(monkeypatch, stop_after_12)
+    assert ptb.main(args) == ptb.EXIT_INTERRUPTED
+    monkeypatch.undo()
+    _damage(ckpt, 12, how)
+    capsys.readouterr()
+    _assert_resume_matches_reference(args, metrics, reference_run, 8)
+    captured = capsys.readouterr()
+    assert "checkpoint step 12" in captured.out and "is damaged" in captured.out and "moved to" in captured.out
+    assert "resumed from" in captured.out and "at step 8" in captured.out
+    assert "Traceback" not in captured.err and "Exception ignored" not in captured.err
+    assert len(os.listdir(ckpt / "corrupt")) == 1 and Checkpoints(ckpt).latest_step() == STEPS
+
+
+def test_sigterm_during_training_saves_the_step_and_exits_143(monkeypatch, tmp_path, base_args, capsys):
+    ckpt = tmp_path / "ck"
+
+    def sigterm_at_5(n, outputs):
+        if n == 5:
+            signal.raise_signal(signal.SIGTERM)
+        return outputs
+
+    wrap_train_step(monkeypatch, sigterm_at_5)
+    assert ptb.main(base_args + ["--ckpt-dir", str(ckpt)]) == ptb.EXIT_TERMINATED
+    assert "interrupted (SIGTERM) after step 5; checkpoint saved" in capsys.readouterr().err
+    assert Checkpoints(ckpt).latest_step() == 5
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler (Linux ``/proc``): train.interrupts is installed."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def _start_and_signal(args, signum, wait_for):
+    """Start ``python -m train.ptb ARGS`` and send ``signum`` once stdout shows ``wait_for``, or (empty)
+    as soon as its handling is installed, while it imports JAX."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.ptb", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    if wait_for:
+        for line in proc.stdout:
+            if wait_for in line:
+                break
+    else:
+        while not _catches_sigterm(proc.pid):
+            time.sleep(0.005)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize(
+    "signum, wait_for, code",
+    [
+        pytest.param(signal.SIGINT, "schedule:", 130, id="sigint-during-compile"),
+        pytest.param(signal.SIGINT, "", 130, id="sigint-during-imports", marks=pytest.mark.slow),
+        pytest.param(signal.SIGTERM, "", 143, id="sigterm-during-imports", marks=pytest.mark.slow),
+        pytest.param(signal.SIGTERM, "schedule:", 143, id="sigterm-during-compile", marks=pytest.mark.slow),
+    ],
+)
+def test_a_signal_before_training_ends_the_run_at_once(tmp_path, base_args, signum, wait_for, code):
+    returncode, err = _start_and_signal(base_args + ["--ckpt-dir", str(tmp_path / "ck")], signum, wait_for)
+    assert returncode == code, err[-2000:]
+    assert f"interrupted ({signal.Signals(signum).name})" in err
+    assert "Traceback" not in err and "Segmentation" not in err
+    assert not (tmp_path / "ck").exists() or Checkpoints(tmp_path / "ck").latest_step() is None
+
+
+def test_two_runs_cannot_write_one_checkpoint_directory(tmp_path, base_args, capsys):
+    holder = Checkpoints(tmp_path / "ck", lock=True)  # another run, still going
+    try:
+        assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "ck")]) == ptb.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert f"is in use by another run (pid {os.getpid()} on" in err and err.count("\n") == 1
+    finally:
+        holder.close()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, base_args, capsys):
+    code = f"from jremat.train.checkpoint import Checkpoints; import os, signal; Checkpoints({str(tmp_path / 'ck')!r}, lock=True); os.kill(os.getpid(), signal.SIGKILL)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120).returncode == -signal.SIGKILL
+    assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "2"]) == 0
+    assert "took over the lock of a run that ended without releasing it (pid" in capsys.readouterr().out
+
+
+def test_resume_refuses_other_data_and_model_but_takes_another_policy(
+    monkeypatch, tmp_path, base_args, capsys, reference_run
+):
+    ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt)]
+
+    def stop_after_10(n, outputs):
+        if n == 10:
+            signal.raise_signal(signal.SIGINT)
+        return outputs
+
+    wrap_train_step(monkeypatch, stop_after_10)
+    assert ptb.main(args + ["--metrics-file", str(metrics)]) == ptb.EXIT_INTERRUPTED
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert ptb.main(args + ["--resume", "--dropout", "0.1", "--batch-size", "2"]) == ptb.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "attn_dropout: checkpoint 0.3, this run 0.1" in err and "--batch-size: checkpoint 4, this run 2" in err
+    i = args.index("--policy")
+    full = args[:i] + args[i + 4 :] + ["--policy", "full", "--resume"]  # drop --policy every_k --k 4
+    assert ptb.main(full + ["--metrics-file", str(metrics)]) == 0
+    assert "note: remat changed since the checkpoint (remat_policy: 'every_k:k=4' -> 'full')" in capsys.readouterr().out
+    resumed, expected = losses_of(metrics), {r["step"]: r["loss"] for r in reference_run}
+    after = range(11, STEPS + 1)
+    np.testing.assert_allclose([resumed[s] for s in after], [expected[s] for s in after], rtol=1e-5)
+
+
+def test_resume_past_the_last_step_says_so(tmp_path, base_args, capsys):
+    args = base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "3"]
+    assert ptb.main(args) == 0
+    assert ptb.main(args + ["--resume"]) == ptb.EXIT_USAGE
+    assert "at step 3, which --steps 3 already reaches; nothing is left to train" in capsys.readouterr().err
+
+
+def test_no_leftovers(tmp_path, base_args, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ptb.main(base_args + ["--ckpt-dir", "none", "--steps", "1"]) == 0
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "metrics").mkdir()
+    assert ptb.main(base_args + ["--metrics-file", str(tmp_path / "metrics")]) == ptb.EXIT_USAGE
+    assert "is a directory" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["metrics"]

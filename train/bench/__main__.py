@@ -2,6 +2,10 @@
 
 import sys
 
-from jremat.train.bench.cli import main
+from jremat.train.interrupts import INTERRUPTS
+
+INTERRUPTS.install()  # Ctrl-C and SIGTERM end the bench at once, from before JAX is imported
+
+from jremat.train.bench.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -1,0 +1,138 @@
+"""Ctrl-C (SIGINT) and SIGTERM end a CLI run cleanly at any moment.
+
+Imports nothing but the standard library, so a CLI installs it before it imports JAX: an
+interrupt during the imports, the set-up or an XLA compile (a long call into C++, during which
+Python runs no signal handler) ends the process at once with one line and exit code 130
+(SIGINT) or 143 (SIGTERM), never a traceback and never a crash on the way out. Python's own
+handler only writes the signal's number to a pipe (:func:`signal.set_wakeup_fd`); a watcher
+thread reads it and ends the process with :func:`os._exit`, which skips the interpreter's
+teardown (where XLA's threads make a normal exit crash).
+
+Inside :meth:`Interrupts.deferred` (the training loop, a checkpoint write) a first signal only
+sets a flag: the loop finishes the step, saves it and stops with the same exit code. A second
+signal there stops at once (:class:`KeyboardInterrupt`), leaving the last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+#: Exit code for each handled signal (128 + its number, as shells report).
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupts:
+    """The process's SIGINT/SIGTERM handling (see the module docstring); one per process.
+
+    Attributes:
+      signum: the first signal received (``None`` before any).
+      startup_note: what an interrupt outside :meth:`deferred` leaves behind, for its one line.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.startup_note = "stopped at once; nothing was written"
+        self._deferring = False
+        self._installed = False
+        self._previous: dict = {}
+        self._previous_fd = -1
+        self._pipe: tuple[int, int] | None = None
+
+    @property
+    def requested(self) -> bool:
+        """Whether a signal arrived."""
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        """130 after SIGINT, 143 after SIGTERM."""
+        return EXIT_CODES.get(self.signum, 130)
+
+    def install(self) -> bool:
+        """Handle SIGINT and SIGTERM from now on (main thread only; a no-op elsewhere or if installed).
+
+        Returns:
+          Whether this call installed the handling (and so should :meth:`uninstall` it).
+        """
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return False
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for signum in EXIT_CODES:
+            self._previous[signum] = signal.signal(signum, self._python_handler)
+        self._pipe = (read_fd, write_fd)
+        self._installed = True
+        threading.Thread(target=self._watch, args=(read_fd,), name="jremat-interrupts", daemon=True).start()
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the handlers and wakeup fd found by :meth:`install`; the watcher thread ends."""
+        if not self._installed:
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        read_fd, write_fd = self._pipe
+        os.close(write_fd)  # the watcher reads end-of-file and returns
+        self._installed, self._previous, self._pipe = False, {}, None
+        self.signum, self._deferring = None, False
+        del read_fd
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: a first signal sets :attr:`requested` for the caller to save and stop."""
+        self._deferring = True
+        try:
+            yield self
+        finally:
+            self._deferring = False
+
+    def _python_handler(self, signum, frame):
+        # Runs in the main thread between bytecodes. Outside deferred() the watcher thread ends
+        # the process; inside, the first signal is recorded and a second stops at once.
+        if not self._deferring:
+            return
+        if self.signum is None:
+            self.signum = signum
+            return
+        raise KeyboardInterrupt
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while True:
+                data = os.read(read_fd, 64)
+                if not data:
+                    return
+                if not self._deferring and any(s in EXIT_CODES for s in data):
+                    self._exit_now(next(s for s in data if s in EXIT_CODES))
+        finally:
+            os.close(read_fd)
+
+    def _exit_now(self, signum: int) -> None:
+        self.signum = signum
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with contextlib.suppress(Exception):
+            os.write(2, f"\ninterrupted ({signal.Signals(signum).name}): {self.startup_note}\n".encode())
+        os._exit(EXIT_CODES[signum])
+
+
+#: The process's one :class:`Interrupts`.
+INTERRUPTS = Interrupts()
+
+
+@contextlib.contextmanager
+def handled():
+    """Handle SIGINT/SIGTERM for the duration (kept if a CLI's ``__main__`` installed it earlier)."""
+    installed_here = INTERRUPTS.install()
+    try:
+        yield INTERRUPTS
+    finally:
+        if installed_here:
+            INTERRUPTS.uninstall()
