@@ -82,7 +82,14 @@ class ModelConfig:
         attention = 3 * (d * inner + inner) + inner * d + d
         mlp = d * d_ff + d_ff + d_ff * d + d
         block = attention + mlp + 4 * d  # two LayerNorms
-        return self.vocab_size * d + self.max_seq_len * d + self.n_layers * block + 2 * d + d * self.vocab_size + self.vocab_size
+        return (
+            self.vocab_size * d
+            + self.max_seq_len * d
+            + self.n_layers * block
+            + 2 * d
+            + d * self.vocab_size
+            + self.vocab_size
+        )
 
     def parameter_bytes(self) -> int:
         """Bytes of the parameters in ``param_dtype``."""
