@@ -185,7 +185,12 @@ class TrainConfig:
         )
         if self.dropout is not None:
             changes.update(attn_dropout=self.dropout, resid_dropout=self.dropout)
-        return model_preset(self.preset, **changes)
+        try:
+            return model_preset(self.preset, **changes)
+        except ValueError as err:  # a policy or layer grouping that does not fit the preset's layers
+            raise UsageError(
+                f"--policy {changes['remat_policy']!r} does not fit preset {self.preset!r}: {err}"
+            ) from None
 
     def replace(self, **changes) -> TrainConfig:
         """A validated copy with ``changes`` applied."""

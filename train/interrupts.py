@@ -1,12 +1,12 @@
 """Ctrl-C (SIGINT) and SIGTERM end a CLI run cleanly at any moment.
 
 Imports nothing but the standard library, so a CLI installs it before it imports JAX: an
-interrupt during the imports, the set-up or an XLA compile (a long call into C++, during which
-Python runs no signal handler) ends the process at once with one line and exit code 130
-(SIGINT) or 143 (SIGTERM), never a traceback and never a crash on the way out. Python's own
-handler only writes the signal's number to a pipe (:func:`signal.set_wakeup_fd`); a watcher
-thread reads it and ends the process with :func:`os._exit`, which skips the interpreter's
-teardown (where XLA's threads make a normal exit crash).
+interrupt during the imports, the set-up or an XLA compile ends the process at once with one
+line and exit code 130 (SIGINT) or 143 (SIGTERM), never a traceback and never a crash on the way
+out. The process ends with :func:`os._exit`, which skips the interpreter's teardown (where XLA's
+threads make a normal exit crash). During a long call into C++ (an XLA compile) Python runs no
+signal handler; the signal's number also goes to a pipe (:func:`signal.set_wakeup_fd`), and a
+watcher thread ends the process when the handler has not run within :data:`HANDLER_GRACE_S`.
 
 Inside :meth:`Interrupts.deferred` (the training loop, a checkpoint write) a first signal only
 sets a flag: the loop finishes the step, saves it and stops with the same exit code. A second
@@ -20,9 +20,20 @@ import os
 import signal
 import sys
 import threading
+import time
 
 #: Exit code for each handled signal (128 + its number, as shells report).
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+#: How long the watcher thread waits for Python's handler before it ends the process itself.
+HANDLER_GRACE_S = 0.2
+
+
+class _WatchState:
+    """What one installation's watcher thread and Python handler share."""
+
+    def __init__(self):
+        self.acknowledged = 0  # signals Python's handler has run for
+        self.stopping = False  # uninstalled: ignore what is left in the pipe
 
 
 class Interrupts:
@@ -41,6 +52,7 @@ class Interrupts:
         self._previous: dict = {}
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
+        self._state = _WatchState()
 
     @property
     def requested(self) -> bool:
@@ -67,21 +79,21 @@ class Interrupts:
             self._previous[signum] = signal.signal(signum, self._python_handler)
         self._pipe = (read_fd, write_fd)
         self._installed = True
-        threading.Thread(target=self._watch, args=(read_fd,), name="jremat-interrupts", daemon=True).start()
+        self._state = _WatchState()
+        threading.Thread(target=self._watch, args=(read_fd, self._state), name="jremat-interrupts", daemon=True).start()
         return True
 
     def uninstall(self) -> None:
         """Restore the handlers and wakeup fd found by :meth:`install`; the watcher thread ends."""
         if not self._installed:
             return
+        self._state.stopping = True  # bytes still unread were handled while installed
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         signal.set_wakeup_fd(self._previous_fd)
-        read_fd, write_fd = self._pipe
-        os.close(write_fd)  # the watcher reads end-of-file and returns
+        os.close(self._pipe[1])  # the watcher reads end-of-file and returns
         self._installed, self._previous, self._pipe = False, {}, None
         self.signum, self._deferring = None, False
-        del read_fd
 
     @contextlib.contextmanager
     def deferred(self):
@@ -93,22 +105,31 @@ class Interrupts:
             self._deferring = False
 
     def _python_handler(self, signum, frame):
-        # Runs in the main thread between bytecodes. Outside deferred() the watcher thread ends
-        # the process; inside, the first signal is recorded and a second stops at once.
+        # Runs in the main thread between bytecodes, so it sees the state at the moment of the
+        # signal: outside deferred() it ends the process; inside, the first signal is recorded
+        # and a second stops at once. The watcher thread acts only if this does not run in time.
+        self._state.acknowledged += 1
         if not self._deferring:
-            return
+            self._exit_now(signum)
         if self.signum is None:
             self.signum = signum
             return
         raise KeyboardInterrupt
 
-    def _watch(self, read_fd: int) -> None:
+    def _watch(self, read_fd: int, state: _WatchState) -> None:
+        seen = 0
         try:
             while True:
                 data = os.read(read_fd, 64)
                 if not data:
                     return
-                if not self._deferring and any(s in EXIT_CODES for s in data):
+                seen += sum(1 for s in data if s in EXIT_CODES)
+                # The main thread may be inside a long C++ call (an XLA compile) and not run the
+                # Python handler: then, unless a training step is in flight, end the process here.
+                deadline = time.monotonic() + HANDLER_GRACE_S
+                while state.acknowledged < seen and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if state.acknowledged < seen and not self._deferring and not state.stopping:
                     self._exit_now(next(s for s in data if s in EXIT_CODES))
         finally:
             os.close(read_fd)

@@ -1,0 +1,109 @@
+"""Bad input to every CLI: exit code 2 and one ``error:`` line naming what was wrong and what is valid.
+
+The table is the specification: one row per kind of mistake, by flag class (numbers, policy
+specs, paths, data files), for ``train.ptb``, ``train.memory``, ``train.bench`` and
+``train.launch``. Each row runs the CLI's ``main`` in this process; none gets as far as a
+training step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jremat.train import launch, memory, ptb
+from jremat.train.bench import cli as bench
+
+CLIS = {"ptb": ptb.main, "memory": memory.main, "bench": bench.main, "launch": launch.main}
+TINY_RUN = "--preset tiny --steps 2 --eval-batches 1 --no-memory-report"
+
+# (cli, flags, a piece of the one-line message); {data}: the offline PTB folder, {tmp}: a fresh
+# folder holding a file "file", a folder "dir" and data files "empty/" (empty ptb.train.txt) and
+# "partial/" (no ptb.test.txt).
+TABLE = {
+    "numbers": [
+        ("ptb", "--batch-size 0", "--batch-size must be a positive integer, got 0"),
+        ("ptb", "--steps many", "argument --steps: expected an integer, got 'many'"),
+        ("ptb", "--lr -1", "--lr must be a positive number"),
+        ("ptb", "--dropout 1.5", "--dropout must be in [0, 1), got 1.5"),
+        ("ptb", "--seq-len 17", "--seq-len 17 is longer than preset 'tiny' has positions (max_seq_len 16)"),
+        ("ptb", "--accum 0", "--accum must be a positive integer, got 0"),
+        ("ptb", "--ckpt-every -1", "--ckpt-every must be an integer >= 0, got -1"),
+        ("ptb", "--keep-checkpoints 0", "--keep-checkpoints must be a positive integer, got 0"),
+        ("ptb", "--epochs 1", "give --steps or --epochs, not both"),
+        ("memory", "--layers 0", "--layers must be a positive integer"),
+        ("memory", "--layers 1000000000000", "the model is too large: its parameters alone take"),
+        ("memory", "--heads 3", "--heads 3 does not divide d_model"),
+        ("bench", "--time-steps -2", "--time-steps"),
+        ("launch", "--processes 0 -- python -c pass", "--processes must be"),
+    ],
+    "specs": [
+        ("ptb", "--policy nosuch", "unknown policy 'nosuch'; valid policies:"),
+        ("ptb", "--policy every_k --k 0", "k must be >= 1, got '0'"),
+        ("ptb", "--policy full --k 4", "unknown key 'k' for policy 'full'"),
+        ("ptb", "--policy nested:block=3", "block=3 does not divide the 2 layers; valid block sizes: auto, 1, 2"),
+        ("ptb", "--policy names:save=not_a_tag", "names 'not_a_tag', which the checkpointed function does not tag"),
+        ("ptb", "--policy-module no_such_module_xyz", "cannot import policy module 'no_such_module_xyz'"),
+        ("ptb", "--mesh data=2,model=2", "--mesh: "),
+        ("ptb", "--mesh data=4,fsdp=2 --batch-size 8", "--mesh: mesh data=4,fsdp=2 has 8 devices but 1 are available"),
+        ("ptb", "--mesh data=3 --batch-size 4", "--batch-size 4 does not split over --mesh data=3"),
+        ("ptb", "--policy every_k --k x", "k must be an integer, got 'x'"),
+        ("ptb", "--resume", "--resume needs --ckpt-dir"),
+        ("ptb", "--policy full --memory-budget 1GiB", "--memory-budget applies only to --policy auto"),
+        ("ptb", "--policy auto --memory-budget lots", "memory budget 'lots' is not a size like 6GiB"),
+        ("memory", "--policy every_k:k=0", "k must be >="),
+        ("memory", "--policy nested:block=3", "nested"),
+        ("bench", "--policy nosuch", "unknown policy 'nosuch'"),
+    ],
+    "paths": [
+        ("ptb", "--ckpt-dir {tmp}/file/ck", "is not writable"),
+        ("ptb", "--resume --ckpt-dir {tmp}/dir", "--resume: no checkpoint found in"),
+        ("ptb", "--metrics-file {tmp}/dir", "is a directory; give a file path"),
+        ("memory", "--plot {tmp}/dir", "--plot '{tmp}/dir': is a directory"),
+        ("memory", "--timeline {tmp}/t.svg", "the file name must end in .png"),
+        ("memory", "--json --plot {tmp}/missing/p.png", "does not exist"),
+    ],
+    "data files": [
+        ("ptb", "--data-dir {tmp}/missing", "{tmp}/missing"),
+        ("ptb", "--data-dir {tmp}/partial", "ptb.test.txt"),
+        ("ptb", "--data-dir {tmp}/empty", "ptb.train.txt"),
+    ],
+}
+ROWS = [(kind, *row) for kind, rows in TABLE.items() for row in rows]
+
+
+@pytest.fixture
+def folder(tmp_path, ptb_offline_dir):
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "dir").mkdir()
+    for name, skip, empty in (("empty", None, "ptb.train.txt"), ("partial", "ptb.test.txt", None)):
+        (tmp_path / name).mkdir()
+        for split in ("train", "valid", "test"):
+            file = f"ptb.{split}.txt"
+            if file == skip:
+                continue
+            text = "" if file == empty else Path(ptb_offline_dir, file).read_text()
+            (tmp_path / name / file).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind, cli, flags, message", ROWS, ids=[f"{r[0]}:{r[1]}:{r[2]}" for r in ROWS])
+def test_bad_input_is_one_line_and_exit_2(folder, ptb_offline_dir, capsys, kind, cli, flags, message):
+    argv = flags.format(tmp=folder, data=ptb_offline_dir).split()
+    if cli == "ptb":
+        argv = TINY_RUN.split() + (["--data-dir", ptb_offline_dir] if "--data-dir" not in argv else []) + argv
+    elif cli == "memory":
+        argv = ["--preset", "tiny", *argv]
+    elif cli == "bench":
+        argv = ["--quick", "--report", "", "--out", str(folder / "bench"), *argv]
+    assert CLIS[cli](argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert message.format(tmp=folder) in err[0]
+    assert "Traceback" not in err[0]
+
+
+def test_the_table_covers_every_cli_and_class():
+    assert {cli for _, cli, _, _ in ROWS} == set(CLIS)
+    assert set(TABLE) == {"numbers", "specs", "paths", "data files"}
