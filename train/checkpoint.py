@@ -283,7 +283,8 @@ def _quietly(read):
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line.split(" See full TensorStore details")[0][:200]  # not the pages of detail behind it
 
 
 def _tree_differences(stored, template) -> list[str]:

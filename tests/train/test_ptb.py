@@ -293,6 +293,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, base_args,
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert Checkpoints(ckpt).latest_step() == restored_at  # the half-written step 8 is not a checkpoint
     _assert_resume_matches_reference(args, metrics, reference_run, restored_at)
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [12, 16, 20]  # --keep-checkpoints 3
 
 
 def _damage(ckpt, step, how):
