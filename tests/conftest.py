@@ -49,6 +49,17 @@ def expect_does_not_apply(policy: str):
     return contextlib.nullcontext()
 
 
+@pytest.fixture(params=["classic", "remat3"])
+def remat_engine(request):
+    """Run the test under one of JAX's remat engines (``jax_remat3`` off or on), then restore the flag."""
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", request.param == "remat3")
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
 @pytest.fixture(autouse=True)
 def _registry_restored():
     """Every test leaves the policy registry as it found it, whatever code under test registers."""

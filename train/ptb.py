@@ -22,7 +22,6 @@ if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM are handled from befor
 
     INTERRUPTS.install()
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -276,21 +275,22 @@ def train(
       cfg: the run's configuration.
       log: where lines go (process 0 only).
       progress: show a progress bar.
-      signals: SIGINT/SIGTERM handling (:mod:`train.interrupts`); a signal during training ends
-        the run after the step, saved. ``None``: the process's, installed for the call.
+      signals: SIGINT/SIGTERM handling (:mod:`train.interrupts`, installed by :func:`main`); a
+        signal during training ends the run after the step, saved. ``None`` (a call from Python):
+        none installed, so Ctrl-C raises ``KeyboardInterrupt`` as usual.
 
     Raises:
       UsageError: bad input (data, checkpoint directory, resume target, metrics file, a policy
         that does not fit the model).
     """
-    with interrupts.handled() if signals is None else contextlib.nullcontext(signals) as signals:
-        primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
-        ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
-        try:
-            return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
-        finally:
-            if ckpts:
-                ckpts.close()
+    signals = interrupts.Interrupts() if signals is None else signals
+    primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
+    ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
+    try:
+        return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
+    finally:
+        if ckpts:
+            ckpts.close()
 
 
 def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool) -> RunResult:

@@ -18,20 +18,6 @@ from jax.ad_checkpoint import checkpoint_name
 import jremat
 from jremat import _engine
 
-ENGINES = [_engine.CLASSIC, _engine.REMAT3]
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    """Run the test with ``jax_remat3`` set for the engine, restored afterwards."""
-    before = jax.config.jax_remat3
-    jax.config.update("jax_remat3", request.param == _engine.REMAT3)
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_remat3", before)
-
-
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 W = jnp.linspace(0.5, -0.5, 16).reshape(4, 4)
 
@@ -68,7 +54,7 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
-def test_jax_policies_and_callables_are_taken_as_jax_takes_them(engine, policy):
+def test_jax_policies_and_callables_are_taken_as_jax_takes_them(remat_engine, policy):
     ref, got = both(block, policy=policy)
     loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)
     assert_same(got(W, X), ref(W, X))
@@ -98,14 +84,14 @@ BATCHED = {"vmap(grad)", "grad(vmap)", "jit(vmap(grad))"}
 
 @pytest.mark.parametrize("spec", [None, "dots", "every_k:k=2"])
 @pytest.mark.parametrize("transform", TRANSFORMS.values(), ids=TRANSFORMS.keys())
-def test_gradients_under_every_composition_of_transforms(engine, spec, transform):
+def test_gradients_under_every_composition_of_transforms(remat_engine, spec, transform):
     name = next(k for k, v in TRANSFORMS.items() if v is transform)
     args = (W, jnp.stack([X, 2 * X])) if name in BATCHED else (W,)
     expected = transform(untagged_block)(*args)
     assert_same(transform(jremat.checkpoint(block, spec))(*args), expected, rtol=1e-5)
 
 
-def test_a_branch_on_a_traced_scalar_raises_as_in_jax(engine):
+def test_a_branch_on_a_traced_scalar_raises_as_in_jax(remat_engine):
     branchy = lambda x, flag: x if flag else -x
     for checkpointed in both(branchy):
         with pytest.raises(jax.errors.TracerBoolConversionError):
@@ -131,7 +117,7 @@ def _counted(fn):
 
 
 @pytest.mark.parametrize("spec", [None, "dots", "every_k:k=2", "names:save=hidden", "names_except:exclude=hidden"])
-def test_repeated_calls_trace_once(engine, spec):
+def test_repeated_calls_trace_once(remat_engine, spec):
     """Five eager calls and a jitted gradient called twice: one trace, as ``jax.checkpoint``
     (whose cache is keyed on avals, so the jit's tracers reuse the eager trace)."""
     counts = []
@@ -146,7 +132,7 @@ def test_repeated_calls_trace_once(engine, spec):
     assert counts == [1, 1]
 
 
-def test_static_arguments_retrace_only_on_a_new_value(engine):
+def test_static_arguments_retrace_only_on_a_new_value(remat_engine):
     def scaled(x, n):
         calls.append(n)
         return jnp.sin(x) * n
@@ -177,7 +163,7 @@ PREVENT_CSE = {
 
 
 @pytest.mark.parametrize("prevent_cse", PREVENT_CSE.values(), ids=PREVENT_CSE.keys())
-def test_prevent_cse_as_a_bool_or_a_pytree_prefix(engine, prevent_cse):
+def test_prevent_cse_as_a_bool_or_a_pytree_prefix(remat_engine, prevent_cse):
     def fsdp_block(weights, x):
         return jnp.tanh(x @ weights["a"]) @ weights["b"]
 
@@ -202,7 +188,7 @@ def test_prevent_cse_errors():
         jremat.checkpoint(block, prevent_cse=(True, True, True))(W, X)
 
 
-def test_a_python_scalar_cotangent(engine):
+def test_a_python_scalar_cotangent(remat_engine):
     for spec in (None, "every_k:k=2"):
         f = lambda x, spec=spec: jnp.sum(jremat.checkpoint(jnp.sin, spec)(x))
         out, pullback = jax.vjp(f, X)
@@ -237,7 +223,7 @@ def _lowered_names(fn):
     return functions, max(scopes)
 
 
-def test_inner_jit_and_one_remat_scope_survive_lowering(engine):
+def test_inner_jit_and_one_remat_scope_survive_lowering(remat_engine):
     inner = jax.jit(lambda x: jnp.sin(x) * 2.0)
     fn = lambda x: jnp.cos(inner(x))
     ref, got = both(fn)

@@ -10,17 +10,6 @@ from jremat import _engine as engine
 from tests.conftest import saved_residuals
 
 
-@pytest.fixture(params=[engine.CLASSIC, engine.REMAT3])
-def remat_engine(request):
-    """Run the test under one engine, then restore the flag."""
-    before = jax.config.jax_remat3
-    jax.config.update("jax_remat3", request.param == engine.REMAT3)
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_remat3", before)
-
-
 def under(engine_name, fn):
     """``fn()`` with the ``jax_remat3`` flag set for ``engine_name``, the flag restored after."""
     before = jax.config.jax_remat3

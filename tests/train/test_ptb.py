@@ -56,6 +56,17 @@ def wrap_train_step(monkeypatch, on_call):
     monkeypatch.setattr(ptb, "compiled_steps", patched)
 
 
+def signal_at_call(monkeypatch, n, signum=signal.SIGINT):
+    """Send ``signum`` to this process while the n-th train step runs (the step finishes and is saved)."""
+
+    def on_call(call, outputs):
+        if call == n:
+            signal.raise_signal(signum)
+        return outputs
+
+    wrap_train_step(monkeypatch, on_call)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, ptb_offline_dir):
     """An uninterrupted every_k:k=4 run of STEPS steps; its metrics rows."""
@@ -80,12 +91,7 @@ def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, 
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.csv"
     args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
 
-    def ctrl_c_at_8(n, outputs):
-        if n == 8:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C while step 8 runs: finish it, save, exit
-        return outputs
-
-    wrap_train_step(monkeypatch, ctrl_c_at_8)
+    signal_at_call(monkeypatch, 8)
     assert ptb.main(args) == ptb.EXIT_INTERRUPTED
     assert "interrupted (SIGINT) after step 8" in capsys.readouterr().err
     assert Checkpoints(ckpt).latest_step() == 8
@@ -326,12 +332,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "4"]
     args += ["--metrics-file", str(metrics)]
 
-    def stop_after_12(n, outputs):
-        if n == 12:
-            signal.raise_signal(signal.SIGINT)
-        return outputs
-
-    wrap_train_step(monkeypatch, stop_after_12)
+    signal_at_call(monkeypatch, 12)
     assert ptb.main(args) == ptb.EXIT_INTERRUPTED
     monkeypatch.undo()
     _damage(ckpt, 12, how)
@@ -347,12 +348,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
 def test_sigterm_during_training_saves_the_step_and_exits_143(monkeypatch, tmp_path, base_args, capsys):
     ckpt = tmp_path / "ck"
 
-    def sigterm_at_5(n, outputs):
-        if n == 5:
-            signal.raise_signal(signal.SIGTERM)
-        return outputs
-
-    wrap_train_step(monkeypatch, sigterm_at_5)
+    signal_at_call(monkeypatch, 5, signal.SIGTERM)
     assert ptb.main(base_args + ["--ckpt-dir", str(ckpt)]) == ptb.EXIT_TERMINATED
     assert "interrupted (SIGTERM) after step 5; checkpoint saved" in capsys.readouterr().err
     assert Checkpoints(ckpt).latest_step() == 5
@@ -423,12 +419,7 @@ def test_resume_refuses_other_data_and_model_but_takes_another_policy(
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt)]
 
-    def stop_after_10(n, outputs):
-        if n == 10:
-            signal.raise_signal(signal.SIGINT)
-        return outputs
-
-    wrap_train_step(monkeypatch, stop_after_10)
+    signal_at_call(monkeypatch, 10)
     assert ptb.main(args + ["--metrics-file", str(metrics)]) == ptb.EXIT_INTERRUPTED
     monkeypatch.undo()
     capsys.readouterr()
