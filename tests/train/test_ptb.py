@@ -365,7 +365,12 @@ def _start_and_signal(args, signum, wait_for):
     """Start ``python -m train.ptb ARGS`` and send ``signum`` once stdout shows ``wait_for``, or (empty)
     as soon as its handling is installed, while it imports JAX."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train.ptb", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "train.ptb", *args],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),  # each line as printed
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if wait_for:
         for line in proc.stdout:
