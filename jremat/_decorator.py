@@ -13,7 +13,7 @@
 
 On a plain function the decorator is a drop-in for ``jax.checkpoint``: the same arguments
 (``policy`` may also be a JAX policy callable or ``None``; ``prevent_cse`` a bool or a pytree
-prefix of the arguments; ``static_argnums``), every other argument traced as JAX traces it
+prefix of the arguments; ``static_argnums``, ``static_argnames``), every other argument traced as JAX traces it
 (Python scalars included), the same errors, and one trace per argument structure and avals. On
 Flax modules it lifts like ``nnx.remat`` / ``nn.remat``: there, arguments that are not arrays
 (``deterministic=True``) are static.
@@ -96,6 +96,7 @@ def policy(
     methods: Iterable[str] = ("__call__",),
     prevent_cse: bool | Sequence = True,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Iterable[str] = (),
     **keys,
 ):
     """Decorator applying a rematerialization policy to a function or a Flax module.
@@ -125,6 +126,8 @@ def policy(
         guard FSDP-gathered weights; ``False`` only inside a ``lax.scan`` of more than one step.
       static_argnums: as in ``jax.checkpoint``: positions of arguments that are closed over as
         Python values (hashable or not) instead of traced; a new value traces again.
+      static_argnames: the same for keyword arguments, by name (as ``jax.checkpoint`` under its
+        remat3 engine).
       **keys: policy keys given separately (``k=4``).
 
     Returns:
@@ -138,12 +141,15 @@ def policy(
     chosen = _resolve(spec, keys)
     prevent_cse = _check_prevent_cse(prevent_cse)
     static_argnums = _check_static_argnums(static_argnums)
+    static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if not all(isinstance(n, str) for n in static_argnames):
+        raise TypeError(f"static_argnames must be a string or strings, got {static_argnames!r}")
     if isinstance(methods, str):
         raise ValueError(f"methods must be a sequence of method names, got the string {methods!r}")
     methods = tuple(methods)
     if not methods or not all(isinstance(m, str) for m in methods):
         raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r}")
-    options = _Options(prevent_cse, static_argnums)
+    options = _Options(prevent_cse, static_argnums, static_argnames)
 
     def decorate(target):
         if isinstance(target, staticmethod):
@@ -178,6 +184,7 @@ def checkpoint(
     *,
     prevent_cse: bool | Sequence = True,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Iterable[str] = (),
     **keys,
 ) -> Callable:
     """Rematerialize ``fn`` under a policy: a drop-in for ``jax.checkpoint`` (``jremat.checkpoint(f, "every_k:k=4")``).
@@ -194,6 +201,7 @@ def checkpoint(
         entry, or ``None`` (``full``).
       prevent_cse: as in ``jax.checkpoint`` (a bool or a tuple of pytree prefixes).
       static_argnums: as in ``jax.checkpoint``.
+      static_argnames: as in ``jax.checkpoint``.
       **keys: policy keys given separately, e.g. ``k=4``.
 
     Returns:
@@ -203,7 +211,9 @@ def checkpoint(
       ValueError: as :func:`policy`.
       TypeError: as :func:`policy`.
     """
-    return _policy_decorator(policy, prevent_cse=prevent_cse, static_argnums=static_argnums, **keys)(fn)
+    return _policy_decorator(
+        policy, prevent_cse=prevent_cse, static_argnums=static_argnums, static_argnames=static_argnames, **keys
+    )(fn)
 
 
 def _resolve(spec, keys: dict) -> Policy:
@@ -251,6 +261,7 @@ class _Options:
 
     prevent_cse: bool | tuple
     static_argnums: tuple[int, ...]
+    static_argnames: tuple[str, ...] = ()
 
     @property
     def any_cse(self) -> bool:
@@ -291,9 +302,12 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
     static_positions = frozenset(d % len(args) for d in nums)
     dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_positions)
     statics = tuple((i, _Static(args[i])) for i in sorted(static_positions))
+    static_kwargs = tuple((k, _Static(kwargs[k])) for k in sorted(kwargs) if k in options.static_argnames)
+    kwargs = {k: v for k, v in kwargs.items() if k not in options.static_argnames}
     leaves, in_tree = jax.tree.flatten((dynamic_args, kwargs))
     cse = _leaf_prevent_cse(options.prevent_cse, dynamic_args, kwargs)
-    key = (in_tree, tuple(jax.typeof(leaf) for leaf in leaves), statics, cse)  # TypeError on a non-JAX value
+    # TypeError (JAX's) on a value JAX cannot trace
+    key = (in_tree, tuple(jax.typeof(leaf) for leaf in leaves), statics, static_kwargs, cse)
     flat = traced.get(key)
     if flat is None:
 
@@ -302,7 +316,7 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
             full = list(a)
             for i, value in statics:
                 full.insert(i, value.value)
-            return fn(*full, **kw)
+            return fn(*full, **kw, **{k: value.value for k, value in static_kwargs})
 
         flat = chosen.wrap(flat_fn, prevent_cse=cse)
         if len(traced) >= _MAX_TRACES:

@@ -146,6 +146,20 @@ def test_static_arguments_retrace_only_on_a_new_value(remat_engine):
     assert_same(unhashable(X, {"scale": 2.0}), X * 2.0)
 
 
+def test_static_argnames_close_over_keyword_arguments(remat_engine):
+    calls: list = []
+
+    def scaled(x, *, activation, n):
+        calls.append((activation, n))
+        return getattr(jnp, activation)(x) * n
+
+    checkpointed = jremat.checkpoint(scaled, "every_k:k=2", static_argnames=("activation",))
+    for n in (2.0, 3.0):  # n is traced: one trace for both values
+        assert_same(checkpointed(X, activation="tanh", n=n), jnp.tanh(X) * n)
+    assert_same(jax.grad(lambda x: jnp.sum(checkpointed(x, activation="sin", n=1.0)))(X), jnp.cos(X))
+    assert [a for a, _ in calls] == ["tanh", "sin"]
+
+
 def test_static_argnums_errors_are_jaxs():
     for checkpointed in both(block, static_argnums=(5,)):
         with pytest.raises(ValueError, match="can only take integer values greater than or equal to `-len"):
