@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
@@ -144,13 +145,19 @@ def checkpoint(
     if both:
         raise ValueError(f"jremat._engine.checkpoint: {both} listed both to save and to offload; give each name once")
 
-    classic = _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse)
-    remat3_traces = AvalCache()
+    # jax.checkpoint fixes its engine when it is built, so one is built per engine, when first used.
+    classic_by_flag: dict = {}
+    remat3_traces = TraceCache()
 
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
         if active_engine() == CLASSIC:
-            return classic(*args, **kwargs)
+            flag = _flag_value()
+            if flag not in classic_by_flag:
+                classic_by_flag[flag] = _classic(
+                    fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse
+                )
+            return classic_by_flag[flag](*args, **kwargs)
         if callback is not None and not natively_understood(callback):
             lower = lambda: _remat3_callback(fn, callback, args, kwargs)
         elif callback is not None:
@@ -159,43 +166,51 @@ def checkpoint(
         else:
             offload = {name: (offload_src, offload_dst) for name in offload_names}
             lower = lambda: _remat3_names(fn, save_names, offload, args, kwargs)
-        out_tree, flat = remat3_traces.get(args, kwargs, lower)
+        out_tree, flat = remat3_traces.get(args, kwargs, lambda: _split_consts(lower()))
         return jax.tree.unflatten(out_tree, flat(*jax.tree.leaves((args, kwargs))))
 
     return checkpointed
 
 
-class AvalCache:
-    """Lowerings of one function built once per argument structure and avals, as ``jax.checkpoint``
-    caches its trace, so repeated calls do not trace the function again.
+class TraceCache:
+    """Values built once per argument structure and avals, as ``jax.checkpoint`` caches its trace,
+    so repeated calls with the same shapes do not trace the user's function again.
 
-    A lowering returns ``(out_tree, flat_fn, consts)``; one whose traced program closes over a
-    tracer of an outer trace (in ``consts``) belongs to that trace and is not kept.
+    The key also holds the ``jax_remat3`` flag and JAX's trace context (x64 and the other options
+    a trace depends on), so switching either traces afresh. A value whose trace closes over a
+    tracer of an outer trace (the function reads a value of an enclosing ``jit`` it was not
+    given) belongs to that trace alone and is not kept.
 
     Args:
-      maxsize: lowerings kept; the oldest goes first.
+      maxsize: values kept; the oldest goes first.
     """
 
     def __init__(self, maxsize: int = 32):
         self.maxsize = maxsize
         self._entries: dict = {}
 
-    def get(self, args: tuple, kwargs: dict, lower: Callable[[], tuple]) -> tuple:
-        """``(out_tree, flat_fn)`` for these arguments, lowered by ``lower()`` on a miss."""
+    def get(self, args: tuple, kwargs: dict, build: Callable[[], tuple[Any, Sequence]]) -> Any:
+        """The value for these arguments; on a miss ``build()`` returns ``(value, consts)``, the
+        consts being the trace's closed-over constants."""
         leaves, treedef = jax.tree.flatten((args, kwargs))
         try:
-            key = (treedef, tuple(jax.typeof(leaf) for leaf in leaves))
+            key = (_flag_value(), _jax_compat.trace_context(), treedef, tuple(jax.typeof(leaf) for leaf in leaves))
             hash(key)
-        except TypeError:  # not JAX values: lowering raises JAX's own error
-            return lower()[:2]
-        if key not in self._entries:
-            out_tree, flat, consts = lower()
-            if any(isinstance(c, jax.core.Tracer) for c in consts):
-                return out_tree, flat
+        except TypeError:  # not JAX values: tracing raises JAX's own error
+            return build()[0]
+        if key in self._entries:
+            return self._entries[key]
+        value, consts = build()
+        if not any(isinstance(c, jax.core.Tracer) for c in consts):
             if len(self._entries) >= self.maxsize:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (out_tree, flat)
-        return self._entries[key]
+            self._entries[key] = value
+        return value
+
+
+def _split_consts(lowered: tuple) -> tuple[tuple, Sequence]:
+    out_tree, flat, consts = lowered
+    return (out_tree, flat), consts
 
 
 def _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse):

@@ -36,6 +36,8 @@ PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     ("jax._src.config", "remat3"): "switching between JAX's remat engines (the jax_remat3 flag)",
     ("jax._src.core", "trace_ctx"): "telling forward-mode differentiation (jvp, linearize) from reverse "
     "mode, under which the cotangent tie (jremat._tie) cannot apply",
+    ("jax._src.config", "trace_context"): "keying jremat's trace caches on the configuration a trace "
+    "depends on (x64, default device, ...), as jax.jit's cache does",
 }
 
 
@@ -70,6 +72,19 @@ def _optional(module: str, name: str) -> Any:
         return private(module, name)
     except MissingJaxInternal:
         return None
+
+
+_trace_context: Callable | None = _optional("jax._src.config", "trace_context")
+
+
+def trace_context() -> tuple:
+    """The configuration values a trace depends on (``jax_enable_x64`` and the rest), hashable.
+
+    JAX's own ``trace_context`` where this JAX has it; otherwise the x64 flag alone.
+    """
+    if _trace_context is not None:
+        return _trace_context()
+    return (bool(jax.config.jax_enable_x64),)
 
 
 # Source-line helpers are optional: reports fall back to "unknown" without them.

@@ -138,7 +138,7 @@ class PlanPolicy(Policy):
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        cache = _program.TraceCache()
+        cache = _program.ProgramCache()
 
         def build(prog: _program.Program):
             chosen = check_plan(self.plan(prog), prog, self.spec or type(self).__name__)
@@ -164,7 +164,7 @@ class PlanPolicy(Policy):
 
         @functools.wraps(fn)
         def rematerialized(*args, **kwargs):
-            out_tree, tagged = cache.get(fn, args, kwargs, build)
+            out_tree, tagged = cache.build(fn, args, kwargs, build)
             return jax.tree.unflatten(out_tree, tagged(*jax.tree.leaves((args, kwargs))))
 
         return rematerialized

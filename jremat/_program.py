@@ -283,24 +283,11 @@ def program_of_jaxpr(jaxpr) -> Program:
     return Program(closed_jaxpr=jcore.ClosedJaxpr(jaxpr, []), ops=_classify(jaxpr), in_tree=None, out_tree=None)
 
 
-class TraceCache:
-    """Programs of one function traced once per argument structure, shapes and dtypes.
+class ProgramCache(_engine.TraceCache):
+    """Programs of one function traced once per argument structure, shapes and dtypes (the
+    contract of ``jax.checkpoint``'s own cache: see :class:`jremat._engine.TraceCache`)."""
 
-    The same contract as ``jax.checkpoint``'s own cache: calling a rematerialized function again
-    with arguments of the same structure and avals reuses the trace, so the user's function runs
-    once (Python side effects, trace counters). A program that closes over a tracer of an outer
-    trace (the function reads a value of an enclosing ``jit`` it was not given) is never kept:
-    it belongs to that trace alone.
-
-    Args:
-      maxsize: programs kept; the oldest goes first.
-    """
-
-    def __init__(self, maxsize: int = 32):
-        self.maxsize = maxsize
-        self._entries: dict = {}
-
-    def get(self, fn: Callable, args: tuple, kwargs: dict, build: Callable[[Program], Any] = lambda p: p):
+    def build(self, fn: Callable, args: tuple, kwargs: dict, build: Callable[[Program], Any] = lambda p: p):
         """``build(trace_program(fn, *args, **kwargs))``, from the cache when traced before.
 
         Args:
@@ -309,21 +296,12 @@ class TraceCache:
           kwargs: keyword arguments.
           build: what to keep per program (the program itself by default).
         """
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        try:
-            key = (treedef, tuple(jax.typeof(leaf) for leaf in leaves))
-            hash(key)
-        except TypeError:  # not JAX values: tracing raises JAX's own error
-            return build(trace_program(fn, *args, **kwargs))
-        if key in self._entries:
-            return self._entries[key]
-        program = trace_program(fn, *args, **kwargs)
-        built = build(program)
-        if not any(isinstance(c, jax.core.Tracer) for c in program.closed_jaxpr.consts):
-            if len(self._entries) >= self.maxsize:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = built
-        return built
+
+        def trace():
+            program = trace_program(fn, *args, **kwargs)
+            return build(program), program.closed_jaxpr.consts
+
+        return self.get(args, kwargs, trace)
 
 
 def feeds_only_effects(program: Program) -> frozenset[int]:

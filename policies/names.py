@@ -41,7 +41,7 @@ from jremat import (
     require_host_memory,
 )
 from jremat import _engine as engine
-from jremat._program import SHAPE_ONLY_PRIMITIVES, TraceCache, evaluate_tagged, jaxpr_tags
+from jremat._program import SHAPE_ONLY_PRIMITIVES, ProgramCache, evaluate_tagged, jaxpr_tags
 from jremat.names import check_found
 from jremat.registry import REQUIRED
 
@@ -50,10 +50,11 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     """``fn`` checkpointed under ``policy``'s callback, once its tags are checked against ``requirements``.
 
     ``fn`` is traced once and the checkpoint evaluates that trace, so a function with Python
-    side effects (a Linen scope drawing RNG keys) runs exactly once per call.
+    side effects (a Linen scope drawing RNG keys) runs once per new argument structure and avals
+    (later calls reuse the trace, as with ``jax.checkpoint``).
     """
 
-    cache = TraceCache()
+    cache = ProgramCache()
 
     def build(program: Program):
         checkpointed = engine.checkpoint(
@@ -63,7 +64,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        program, checkpointed = cache.get(fn, args, kwargs, build)
+        program, checkpointed = cache.build(fn, args, kwargs, build)
         found = jaxpr_tags(program.closed_jaxpr.jaxpr)
         for wanted, name, key in requirements:
             check_found(wanted, found, policy=name, key=key)

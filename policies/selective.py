@@ -15,7 +15,8 @@ The core is found in one of two ways (:func:`find_attention_core` says which):
 * **by structure**, in any other model (Flax's ``nnx.MultiHeadAttention`` and Linen's
   ``MultiHeadDotProductAttention``, ``jax.nn.softmax`` in plain JAX, Equinox): a *scores*
   ``dot_general``, a softmax over its output (``exp``, a ``reduce_sum`` of it and the division
-  by that sum; scaling, masking and the max subtraction may sit between), and the ``dot_general``
+  by that sum, or a product with its reciprocal; scaling, masking and the max subtraction may
+  sit between), and the ``dot_general``
   of the normalized probabilities (after dropout, if any) with the values. The core is both
   ``dot_general`` equations and every equation on a data path between them.
 
@@ -55,7 +56,7 @@ BY_STRUCTURE = "structure"
 LOOKED_FOR = (
     f"values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
     f"{names.ATTN_CONTEXT} (jremat.names), or by structure a scores dot_general, a softmax over it "
-    "(exp, reduce_sum, divide; scaling and masking allowed) and the dot_general of the probabilities with the values"
+    "(exp, reduce_sum, divide or multiply by the reciprocal; scaling and masking allowed) and the dot_general of the probabilities with the values"
 )
 
 
@@ -107,7 +108,8 @@ def _softmax_call(eqn) -> bool:
 def structural_attention_cores(program: Program) -> list[frozenset[int]]:
     """Attention cores found from the program's structure alone (no tags), one per softmax.
 
-    For each ``exp`` whose output is summed (``reduce_sum``) and divided by that sum, the scores
+    For each ``exp`` whose output is summed (``reduce_sum``) and divided by that sum (``div``, or
+    ``mul`` by its reciprocal), the scores
     ``dot_general`` equations are those reached backwards from the ``exp`` without crossing another
     matrix product, and the context ``dot_general`` equations those reached forwards from the division
     the same way. The core is those products and every equation on a data path between them.

@@ -19,8 +19,10 @@ killed run's lock is taken over by the next run (and reported), never a stale lo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
+import inspect
 import json
 import os
 import shutil
@@ -35,6 +37,7 @@ import jax
 from flax import nnx
 
 from jremat.models import ModelConfig
+from jremat.train import interrupts
 from jremat.train.cli import UsageError
 
 #: ModelConfig fields that determine the parameter shapes.
@@ -73,8 +76,14 @@ class RunLock:
 
     def __init__(self, directory: Path):
         self.path = directory / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        holder = os.read(fd, 512).decode(errors="replace").strip()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            holder = os.read(fd, 512).decode(errors="replace").strip()
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot open the run lock {str(self.path)!r} ({err.strerror or err}); make it readable and "
+                "writable, or choose another --ckpt-dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -90,15 +99,17 @@ class RunLock:
             fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
         )
         self._fd = fd
+        interrupts.INTERRUPTS.before_exit(self.release)  # an interrupt is an end, not a crash to report
 
     def release(self) -> None:
         """Empty the lock file and release the lock (a clean end leaves nothing to take over)."""
-        if self._fd is None:
+        fd, self._fd = self._fd, None
+        if fd is None:
             return
-        os.ftruncate(self._fd, 0)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
+        interrupts.INTERRUPTS.forget(self.release)
+        os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def check_writable(directory: str | os.PathLike) -> Path:
@@ -163,12 +174,17 @@ class Checkpoints:
         self.keep = keep
         self.path = check_writable(directory)
         self.lock = RunLock(self.path) if lock else None
-        self.manager = ocp.CheckpointManager(
-            self.path,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True),
-            # Handlers named up front, so that a fresh manager reads a checkpoint's array metadata.
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
-        )
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.path,
+                options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True),
+                # Handlers named up front, so that a fresh manager reads a checkpoint's array metadata.
+                item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            )
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or ``None``."""
@@ -181,8 +197,14 @@ class Checkpoints:
     def quarantine(self, step: int) -> Path:
         """Move the checkpoint of ``step`` into ``corrupt/`` (out of orbax's sight); returns where it went."""
         target = self.path / CORRUPT_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target.parent.mkdir(exist_ok=True)
-        shutil.move(str(self.path / str(step)), str(target))
+        try:
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(str(self.path / str(step)), str(target))
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot move the damaged checkpoint step {step} to {str(target)!r} ({err.strerror or err}); move or "
+                "delete it by hand and resume again"
+            ) from None
         self.manager.reload()
         return target
 
@@ -206,14 +228,32 @@ class Checkpoints:
         Raises:
           CorruptCheckpoint: if it does not read as a JSON object.
         """
+        self._check_readable(step)
         path = self.path / str(step) / "meta" / "metadata"
         try:
             meta = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
+        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError, ValueError) as err:
             raise CorruptCheckpoint(f"its metadata {str(path)!r} does not read ({_first_line(err)})") from None
+        except OSError as err:  # an I/O error is not damage to move aside
+            raise CheckpointError(
+                f"checkpoint step {step}: cannot read {str(path)!r} ({err.strerror or err}); fix the file system "
+                "or the permissions and resume again"
+            ) from None
         if not isinstance(meta, dict) or "step" not in meta:
             raise CorruptCheckpoint(f"its metadata {str(path)!r} holds no step")
         return meta
+
+    def _check_readable(self, step: int) -> None:
+        """Raise :class:`CheckpointError` (not corruption) for a file or folder this process may not read."""
+        root = self.path / str(step)
+        for folder, subfolders, files in os.walk(root):
+            for name in [*subfolders, *files]:
+                path = Path(folder) / name
+                if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+                    raise CheckpointError(
+                        f"checkpoint step {step}: {str(path)!r} is not readable by this user; fix its permissions "
+                        "and resume again"
+                    )
 
     def restore_state(self, step: int, template: dict[str, Any]) -> dict[str, Any]:
         """The array tree of the checkpoint of ``step``, restored into ``template``'s shapes and shardings.
@@ -247,9 +287,11 @@ class Checkpoints:
 
     def close(self) -> None:
         """Release the manager's resources and the run lock."""
-        self.manager.close()
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            self.manager.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def _quietly(read):
@@ -276,9 +318,20 @@ def _quietly(read):
             time.sleep(0.1)
             if dropped[0] == before:
                 break
+        _close_abandoned_orbax_coroutines()
         return None, reason
     finally:
         sys.unraisablehook = previous
+
+
+def _close_abandoned_orbax_coroutines() -> None:
+    """Close the coroutines a failed read left suspended in orbax (ours are synchronous, so none
+    is still wanted), so that their clean-up error surfaces here rather than in a later garbage
+    collection, far from the read."""
+    for obj in gc.get_objects():
+        if inspect.iscoroutine(obj) and obj.cr_frame is not None and "orbax" in obj.cr_code.co_filename:
+            with contextlib.suppress(BaseException):
+                obj.close()
 
 
 def _first_line(err: BaseException) -> str:
@@ -288,7 +341,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def _tree_differences(stored, template) -> list[str]:
-    """``path: checkpoint SHAPE DTYPE, this run SHAPE DTYPE`` for each leaf that differs, and missing/extra paths."""
+    """``path: checkpoint shape S, this run shape T`` for each leaf whose shape differs, and missing/extra paths."""
     flat_stored = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
     flat_template = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(template)[0]}
     out = [f"{k}: missing in the checkpoint" for k in flat_template if k not in flat_stored]

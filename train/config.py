@@ -214,7 +214,7 @@ REMAT_FIELDS = ("remat_policy", "remat_granularity", "scan_layers", "remat_layer
 #: Training fields that decide which tokens each step reads: a resume must keep them.
 DATA_FIELDS = ("batch_size", "seq_len", "accum")
 #: Optimizer and schedule fields: a resume may change them, with a warning (the losses differ).
-OPTIMIZER_FIELDS = ("steps", "epochs", "lr", "warmup", "clip", "weight_decay", "seed")
+OPTIMIZER_FIELDS = ("steps", "epochs", "lr", "warmup", "clip", "weight_decay")
 
 
 def resume_differences(meta: dict, cfg: TrainConfig, model_fields: dict, vocab_md5: str) -> tuple[list[str], list[str]]:
@@ -258,5 +258,10 @@ def resume_differences(meta: dict, cfg: TrainConfig, model_fields: dict, vocab_m
     if optimizer:
         notes.append(
             f"warning: resuming with changed {', '.join(optimizer)}; losses will differ from an uninterrupted run"
+        )
+    if "seed" in stored_train and stored_train["seed"] != cfg.seed:
+        notes.append(
+            f"note: --seed {cfg.seed} differs from the checkpoint's {stored_train['seed']}; the run continues with "
+            "the checkpoint's random key (the seed only starts a fresh run)"
         )
     return refused, notes

@@ -418,3 +418,16 @@ def agree_any(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+
+
+def same_on_every_process(value: int) -> bool:
+    """Whether the integer ``value`` is the same on every process (a small all-gather).
+
+    Every process must call it at the same point of the program.
+    """
+    if jax.process_count() == 1:
+        return True
+    from jax.experimental import multihost_utils
+
+    values = multihost_utils.process_allgather(np.asarray(int(value), np.int64))
+    return bool(np.all(values == values.flat[0]))

@@ -10,7 +10,9 @@ watcher thread ends the process when the handler has not run within :data:`HANDL
 
 Inside :meth:`Interrupts.deferred` (the training loop, a checkpoint write) a first signal only
 sets a flag: the loop finishes the step, saves it and stops with the same exit code. A second
-signal there stops at once (:class:`KeyboardInterrupt`), leaving the last checkpoint intact.
+signal there stops at once (:class:`KeyboardInterrupt`, or the watcher thread ends the process
+if the main thread is blocked in C++), leaving the last checkpoint intact: orbax writes a
+checkpoint into a temporary directory and renames it only when complete.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Interrupts:
         self._previous_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._state = _WatchState()
+        self._before_exit: list = []
 
     @property
     def requested(self) -> bool:
@@ -95,6 +98,15 @@ class Interrupts:
         self._installed, self._previous, self._pipe = False, {}, None
         self.signum, self._deferring = None, False
 
+    def before_exit(self, cleanup) -> None:
+        """Run ``cleanup()`` if a signal ends the process at once (releasing a lock, say)."""
+        self._before_exit.append(cleanup)
+
+    def forget(self, cleanup) -> None:
+        """Undo :meth:`before_exit` (the cleanup has been done the normal way)."""
+        with contextlib.suppress(ValueError):
+            self._before_exit.remove(cleanup)
+
     @contextlib.contextmanager
     def deferred(self):
         """Inside: a first signal sets :attr:`requested` for the caller to save and stop."""
@@ -129,13 +141,19 @@ class Interrupts:
                 deadline = time.monotonic() + HANDLER_GRACE_S
                 while state.acknowledged < seen and time.monotonic() < deadline:
                     time.sleep(0.01)
-                if state.acknowledged < seen and not self._deferring and not state.stopping:
+                # Inside deferred() the first signal waits for the step to end; a second one
+                # stops at once even while the main thread is blocked (a step, a save).
+                unhandled = state.acknowledged < seen and not state.stopping
+                if unhandled and (not self._deferring or seen >= 2):
                     self._exit_now(next(s for s in data if s in EXIT_CODES))
         finally:
             os.close(read_fd)
 
     def _exit_now(self, signum: int) -> None:
         self.signum = signum
+        for cleanup in list(self._before_exit):
+            with contextlib.suppress(Exception):
+                cleanup()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

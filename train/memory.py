@@ -307,9 +307,14 @@ def _allocator_stats_note() -> str | None:
 def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
     """The live peak of ``spec``, measured in a fresh Python process (``None`` if it failed)."""
     argv = [sys.executable, "-m", "jremat.train.memory", *config.model_argv(), "--policy", spec, "--live-child"]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    interrupts.INTERRUPTS.before_exit(child.kill)  # a signal that ends this process ends the child too
+    try:
+        out, _ = child.communicate()
+    finally:
+        interrupts.INTERRUPTS.forget(child.kill)
+    lines = out.strip().splitlines()
+    if child.returncode != 0 or not lines:
         return None
     return json.loads(lines[-1]).get("live_peak_bytes")
 

@@ -232,34 +232,47 @@ def compiled_steps(
     return _STEP_CACHE[key]
 
 
-def resume_from_newest_good(ckpts: Checkpoints, template: dict, check: Callable[[dict], None], log, move: bool):
-    """``(step, meta, state)`` of the newest checkpoint that reads back, checked by ``check(meta)``.
+def resume_from_newest_good(ckpts: Checkpoints, template: dict, check: Callable[[dict], list[str]], log, move: bool):
+    """``(step, meta, state)`` of the newest checkpoint that reads back and that ``check(meta)`` accepts.
 
-    A damaged checkpoint (:class:`CorruptCheckpoint`) is reported, moved aside when ``move``
-    (process 0) and the next older one tried; a checkpoint of another model or data stops the
-    search (``check`` raises).
+    ``check`` raises to refuse a checkpoint (another model or data: the search stops) and
+    returns notes, logged for the checkpoint resumed from. A damaged checkpoint
+    (:class:`CorruptCheckpoint`) is reported and the next older one tried; once an older one has
+    restored, the damaged ones are moved aside when ``move`` (process 0). If none restores,
+    nothing is moved.
 
     Raises:
-      CheckpointError: no checkpoint, none intact, or ``check``'s refusal.
+      CheckpointError: no checkpoint, none intact, a checkpoint that cannot be read (permissions),
+        or ``check``'s refusal.
     """
     damaged = []
     for step in ckpts.all_steps():
         try:
             meta = ckpts.read_meta(step)
-            check(meta)
-            return step, meta, ckpts.restore_state(step, template)
+            notes = check(meta)
+            state = ckpts.restore_state(step, template)
         except CorruptCheckpoint as err:
-            damaged.append(f"step {step}: {err}")
-            where = f"; moved to {ckpts.quarantine(step)}" if move else ""
-            log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}){where}; trying the one before")
+            damaged.append((step, err))
+            log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}); trying the one before")
+            continue
+        for bad_step, _ in damaged:
+            if move:
+                log(f"warning: moved the damaged checkpoint step {bad_step} to {ckpts.quarantine(bad_step)}")
+        for note in notes:
+            log(note)
+        return step, meta, state
     if not damaged:
-        raise CheckpointError(
-            f"--resume: no checkpoint found in {str(ckpts.path)!r}; run without --resume to start fresh"
-        )
+        raise no_checkpoint_error(ckpts.path)
+    listed = "; ".join(f"step {step}: {err}" for step, err in damaged)
     raise CheckpointError(
-        f"--resume: no intact checkpoint in {str(ckpts.path)!r} ({'; '.join(damaged)}); start a fresh run in another "
-        "--ckpt-dir"
+        f"--resume: no intact checkpoint in {str(ckpts.path)!r} ({listed}); nothing was moved; start a fresh run "
+        "in another --ckpt-dir"
     )
+
+
+def no_checkpoint_error(path) -> CheckpointError:
+    """The error of ``--resume`` on a directory without checkpoints."""
+    return CheckpointError(f"--resume: no checkpoint found in {str(path)!r}; run without --resume to start fresh")
 
 
 def train(
@@ -301,9 +314,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
         log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
     latest = ckpts.latest_step() if ckpts else None
     if cfg.resume and latest is None:
-        raise CheckpointError(
-            f"--resume: no checkpoint found in {str(ckpts.path)!r}; run without --resume to start fresh"
-        )
+        raise no_checkpoint_error(ckpts.path)
     if ckpts and not cfg.resume and latest is not None:
         raise CheckpointError(
             f"--ckpt-dir {str(ckpts.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
@@ -346,13 +357,17 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
                     f"model or data ({'; '.join(refused)}); resume with the flags and --data-dir of the original run, "
                     "or start a fresh run in another --ckpt-dir"
                 )
-            for note in notes:
-                log(note)
+            return notes
 
         template = pack_state(params, opt_state, base_key)
         latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary)
         params, opt_state, base_key = unpack_state(tree, params, opt_state)
         start_step = int(meta["step"])
+        if not distributed_lib.same_on_every_process(start_step):  # each process reads the directory itself
+            raise CheckpointError(
+                f"--resume: this process's newest intact checkpoint in {str(ckpts.path)!r} is step {start_step}, "
+                "but other processes found another; every process must see the same --ckpt-dir (a shared file system)"
+            )
         if start_step >= total_steps:
             raise UsageError(
                 f"--resume: the checkpoint in {str(ckpts.path)!r} is at step {start_step}, which --steps "
@@ -480,6 +495,12 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
                     return result
             if ckpts and last_saved != step:
                 save(step)
+            if signals.requested:  # during the last step or its save: saved, but the user asked to stop
+                result.status = "interrupted"
+                result.message = f"interrupted ({signal_name(signals)}) after the last step, {step}; " + (
+                    f"checkpoint saved in {ckpts.path}; nothing left to train" if ckpts else "nothing was saved"
+                )
+                return result
     finally:
         bar.close()
         if metrics:
@@ -554,7 +575,12 @@ def signal_name(signals: interrupts.Interrupts) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI entry point; returns the exit code (see the module docstring)."""
+    """The CLI entry point; returns the exit code (see the module docstring).
+
+    It handles SIGINT and SIGTERM as the command line does, also when called from Python: an
+    interrupt before or after training ends the process at once (:mod:`train.interrupts`). Call
+    :func:`train` instead to keep Python's ``KeyboardInterrupt``.
+    """
     with interrupts.handled() as signals:
         try:
             cfg = parse_config(argv)

@@ -207,3 +207,36 @@ def test_offload_under_vmap_still_goes_to_host(remat_engine):
     kept = shapes_kept(lambda xs: jnp.sum(jax.vmap(fn)(xs)), xs)
     assert [k for k in kept if "host" in k] == ["float32<host>[2,4,6]"]
     assert len(kept) > 2  # the input, v and more: not a silent full remat
+
+
+def _primitive_names(jaxpr, found=None) -> set:
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        for sub in jax.tree.leaves(list(eqn.params.values()), is_leaf=lambda p: isinstance(p, jax.extend.core.Jaxpr)):
+            inner = getattr(sub, "jaxpr", sub)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                _primitive_names(inner, found)
+    return found
+
+
+@pytest.mark.parametrize("spec", [None, "dots", "names:save=q", "every_k:k=2"])
+@pytest.mark.parametrize("decorated_under", engine.ENGINES)
+def test_the_engine_is_chosen_at_each_call_not_when_decorated(spec, decorated_under):
+    """A function decorated (and called once) under one engine runs the other engine's
+    checkpoint once the flag changes: ``remat2`` appears exactly under the classic engine."""
+    checkpointed = under(decorated_under, lambda: jremat.checkpoint(named, spec))
+    grad = jax.grad(checkpointed)
+    for called_under in (decorated_under, *(e for e in engine.ENGINES if e != decorated_under)):
+        found = under(called_under, lambda: _primitive_names(jax.make_jaxpr(grad)(1.0).jaxpr))
+        assert ("remat2" in found) == (called_under == engine.CLASSIC), (called_under, sorted(found))
+
+
+def test_traces_are_kept_per_x64_setting(remat_engine):
+    """A trace made with 32-bit types is not reused once ``jax_enable_x64`` is on (nor back)."""
+    checkpointed = jremat.checkpoint(lambda x: (jnp.sum(x), jnp.arange(3)), "every_k:k=1")
+    x = jnp.ones(2, jnp.float32)
+    assert checkpointed(x)[1].dtype == jnp.int32
+    with jax.enable_x64(True):
+        assert checkpointed(x)[1].dtype == jnp.int64
+    assert checkpointed(x)[1].dtype == jnp.int32

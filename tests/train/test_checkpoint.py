@@ -1,15 +1,20 @@
-"""Orbax checkpoints: round trip, and a crash in the middle of a save keeps the last good one."""
+"""Orbax checkpoints: round trip, a crash in the middle of a save keeps the last good one, and resuming
+skips damaged checkpoints without mistaking a read error for damage."""
 
+import errno
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jremat.train.checkpoint import CheckpointError, Checkpoints, check_writable
+from jremat.train.checkpoint import CORRUPT_DIR, CheckpointError, Checkpoints, CorruptCheckpoint, check_writable
+from jremat.train.ptb import resume_from_newest_good
 from tests.conftest import REPO
 
 
@@ -65,4 +70,61 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     restored = ckpts.restore_state(1, {"w": jnp.zeros((4,))})
     np.testing.assert_array_equal(restored["w"], np.full((4,), 1.0))
     assert ckpts.read_meta(1) == {"step": 1}
+    ckpts.close()
+
+
+def _two_checkpoints(directory):
+    ckpts = Checkpoints(directory)
+    for step in (1, 2):
+        ckpts.save(step, {"w": jnp.full((4,), float(step))}, {"step": step})
+    return ckpts, {"w": jnp.zeros(4)}
+
+
+def _accept(meta):
+    return [f"note: resuming step {meta['step']}"]
+
+
+def test_damaged_checkpoints_are_moved_aside_only_once_an_older_one_restores(tmp_path):
+    ckpts, template = _two_checkpoints(tmp_path / "ck")
+    intact_meta = (ckpts.path / "1" / "meta" / "metadata").read_text()
+    for step in (1, 2):
+        (ckpts.path / str(step) / "meta" / "metadata").write_text("")
+    lines = []
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*nothing was moved"):
+        resume_from_newest_good(ckpts, template, _accept, lines.append, move=True)
+    assert ckpts.all_steps() == [2, 1] and not (ckpts.path / CORRUPT_DIR).exists()
+
+    (ckpts.path / "1" / "meta" / "metadata").write_text(intact_meta)  # step 1 intact again
+    step, meta, state = resume_from_newest_good(ckpts, template, _accept, lines.append, move=True)
+    assert step == 1 and float(state["w"][0]) == 1.0
+    assert ckpts.all_steps() == [1] and len(list((ckpts.path / CORRUPT_DIR).iterdir())) == 1
+    assert lines[-1] == "note: resuming step 1"  # notes of the checkpoint resumed from only
+    assert sum("note:" in line for line in lines) == 1
+    ckpts.close()
+
+
+def test_a_read_error_is_not_damage(tmp_path, monkeypatch):
+    """An I/O error, or a file this user may not read, stops the resume; nothing is moved."""
+    ckpts, template = _two_checkpoints(tmp_path / "ck")
+    newest_meta = ckpts.path / "2" / "meta" / "metadata"
+    real_read_text = Path.read_text
+
+    def failing_read_text(path, *args, **kwargs):
+        if path == newest_meta:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", failing_read_text)
+    with pytest.raises(CheckpointError, match="cannot read .*Input/output error") as raised:
+        resume_from_newest_good(ckpts, template, _accept, print, move=True)
+    assert not isinstance(raised.value, CorruptCheckpoint)
+    monkeypatch.undo()
+
+    unreadable = next(p for p in (ckpts.path / "2" / "state").rglob("*") if p.is_file())
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != unreadable and real_access(path, mode))
+    with pytest.raises(CheckpointError, match="is not readable by this user") as raised:
+        resume_from_newest_good(ckpts, template, _accept, print, move=True)
+    assert not isinstance(raised.value, CorruptCheckpoint)
+    assert ckpts.all_steps() == [2, 1] and not (ckpts.path / CORRUPT_DIR).exists()
     ckpts.close()

@@ -339,7 +339,8 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     capsys.readouterr()
     _assert_resume_matches_reference(args, metrics, reference_run, 8)
     captured = capsys.readouterr()
-    assert "checkpoint step 12" in captured.out and "is damaged" in captured.out and "moved to" in captured.out
+    assert "checkpoint step 12" in captured.out and "is damaged" in captured.out
+    assert "moved the damaged checkpoint step 12 to" in captured.out
     assert "resumed from" in captured.out and "at step 8" in captured.out
     assert "Traceback" not in captured.err and "Exception ignored" not in captured.err
     assert len(os.listdir(ckpt / "corrupt")) == 1 and Checkpoints(ckpt).latest_step() == STEPS
@@ -399,6 +400,8 @@ def test_a_signal_before_training_ends_the_run_at_once(tmp_path, base_args, sign
     assert f"interrupted ({signal.Signals(signum).name})" in err
     assert "Traceback" not in err and "Segmentation" not in err
     assert not (tmp_path / "ck").exists() or Checkpoints(tmp_path / "ck").latest_step() is None
+    lock = tmp_path / "ck" / LOCK_NAME
+    assert not lock.exists() or lock.read_text() == ""  # an interrupt is not a crash for the next run to report
 
 
 def test_two_runs_cannot_write_one_checkpoint_directory(tmp_path, base_args, capsys):
@@ -433,11 +436,27 @@ def test_resume_refuses_other_data_and_model_but_takes_another_policy(
     assert "attn_dropout: checkpoint 0.3, this run 0.1" in err and "--batch-size: checkpoint 4, this run 2" in err
     i = args.index("--policy")
     full = args[:i] + args[i + 4 :] + ["--policy", "full", "--resume"]  # drop --policy every_k --k 4
-    assert ptb.main(full + ["--metrics-file", str(metrics)]) == 0
-    assert "note: remat changed since the checkpoint (remat_policy: 'every_k:k=4' -> 'full')" in capsys.readouterr().out
+    assert ptb.main(full + ["--metrics-file", str(metrics), "--seed", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "note: remat changed since the checkpoint (remat_policy: 'every_k:k=4' -> 'full')" in out
+    assert "note: --seed 7 differs from the checkpoint's 0; the run continues with the checkpoint's random key" in out
     resumed, expected = losses_of(metrics), {r["step"]: r["loss"] for r in reference_run}
     after = range(11, STEPS + 1)
     np.testing.assert_allclose([resumed[s] for s in after], [expected[s] for s in after], rtol=1e-5)
+
+
+def test_a_signal_during_the_final_save_ends_the_run_with_its_code(monkeypatch, tmp_path, base_args, capsys):
+    real_save = Checkpoints.save
+
+    def save_then_signal(self, step, state, meta):
+        real_save(self, step, state, meta)
+        signal.raise_signal(signal.SIGTERM)  # arrives while the last step's checkpoint is written
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_signal)
+    args = base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "3"]
+    assert ptb.main(args) == ptb.EXIT_TERMINATED
+    assert "interrupted (SIGTERM) after the last step, 3; checkpoint saved" in capsys.readouterr().err
+    assert Checkpoints(tmp_path / "ck").latest_step() == 3
 
 
 def test_resume_past_the_last_step_says_so(tmp_path, base_args, capsys):

@@ -15,7 +15,7 @@ from jremat.train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, pars
 from jremat.train.bench.harness import bench_peak, measure, time_ratios
 from jremat.train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
 from jremat.train.bench.plots import write_plots
-from jremat.train.bench.report import check_targets, kept_text, results_markdown, write_csv
+from jremat.train.bench.report import check_targets, kept_text, results_markdown, write_csv, write_text_atomically
 from jremat.train.cli import UsageError, run_main
 
 __all__ = [
@@ -92,8 +92,7 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
         text = results_markdown(rows, plots, plot_dir, command, time.perf_counter() - started, notes, READING_GUIDE)
         text += kept_text(config.report)
-        with open(config.report, "w") as f:
-            f.write(text)
+        write_text_atomically(config.report, text)
     return rows, plots, notes
 
 

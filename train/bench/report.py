@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import os
 import platform
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,13 +18,26 @@ from jremat.train.bench.harness import GIB
 from jremat.train.bench.parts import CSV_COLUMNS
 
 
+def write_text_atomically(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: an interrupted write leaves the old file whole."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=f".{os.path.basename(path)}.", delete=False) as f:
+        f.write(text)
+    try:
+        os.replace(f.name, path)
+    except BaseException:
+        os.unlink(f.name)
+        raise
+
+
 def write_csv(rows: Sequence[dict], path: str) -> None:
-    """Write ``rows`` with the columns :data:`~train.bench.parts.CSV_COLUMNS`."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    """Write ``rows`` with the columns :data:`~train.bench.parts.CSV_COLUMNS` (atomically)."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_text_atomically(path, buffer.getvalue())
 
 
 def read_csv(path: str) -> list[dict]:
