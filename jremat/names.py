@@ -26,6 +26,9 @@ MLP_IN = "mlp_in"
 MLP_ACT = "mlp_act"
 MLP_OUT = "mlp_out"
 BLOCK_OUTPUT = "block_output"
+#: The float32 log-sum-exp ``[batch, heads, seq]`` that :func:`jremat.attention.blockwise_attention` keeps
+#: for its backward pass (beside its output, tagged :data:`ATTN_CONTEXT`).
+ATTN_LSE = "attn_lse"
 
 #: Every name a model may tag, in program order of a pre-LayerNorm transformer block.
 ALL_NAMES: tuple[str, ...] = (

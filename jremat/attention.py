@@ -1,0 +1,536 @@
+"""Memory-efficient (blockwise) self-attention whose backward pass keeps only its inputs, its output
+and one float32 log-sum-exp per query.
+
+:func:`blockwise_attention` computes softmax attention one key block at a time with a running
+maximum and sum (Rabe & Staats, 2021) and differentiates it FlashAttention-2 style: the backward
+pass recomputes each block's probabilities from the queries, keys and the saved log-sum-exp, so
+no ``[seq, seq]`` tensor exists in either pass. Causal attention skips key blocks that lie
+entirely in a query block's future. Attention dropout regenerates its masks in the backward pass
+from the dropout key, bit-identical to the masks :func:`reference_attention` (and
+:func:`jremat.dropout`) draw over the whole ``[batch, heads, seq, seq]`` probabilities.
+
+The kernel tags its output :data:`jremat.names.ATTN_CONTEXT` and its log-sum-exp
+:data:`jremat.names.ATTN_LSE`: a checkpoint policy that saves both (for instance
+``jax.checkpoint_policies.save_only_these_names("attn_context", "attn_lse")``) does not run the
+kernel's forward pass again in the backward pass. :func:`count_forward_passes` counts how many
+times a traced program runs an attention forward kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+from jax.extend.random import threefry_2x32
+
+from jremat import names
+
+#: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
+FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
+
+#: Primitives of ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s forward kernel.
+CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper"})
+
+# Masked scores. Finite, so that a row with no visible key (a padding row) gives no NaN.
+_MASKED = float(np.finfo(np.float32).min)
+_LOOP_PRIMITIVES = frozenset({"scan", "while"})
+
+
+class _Config(NamedTuple):
+    """The static parameters of one kernel call (hashable: a ``custom_vjp`` non-differentiable argument)."""
+
+    causal: bool
+    block: int
+    seq: int
+    scale: float
+    dropout_rate: float  # 0.0 when there is no dropout key
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    block_size: int = 128,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Softmax self-attention computed block by block, with a memory-efficient custom gradient.
+
+    Equal to :func:`reference_attention` up to float rounding, dropout masks included. The
+    backward pass keeps ``q``, ``k``, ``v``, the output and a float32 log-sum-exp of shape
+    ``[batch, heads, seq]`` (plus the dropout key); it recomputes everything else block by block.
+
+    Args:
+      q: queries, ``[batch, seq, heads, head_dim]`` (the layout of ``jax.nn.dot_product_attention``).
+      k: keys, the same shape as ``q``.
+      v: values, ``[batch, seq, heads, value_dim]``.
+      causal: whether query ``i`` sees only keys ``j <= i``. Key blocks entirely after a query
+        block are not computed.
+      block_size: rows of queries and keys per block. A sequence that is not a multiple of it is
+        padded internally (the padded keys are masked); a block larger than the sequence is the
+        sequence.
+      dropout_rate: probability of dropping an attention probability, in ``[0, 1)``.
+      dropout_key: the dropout site's typed threefry key (``jremat.site_key(layer_key, site)``),
+        or ``None`` for no dropout. The mask is ``jax.random.bernoulli(dropout_key, 1 - rate,
+        (batch, heads, seq, seq))``, drawn one block at a time, never stored.
+      scale: multiplier of ``q @ k``; ``1 / sqrt(head_dim)`` if ``None``.
+
+    Returns:
+      ``[batch, seq, heads, value_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: if the shapes or dtypes do not match, ``block_size`` is not a positive integer,
+        ``dropout_rate`` is outside ``[0, 1)``, or the dropout key is not a single threefry2x32
+        key with ``jax_threefry_partitionable`` on.
+    """
+    _check_inputs(q, k, v)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    rate = _check_rate(dropout_rate)
+    seq = q.shape[1]
+    if dropout_key is None or rate == 0.0:
+        rate, key_data = 0.0, None
+    else:
+        key_data = _threefry_key_data(dropout_key)
+        batch, _, heads, _ = q.shape
+        if batch * heads * seq >= 2**32:
+            raise ValueError(
+                f"attention dropout needs batch * heads * seq < 2**32, got {batch} * {heads} * {seq}; "
+                "split the batch into several calls"
+            )
+    cfg = _Config(
+        causal=bool(causal),
+        block=min(int(block_size), seq),
+        seq=seq,
+        scale=_scale(scale, q.shape[-1]),
+        dropout_rate=rate,
+    )
+    return _attention(cfg, q, k, v, key_data)
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Explicit softmax attention: full ``[batch, heads, seq, seq]`` scores, float32 softmax,
+    inverted dropout on the probabilities, probabilities times values.
+
+    The oracle for :func:`blockwise_attention`, with the same arguments and the same dropout mask:
+    ``jax.random.bernoulli(dropout_key, 1 - dropout_rate, (batch, heads, seq, seq))``, which is
+    ``jremat.dropout(probs, rate, layer_key, site)`` when ``dropout_key`` is
+    ``jremat.site_key(layer_key, site)``.
+
+    Args:
+      q: queries, ``[batch, seq, heads, head_dim]``.
+      k: keys, the same shape as ``q``.
+      v: values, ``[batch, seq, heads, value_dim]``.
+      causal: whether query ``i`` sees only keys ``j <= i``.
+      dropout_rate: probability of dropping an attention probability, in ``[0, 1)``.
+      dropout_key: the dropout site's key, or ``None`` for no dropout.
+      scale: multiplier of ``q @ k``; ``1 / sqrt(head_dim)`` if ``None``.
+
+    Returns:
+      ``[batch, seq, heads, value_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: if the shapes or dtypes do not match or ``dropout_rate`` is outside ``[0, 1)``.
+    """
+    _check_inputs(q, k, v)
+    rate = _check_rate(dropout_rate)
+    seq = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * _scale(scale, q.shape[-1])
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout_key is not None and rate > 0.0:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - rate, probs.shape)
+        probs = jnp.where(keep, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def count_forward_passes(closed_jaxpr) -> int:
+    """How many attention forward kernels a traced program runs.
+
+    Counts each loop of :func:`blockwise_attention`'s forward pass (found by its
+    ``jax.named_scope``, :data:`FORWARD_SCOPE`) and each cuDNN forward kernel of
+    ``jax.nn.dot_product_attention(..., implementation="cudnn")``
+    (:data:`CUDNN_FORWARD_PRIMITIVES`), over the program and every jaxpr nested in it (``jit``,
+    ``scan``, ``while``, ``cond``, checkpoints, custom derivatives). A kernel inside a loop body
+    counts once, not once per iteration. Only kernels whose results the program's outputs use
+    count: under ``jax_remat3`` a saved value's recomputation stays in the jaxpr as an unused
+    input of a call (it supplies a tangent that is zero here), and XLA removes it.
+
+    ``jax.value_and_grad`` of a loss over one attention call counts 1 when the backward pass
+    reads the saved output and log-sum-exp, 2 when it runs the forward kernel again.
+    (``jax.grad`` alone discards the loss, so a recomputing backward pass is then the only
+    forward kernel left.)
+
+    Args:
+      closed_jaxpr: a ``jax.make_jaxpr`` result (a ``ClosedJaxpr``) or a ``Jaxpr``.
+
+    Returns:
+      The number of forward kernels.
+    """
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    return _count_forward(jaxpr, [True] * len(jaxpr.outvars), inside_scope=False)[0]
+
+
+# Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
+# follows them through. (custom_jvp_call lowers to its primal jaxpr, not its JVP rule.)
+_CALL_PRIMITIVES = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def _count_forward(jaxpr, used_outputs, inside_scope: bool) -> tuple[int, list[bool]]:
+    """``(forward kernels, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
+    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, Var)}
+    count = 0
+    for eqn in reversed(jaxpr.eqns):
+        used = [v in live for v in eqn.outvars]
+        if not any(used) and not eqn.effects:
+            continue
+        # A nested jaxpr's name stacks are relative to the equation that holds it.
+        in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
+        name = eqn.primitive.name
+        used_inputs = [True] * len(eqn.invars)
+        if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES):
+            count += 1  # a loop of the kernel: the loops inside it belong to the same pass
+        elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
+            found, used_inputs = _count_forward(sub, used, in_scope)
+            count += found
+        else:
+            for sub in _subjaxprs(eqn):
+                count += _count_forward(sub, [True] * len(sub.outvars), in_scope)[0]
+        live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, Var))
+    return count, [v in live for v in jaxpr.invars]
+
+
+def _call_jaxpr(eqn):
+    """The jaxpr a call-like equation runs, if its inputs and outputs are the equation's."""
+    for sub in _subjaxprs(eqn):
+        if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
+            return sub
+    return None
+
+
+def _subjaxprs(eqn):
+    """Every jaxpr in an equation's parameters, whatever the parameter is called."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_inputs(q, k, v) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k and v must be [batch, seq, heads, head_dim], got shapes {q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != q.shape:
+        raise ValueError(
+            f"k must have q's shape (self-attention: the same batch, seq, heads and head_dim), "
+            f"got q {q.shape} and k {k.shape}"
+        )
+    if q.shape[1] == 0:
+        raise ValueError(f"the sequence must not be empty, got q {q.shape}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must match q in batch, seq and heads, got q {q.shape} and v {v.shape}")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k and v must have one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_rate(rate) -> float:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    return float(rate)
+
+
+def _scale(scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _threefry_key_data(key) -> jax.Array:
+    """The ``uint32[2]`` data of a single threefry2x32 key, which the kernel hashes block by block."""
+    if not jax.config.jax_threefry_partitionable:
+        raise ValueError(
+            "attention dropout regenerates masks block by block, which needs jax_threefry_partitionable=True "
+            "(the default); it is off"
+        )
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype != jnp.uint32:
+            raise ValueError(f"dropout_key must be a PRNG key (jax.random.key), got an array of dtype {key.dtype}")
+        key = jax.random.wrap_key_data(key)  # a legacy raw key: the default implementation's
+    impl = str(jax.random.key_impl(key))
+    if impl != "threefry2x32":
+        raise ValueError(
+            f"attention dropout needs a threefry2x32 key (jax.random.key(seed), the default), got a {impl!r} key"
+        )
+    if key.shape != ():
+        raise ValueError(f"dropout_key must be a single key, got a key array of shape {key.shape}")
+    return jax.random.key_data(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout masks, block by block
+
+
+def _mul_add_u64(a: jax.Array, c: int, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a * c + b`` as 64-bit ``(high, low)`` uint32 words, for uint32 ``a``, ``b`` and ``c < 2**32``."""
+    u32 = lambda x: jnp.asarray(x, jnp.uint32)
+    mask16 = u32(0xFFFF)
+    a1, a0 = a >> u32(16), a & mask16
+    c1, c0 = u32(c >> 16), u32(c & 0xFFFF)
+    p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1  # each < 2**32
+    mid = p01 + p10
+    mid_carry = (mid < p01).astype(jnp.uint32)
+    low = p00 + (mid << u32(16))
+    low_carry = (low < p00).astype(jnp.uint32)
+    high = p11 + (mid >> u32(16)) + (mid_carry << u32(16)) + low_carry
+    low_b = low + b
+    high = high + (low_b < low).astype(jnp.uint32)
+    return high, low_b
+
+
+def _keep_block(key_data, rate: float, shape, q_start, k_start, rows: int, cols: int, *, wide=None):
+    """Block ``[:, :, q_start:q_start+rows, k_start:k_start+cols]`` of
+    ``jax.random.bernoulli(key, 1 - rate, shape)`` for ``shape = (batch, heads, seq, seq)``.
+
+    With ``jax_threefry_partitionable``, element ``n`` (row-major flat index, a 64-bit count
+    split into two words) of a threefry random-bits array is ``threefry2x32(key, (n_high, n_low))``
+    with the two output words xor-ed (64-bit bits: concatenated), as JAX's threefry random bits
+    compute it; ``uniform`` keeps the top mantissa bits of that as a float in ``[1, 2)`` minus 1,
+    and ``bernoulli`` compares it with ``p``. Positions past the sequence (padding) get some
+    value; the caller masks them.
+
+    Args:
+      wide: compute 64-bit counts even if every count fits in 32 bits (for tests); ``None``: when needed.
+    """
+    batch, heads, seq_q, seq_k = shape
+    u32 = lambda x: jnp.asarray(x, jnp.uint32)
+    b = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 0)
+    h = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 1)
+    i = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 2) + u32(q_start)
+    j = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 3) + u32(k_start)
+    row = (b * u32(heads) + h) * u32(seq_q) + i  # < 2**32, checked by the caller
+    if wide is None:
+        wide = batch * heads * seq_q * seq_k >= 2**32
+    if wide:
+        high, low = _mul_add_u64(row, seq_k, j)
+    else:
+        high, low = jnp.zeros_like(row), row * u32(seq_k) + j
+    n = high.size
+    bits = threefry_2x32((key_data[0], key_data[1]), jnp.concatenate([high.ravel(), low.ravel()]))
+    bits1, bits2 = bits[:n].reshape(high.shape), bits[n:].reshape(high.shape)
+    float_dtype = jax.dtypes.canonicalize_dtype(jnp.float64)  # bernoulli's p: a Python float's dtype
+    if float_dtype == jnp.float64:
+        u64 = lambda x: jnp.asarray(x, jnp.uint64)
+        word = (bits1.astype(jnp.uint64) << u64(32)) | bits2.astype(jnp.uint64)
+        mantissa = (word >> u64(64 - 52)) | u64(np.array(1.0, np.float64).view(np.uint64))
+        uniform = lax.bitcast_convert_type(mantissa, jnp.float64) - jnp.float64(1.0)
+    else:
+        word = bits1 ^ bits2
+        mantissa = (word >> u32(32 - 23)) | u32(np.array(1.0, np.float32).view(np.uint32))
+        uniform = lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
+    return uniform < jnp.asarray(1.0 - rate, float_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _to_blocks(x, cfg: _Config):
+    """``[batch, seq, heads, d]`` -> ``[batch, heads, padded_seq, d]``, zero-padded."""
+    x = jnp.swapaxes(x, 1, 2)
+    pad = -x.shape[2] % cfg.block
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return x
+
+
+def _visible(cfg: _Config, q_start, k_start):
+    """``[block, block]``: which (query, key) pairs of a block attend, or ``None`` if all do."""
+    padded = cfg.seq % cfg.block != 0
+    if not (cfg.causal or padded):
+        return None
+    qi = lax.broadcasted_iota(jnp.int32, (cfg.block, cfg.block), 0) + q_start
+    kj = lax.broadcasted_iota(jnp.int32, (cfg.block, cfg.block), 1) + k_start
+    visible = (qi < cfg.seq) & (kj < cfg.seq)
+    return visible & (kj <= qi) if cfg.causal else visible
+
+
+def _scores(cfg: _Config, q_blk, k_blk, q_start, k_start):
+    """Scaled float32 scores ``[batch, heads, block, block]``, masked entries at a large negative."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q_blk, k_blk, preferred_element_type=jnp.float32) * cfg.scale
+    visible = _visible(cfg, q_start, k_start)
+    return s if visible is None else jnp.where(visible, s, _MASKED)
+
+
+def _block_keep(cfg: _Config, key_data, batch, heads, q_start, k_start):
+    return _keep_block(
+        key_data, cfg.dropout_rate, (batch, heads, cfg.seq, cfg.seq), q_start, k_start, cfg.block, cfg.block
+    )
+
+
+def _forward(cfg: _Config, q, k, v, key_data):
+    """Output ``[batch, seq, heads, value_dim]`` (``q``'s dtype) and float32 log-sum-exp ``[batch, heads, seq]``."""
+    batch, seq, heads, _ = q.shape
+    qt, kt, vt = (_to_blocks(x, cfg) for x in (q, k, v))
+    n_blocks = qt.shape[2] // cfg.block
+    inv_keep = jnp.float32(1.0 / (1.0 - cfg.dropout_rate))
+
+    def query_block(qb):
+        q_start = qb * cfg.block
+        q_blk = lax.dynamic_slice_in_dim(qt, q_start, cfg.block, axis=2)
+
+        def key_block(kb, carry):
+            m, total, acc = carry
+            k_start = kb * cfg.block
+            k_blk = lax.dynamic_slice_in_dim(kt, k_start, cfg.block, axis=2)
+            v_blk = lax.dynamic_slice_in_dim(vt, k_start, cfg.block, axis=2)
+            s = _scores(cfg, q_blk, k_blk, q_start, k_start)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            correction = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            total = total * correction + p.sum(axis=-1)  # the sum of the undropped softmax
+            if cfg.dropout_rate:
+                keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
+                p = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
+            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+            return m_new, total, acc * correction[..., None] + pv
+
+        init = (
+            jnp.full((batch, heads, cfg.block), -jnp.inf, jnp.float32),
+            jnp.zeros((batch, heads, cfg.block), jnp.float32),
+            jnp.zeros((batch, heads, cfg.block, vt.shape[-1]), jnp.float32),
+        )
+        # Causal: key blocks after the query block are entirely masked and never computed.
+        stop = qb + 1 if cfg.causal else n_blocks
+        m, total, acc = lax.fori_loop(0, stop, key_block, init)
+        return (acc / total[..., None]).astype(q.dtype), m + jnp.log(total)
+
+    with jax.named_scope(FORWARD_SCOPE):
+        out, lse = lax.map(query_block, jnp.arange(n_blocks, dtype=jnp.int32))
+    # [blocks, batch, heads, block, d] -> [batch, seq, heads, d]
+    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, n_blocks * cfg.block, heads, -1)[:, :seq]
+    lse = jnp.transpose(lse, (1, 2, 0, 3)).reshape(batch, heads, n_blocks * cfg.block)[:, :, :seq]
+    return out, lse
+
+
+def _backward_blocks(cfg: _Config, q, k, v, out, lse, key_data, d_out):
+    """``(dq, dk, dv)`` FlashAttention-2 style: for each key block, loop over the query blocks that
+    see it, recomputing probabilities from the saved log-sum-exp."""
+    batch, seq, heads, _ = q.shape
+    qt, kt, vt, dot = (_to_blocks(x, cfg) for x in (q, k, v, d_out))
+    # D = rowsum(dO * O) = rowsum(P * dP), with or without dropout.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, seq, heads]
+    delta = _to_blocks(delta[..., None], cfg)[..., 0]
+    lse = _to_blocks(lse.transpose(0, 2, 1)[..., None], cfg)[..., 0]  # padding rows are masked
+    n_blocks = qt.shape[2] // cfg.block
+    inv_keep = jnp.float32(1.0 / (1.0 - cfg.dropout_rate))
+
+    def key_block(dq, kb):
+        k_start = kb * cfg.block
+        k_blk = lax.dynamic_slice_in_dim(kt, k_start, cfg.block, axis=2)
+        v_blk = lax.dynamic_slice_in_dim(vt, k_start, cfg.block, axis=2)
+
+        def query_block(qb, carry):
+            dq, dk, dv = carry
+            q_start = qb * cfg.block
+            q_blk, do_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (qt, dot))
+            lse_blk, delta_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (lse, delta))
+            p = jnp.exp(_scores(cfg, q_blk, k_blk, q_start, k_start) - lse_blk[..., None])
+            dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+            if cfg.dropout_rate:
+                keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
+                p_dropped = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
+                dp = jnp.where(keep, dp * inv_keep, jnp.float32(0.0))
+            else:
+                p_dropped = p
+            dv = dv + jnp.einsum(
+                "bhqk,bhqd->bhkd", p_dropped.astype(dot.dtype), do_blk, preferred_element_type=jnp.float32
+            )
+            ds = p * (dp - delta_blk[..., None])
+            dk = dk + cfg.scale * jnp.einsum(
+                "bhqk,bhqd->bhkd", ds.astype(qt.dtype), q_blk, preferred_element_type=jnp.float32
+            )
+            dq_blk = cfg.scale * jnp.einsum(
+                "bhqk,bhkd->bhqd", ds.astype(kt.dtype), k_blk, preferred_element_type=jnp.float32
+            )
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, lax.dynamic_slice_in_dim(dq, q_start, cfg.block, axis=2) + dq_blk, q_start, axis=2
+            )
+            return dq, dk, dv
+
+        zeros_k = jnp.zeros(k_blk.shape, jnp.float32)
+        zeros_v = jnp.zeros(v_blk.shape, jnp.float32)
+        # Causal: query blocks before the key block see none of it and are never computed.
+        start = kb if cfg.causal else 0
+        dq, dk, dv = lax.fori_loop(start, n_blocks, query_block, (dq, zeros_k, zeros_v))
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros(qt.shape, jnp.float32)
+    dq, (dk, dv) = lax.scan(key_block, dq0, jnp.arange(n_blocks, dtype=jnp.int32))
+
+    def to_input_layout(x, blocked, like):
+        if blocked:  # [blocks, batch, heads, block, d]
+            x = jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(batch, n_blocks * cfg.block, heads, -1)
+        else:  # [batch, heads, padded_seq, d]
+            x = jnp.swapaxes(x, 1, 2)
+        return x[:, :seq].astype(like.dtype)
+
+    return to_input_layout(dq, False, q), to_input_layout(dk, True, k), to_input_layout(dv, True, v)
+
+
+def _attention(cfg: _Config, q, k, v, key_data):
+    # The forward loop runs on gradient-stopped inputs and its results are tagged here, in the
+    # primal program, not inside a custom_vjp forward rule: both remat engines then see the tags
+    # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
+    # checkpoint policy that saves both names drops the forward loop from the backward pass.
+    out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
+    out = checkpoint_name(out, names.ATTN_CONTEXT)
+    lse = checkpoint_name(lse, names.ATTN_LSE)
+    return _with_gradient(cfg, q, k, v, out, lse, key_data)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_gradient(cfg: _Config, q, k, v, out, lse, key_data):
+    """``out``, whose gradient with respect to ``q``, ``k`` and ``v`` is attention's."""
+    return out
+
+
+def _with_gradient_fwd(cfg: _Config, q, k, v, out, lse, key_data):
+    return out, (q, k, v, out, lse, key_data)
+
+
+def _with_gradient_bwd(cfg: _Config, residuals, d_out):
+    q, k, v, out, lse, key_data = residuals
+    dq, dk, dv = _backward_blocks(cfg, q, k, v, out, lse, key_data, d_out)
+    # out and lse are functions of q, k and v, whose gradient is all above.
+    return dq, dk, dv, None, None, None
+
+
+_with_gradient.defvjp(_with_gradient_fwd, _with_gradient_bwd)
