@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jremat import _decisions, _jax_compat, _memory, _program, _residuals, registry
+from jremat import _decisions, _jax_compat, _memory, _program, _residuals, attention, names, registry
 from jremat._decisions import DECISIONS, EXCLUDE, OFFLOAD, RECOMPUTE, SAVE, Decision
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
@@ -78,6 +78,10 @@ class Explanation:
       matched: how the policy matched each checkpoint, one line per kind of match with the
         checkpoints' count and place (:meth:`jremat.Policy.describe_match`: ``selective``'s
         attention core found by tag or by structure).
+      attention_forward_passes: fused attention forward kernels (blockwise, cuDNN) the
+        value-and-gradient runs with the policy (:func:`jremat.attention.count_forward_passes`;
+        a kernel inside a scan counts once); ``None`` when not measured.
+      baseline_attention_forward_passes: the same without remat.
     """
 
     policy: str
@@ -92,6 +96,8 @@ class Explanation:
     baseline_temp_bytes: int | None = None
     messages: tuple[str, ...] = ()
     matched: tuple[str, ...] = ()
+    attention_forward_passes: int | None = None
+    baseline_attention_forward_passes: int | None = None
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -124,6 +130,11 @@ class Explanation:
             lines.append(
                 f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
                 f"{_memory.format_bytes(self.saved_bytes)} with the policy"
+            )
+        if self.attention_forward_passes:
+            lines.append(
+                f"  fused attention forward passes: {self.baseline_attention_forward_passes} without remat, "
+                f"{self.attention_forward_passes} with the policy"
             )
         if self.temp_bytes is not None:
             lines.append(
@@ -184,8 +195,9 @@ def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[in
     return flat_fn, structs, params
 
 
-def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
-    """The VJP of ``flat_fn`` (cotangent 1) w.r.t. its float leaves, as a function of all leaves."""
+def _gradient_program(flat_fn: Callable, structs: list, with_value: bool = False) -> Callable:
+    """The VJP of ``flat_fn`` (cotangent 1) w.r.t. its float leaves, as a function of all leaves;
+    with ``with_value``, ``(value, vjp)`` (a training step's shape: the forward's result is used)."""
     floats = [i for i, s in enumerate(structs) if not _program.is_key(s) and jnp.issubdtype(s.dtype, jnp.inexact)]
 
     def grad_fn(*values):
@@ -196,7 +208,7 @@ def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
             return flat_fn(*full)
 
         out, vjp = jax.vjp(of_diff, *[values[i] for i in floats])
-        return vjp(
+        grads = vjp(
             jax.tree.map(
                 lambda o: (
                     jnp.ones(o.shape, o.dtype)
@@ -206,6 +218,7 @@ def _gradient_program(flat_fn: Callable, structs: list) -> Callable:
                 out,
             )
         )
+        return (out, grads) if with_value else grads
 
     return grad_fn
 
@@ -404,6 +417,16 @@ def explain_applied(
             temp_bytes, baseline_temp_bytes = temps
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
+    passes = base_passes = None
+    if flat_base is not None:
+        passes, base_passes = (_attention_forward_passes(f, structs) for f in (flat_remat, flat_base))
+        if passes > base_passes:
+            messages.append(
+                f"fused attention recomputed ({label}): the gradient runs {passes} fused attention forward "
+                f"kernel{'s' if passes != 1 else ''} where the function without remat runs {base_passes}; "
+                "the backward pass runs the kernel again. Save its output and statistics "
+                f"({names.ATTN_CONTEXT} and {names.ATTN_LSE} of jremat.attention.blockwise_attention) to avoid it"
+            )
     matched = tuple(_match_lines(chosen, jaxpr))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
         line = _no_saving_line(
@@ -431,7 +454,15 @@ def explain_applied(
         baseline_temp_bytes,
         tuple(messages),
         matched,
+        passes,
+        base_passes,
     )
+
+
+def _attention_forward_passes(flat_fn: Callable, structs: list) -> int:
+    """Fused attention forward kernels in the value-and-gradient of ``flat_fn`` (:func:`jremat.attention.count_forward_passes`)."""
+    with _jax_compat.classic_remat_context():
+        return attention.count_forward_passes(jax.make_jaxpr(_gradient_program(flat_fn, structs, True))(*structs))
 
 
 def _match_lines(chosen: Policy, jaxpr) -> list[str]:

@@ -192,6 +192,21 @@ def count_forward_passes(closed_jaxpr) -> int:
     return _count_forward(jaxpr, [True] * len(jaxpr.outvars), inside_scope=False)[0]
 
 
+def runs_forward_kernel(eqn) -> bool:
+    """Whether equation ``eqn`` is, or holds, an attention forward kernel that
+    :func:`count_forward_passes` counts (a :func:`blockwise_attention` forward loop, a cuDNN
+    forward kernel, or a call or loop that runs one)."""
+    return _runs_forward_kernel(eqn, inside_scope=False)
+
+
+def _runs_forward_kernel(eqn, inside_scope: bool) -> bool:
+    in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
+    name = eqn.primitive.name
+    if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES and _computes_floats(eqn)):
+        return True
+    return any(_runs_forward_kernel(inner, in_scope) for sub in _subjaxprs(eqn) for inner in sub.eqns)
+
+
 # Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
 # follows them through. (custom_jvp_call lowers to its primal jaxpr, not its JVP rule.)
 _CALL_PRIMITIVES = frozenset(
@@ -211,7 +226,7 @@ def _count_forward(jaxpr, used_outputs, inside_scope: bool) -> tuple[int, list[b
         in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
         name = eqn.primitive.name
         used_inputs = [True] * len(eqn.invars)
-        if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES):
+        if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES and _computes_floats(eqn)):
             count += 1  # a loop of the kernel: the loops inside it belong to the same pass
         elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
             found, used_inputs = _count_forward(sub, used, in_scope)
@@ -221,6 +236,12 @@ def _count_forward(jaxpr, used_outputs, inside_scope: bool) -> tuple[int, list[b
                 count += _count_forward(sub, [True] * len(sub.outvars), in_scope)[0]
         live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, Var))
     return count, [v in live for v in jaxpr.invars]
+
+
+def _computes_floats(eqn) -> bool:
+    # JAX's scan differentiation hoists the loop's integer-only block-index arithmetic into a scan
+    # of its own, under the same name scope: that is not a pass of the kernel.
+    return any(jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating) for v in eqn.outvars)
 
 
 def _call_jaxpr(eqn):

@@ -7,6 +7,11 @@ import dataclasses
 import jremat
 
 DTYPES = ("float32", "bfloat16")
+#: How a block computes attention (:attr:`ModelConfig.attention`).
+ATTENTIONS = ("explicit", "xla", "cudnn", "blockwise")
+#: Largest head_dim cuDNN's fused attention takes, by GPU generation (Hopper allows 256).
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_MAX_HEAD_DIM_HOPPER = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +38,12 @@ class ModelConfig:
         are (their ``[batch, seq, vocab]`` logits stay live for the backward pass); ``N > 0`` runs
         them over ``N`` sequence chunks, each recomputed in the backward pass, so at most one
         chunk's logits is live. ``N`` must divide the sequence length.
+      attention: how attention is computed: ``explicit`` (einsum, softmax, einsum, every tensor
+        tagged), ``xla`` (``jax.nn.dot_product_attention(implementation="xla")``), ``cudnn``
+        (``implementation="cudnn"``: NVIDIA GPUs, bfloat16, head_dim a multiple of 8, no attention
+        dropout) or ``blockwise`` (:func:`jremat.attention.blockwise_attention`: no ``[seq, seq]``
+        tensor, residuals are the output and its log-sum-exp). See docs/attention.md.
+      attention_block_size: query and key block length of ``blockwise`` attention.
       remat_layer_policies: different policies for contiguous groups of layers, in layer order,
         ``"COUNT:SPEC,...[,rest:SPEC]"``: ``"2:full,rest:none"`` rematerializes layers 0-1 fully
         and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
@@ -55,6 +66,8 @@ class ModelConfig:
     scan_layers: bool = True
     remat_layer_policies: str = ""
     remat_head_chunks: int = 0
+    attention: str = "explicit"
+    attention_block_size: int = 128
 
     def __post_init__(self):
         if (
@@ -74,7 +87,32 @@ class ModelConfig:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
+        self._check_attention()
         self.remat_config().validate_layers(self.n_layers)  # policy, granularity, layer groups
+
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        block = self.attention_block_size
+        if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
+            raise ValueError(f"attention_block_size must be a positive integer, got {block!r}")
+        if self.attention in ("xla", "cudnn") and self.attn_dropout > 0:
+            raise ValueError(
+                f"attention {self.attention!r} (jax.nn.dot_product_attention) has no attention dropout, but "
+                f"attn_dropout is {self.attn_dropout}; set it to 0 (--dropout 0) or use attention 'blockwise', "
+                "which drops out inside the kernel"
+            )
+        if self.attention == "cudnn":
+            if self.dtype != "bfloat16":
+                raise ValueError(
+                    f"attention 'cudnn' needs dtype bfloat16 (cuDNN's fused kernel takes fp16/bf16), got "
+                    f"{self.dtype!r}; pass --dtype bfloat16 or use attention 'blockwise' or 'xla'"
+                )
+            if self.head_dim % 8 or self.head_dim > CUDNN_MAX_HEAD_DIM_HOPPER:
+                raise ValueError(
+                    f"attention 'cudnn' needs head_dim a multiple of 8 and at most {CUDNN_MAX_HEAD_DIM} "
+                    f"({CUDNN_MAX_HEAD_DIM_HOPPER} on Hopper), got {self.head_dim}; use attention 'blockwise' or 'xla'"
+                )
 
     def parameter_count(self) -> int:
         """Parameters of the GPT this config builds (embeddings, blocks, final LayerNorm, head; biases included)."""
@@ -107,6 +145,37 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_attention_backend(cfg: ModelConfig, devices=None) -> None:
+    """Check that this machine can run ``cfg.attention`` (only ``cudnn`` needs a particular one).
+
+    Args:
+      cfg: the model configuration.
+      devices: the devices the model runs on (default ``jax.devices()``).
+
+    Raises:
+      ValueError: for ``cudnn`` on a backend other than an NVIDIA GPU, or with a head_dim above
+        what the GPU's generation takes.
+    """
+    if cfg.attention != "cudnn":
+        return
+    import jax
+
+    devices = jax.devices() if devices is None else devices
+    device = devices[0]
+    if device.platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"attention 'cudnn' needs an NVIDIA GPU with cuDNN, but JAX runs on {device.platform} "
+            f"({device.device_kind}); use attention 'blockwise' (same memory behaviour, pure JAX) or 'xla'"
+        )
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
+    limit = CUDNN_MAX_HEAD_DIM_HOPPER if major >= 9 else CUDNN_MAX_HEAD_DIM
+    if cfg.head_dim > limit:
+        raise ValueError(
+            f"attention 'cudnn' on {device.device_kind} takes head_dim up to {limit}, got {cfg.head_dim}; use "
+            "attention 'blockwise' or 'xla'"
+        )
 
 
 def whole_step_head_chunks(policy: str, seq_len: int) -> int:

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat import names, ops
+from jremat import attention, names, ops
 from jremat.models.config import ModelConfig
 
 # Dropout site ids inside one block; each site's mask comes from fold_in(layer_key, site).
@@ -53,6 +53,8 @@ class Attention(nnx.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
         self.dropout_rate = cfg.attn_dropout
+        self.attention = cfg.attention
+        self.block_size = cfg.attention_block_size
 
     def __call__(self, x, key):
         batch, seq, _ = x.shape
@@ -60,14 +62,35 @@ class Attention(nnx.Module):
         q = checkpoint_name(split(self.q_proj(x)), names.QUERY)
         k = checkpoint_name(split(self.k_proj(x)), names.KEY)
         v = checkpoint_name(split(self.v_proj(x)), names.VALUE)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+        if self.attention == "blockwise":  # the kernel tags its output attn_context and its statistics attn_lse
+            dropout_key = None if key is None else jremat.site_key(key, ATTN_DROPOUT_SITE)
+            context = attention.blockwise_attention(
+                q,
+                k,
+                v,
+                causal=True,
+                block_size=self.block_size,
+                dropout_rate=self.dropout_rate,
+                dropout_key=dropout_key,
+            )
+            context = context.reshape(batch, seq, self.n_heads * self.head_dim)
+        else:
+            if self.attention == "explicit":
+                context = self._explicit(q, k, v, key, x.dtype)
+            else:  # "xla" or "cudnn" (the config allows no dropout there)
+                context = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+            context = checkpoint_name(context.reshape(batch, seq, self.n_heads * self.head_dim), names.ATTN_CONTEXT)
+        return checkpoint_name(self.out_proj(context), names.ATTN_OUT)
+
+    def _explicit(self, q, k, v, key, dtype):
+        """einsum, causal mask, softmax, dropout, einsum: every ``[batch, heads, seq, seq]`` tensor tagged."""
+        seq = q.shape[1]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(self.head_dim), dtype)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = checkpoint_name(jnp.where(causal, scores, jnp.finfo(x.dtype).min), names.ATTN_SCORES)
+        scores = checkpoint_name(jnp.where(causal, scores, jnp.finfo(dtype).min), names.ATTN_SCORES)
         probs = ops.softmax(scores)
         probs = checkpoint_name(jremat.dropout(probs, self.dropout_rate, key, ATTN_DROPOUT_SITE), names.ATTN_PROBS)
-        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, self.n_heads * self.head_dim)
-        context = checkpoint_name(context, names.ATTN_CONTEXT)
-        return checkpoint_name(self.out_proj(context), names.ATTN_OUT)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 class MLP(nnx.Module):

@@ -31,6 +31,7 @@ from jremat.models.gpt import GPT
 from jremat.models.planning import plan_for_budget
 from jremat.models.programs import (
     analytic_peak_bytes,
+    attention_forward_passes,
     block_program,
     loss_program,
     step_flops,
@@ -74,6 +75,9 @@ class PolicyMemory:
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
       analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes`.
       notes: caveats (backend, truthfulness checks).
+      attention_forward_passes: fused attention forward kernels per layer in the training step
+        (:func:`models.programs.attention_forward_passes`): 1 = the kernel is not recomputed,
+        2 = the backward pass runs it again; 0 = no fused kernel (``explicit``, ``xla``).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
       explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
       timeline: the :class:`jremat.MemoryTimeline` of the compiled step (``--timeline``),
@@ -100,6 +104,7 @@ class PolicyMemory:
     recompute_flops_fraction: float
     analytic_peak_bytes: int
     notes: tuple[str, ...] = ()
+    attention_forward_passes: int = 0
     live_peak_bytes: int | None = None
     timeline: MemoryTimeline | None = None
     explanation: Explanation | None = None
@@ -174,6 +179,12 @@ def policy_memory(
     if baseline_step_flops is None:
         baseline_step_flops = step_flops(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
     recompute = max(0.0, flops - baseline_step_flops)
+    passes = attention_forward_passes(model_cfg, batch_size, seq_len)
+    if passes > 1:
+        notes.append(
+            f"the backward pass runs the fused attention forward kernel again ({passes} passes per layer); a "
+            f"policy that saves {jremat.names.ATTN_CONTEXT} and {jremat.names.ATTN_LSE} runs it once"
+        )
     get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
     return PolicyMemory(
         policy=registry.normalize_spec(model_cfg.remat_policy),
@@ -196,6 +207,7 @@ def policy_memory(
         recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
         analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
         notes=tuple(notes),
+        attention_forward_passes=passes,
         timeline=step_timeline,
     )
 

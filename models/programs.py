@@ -85,6 +85,19 @@ def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = 
     return jax.grad(loss), args
 
 
+def attention_forward_passes(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> int:
+    """Fused attention forward kernels one layer runs in a training step (value and gradient).
+
+    1 when the backward pass reads the kernel's saved output and statistics, 2 when it runs the
+    kernel again; 0 for attentions without a fused kernel (``explicit``, ``xla``). Counted on the
+    traced step (:func:`jremat.attention.count_forward_passes`); nothing runs.
+    """
+    loss, args = loss_program(model_cfg, batch_size, seq_len)
+    count = jremat.attention.count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss))(*args))
+    # A kernel inside the layer scan counts once; unrolled, once per layer.
+    return count if model_cfg.scan_layers else count // model_cfg.n_layers
+
+
 def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):
     """One transformer block as the model runs it, and its abstract arguments.
 

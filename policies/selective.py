@@ -6,7 +6,13 @@ the probabilities-times-``V`` product. Those are the ``[batch, heads, seq, seq]`
 far the largest per byte of compute, and are recomputed in the backward pass from the saved
 ``q``, ``k``, ``v``.
 
-The core is found in one of two ways (:func:`find_attention_core` says which):
+Under a fused attention kernel (:func:`jremat.attention.blockwise_attention`, cuDNN through
+``jax.nn.dot_product_attention``) there is no such tensor: the kernel keeps only its output and
+a log-sum-exp per query, and recomputing it would run the kernel again for no memory. There
+``selective`` recomputes nothing of the attention and keeps what ``none`` keeps (dropout masks
+aside, which it always regenerates).
+
+Otherwise the core is found in one of two ways (:func:`find_attention_core` says which):
 
 * **by tag**, where the model tags its attention with :mod:`jremat.names` (the reference GPT):
   every equation on a data path from a value tagged ``q``, ``k`` or ``v`` to a value tagged
@@ -33,7 +39,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from jremat import Plan, PlanPolicy, Program, names, register
+from jremat import Plan, PlanPolicy, Program, attention, names, register
 from jremat._program import nested_jaxprs
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
@@ -52,6 +58,8 @@ _CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr
 #: How the core was found.
 BY_TAG = "tag"
 BY_STRUCTURE = "structure"
+#: A fused attention kernel (blockwise, cuDNN): no ``[seq, seq]`` tensor to drop.
+BY_FUSED_KERNEL = "fused kernel"
 #: What ``selective`` looks for, for error messages.
 LOOKED_FOR = (
     f"values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
@@ -66,7 +74,8 @@ class AttentionCore:
 
     Attributes:
       equations: indices of the equations recomputed (scores, softmax, dropout, probabilities x V).
-      matched_by: :data:`BY_TAG` or :data:`BY_STRUCTURE`; ``None`` when no core was found.
+      matched_by: :data:`BY_TAG`, :data:`BY_STRUCTURE` or :data:`BY_FUSED_KERNEL` (nothing to
+        recompute); ``None`` when no core was found.
       count: how many attention cores (one per scores ``dot_general``).
     """
 
@@ -76,12 +85,18 @@ class AttentionCore:
 
 
 def find_attention_core(program: Program) -> AttentionCore:
-    """The attention core(s) of ``program``: by tag where it tags its attention, else by structure.
+    """The attention core(s) of ``program``: none to recompute where a fused attention kernel
+    computes attention (:func:`jremat.attention.runs_forward_kernel`), else by tag where it tags
+    its attention, else by structure.
 
     Raises:
       ValueError: if the program tags attention tensors but not the core's boundary (see
         :func:`attention_core`).
     """
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    fused = [i for i, eqn in enumerate(eqns) if attention.runs_forward_kernel(eqn)]
+    if fused:  # its output and statistics are kept: recomputing would re-run the kernel and free no S x S tensor
+        return AttentionCore(frozenset(), BY_FUSED_KERNEL, len(fused))
     by_tag = attention_core(program)
     if by_tag:
         n_scores = sum(1 for i in by_tag if program.closed_jaxpr.jaxpr.eqns[i].primitive.name in _DOTS)
@@ -242,6 +257,11 @@ class Selective(PlanPolicy):
         found = find_attention_core(program)
         if found.matched_by is None:
             return [f"no attention core: looked for {LOOKED_FOR}"]
+        if found.matched_by == BY_FUSED_KERNEL:
+            return [
+                f"fused attention kernel ({found.count}): no [seq, seq] tensor to drop, so its output and statistics "
+                "are kept and the kernel is not run again (selective keeps what none keeps here, dropout masks aside)"
+            ]
         how = (
             f"between the {names.QUERY}/{names.KEY}/{names.VALUE} and {names.ATTN_CONTEXT} tags"
             if found.matched_by == BY_TAG

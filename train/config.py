@@ -19,7 +19,7 @@ from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
-from jremat.train import sharding
+from jremat.train import model_flags, sharding
 from jremat.train.cli import UsageError, option, require, require_choice, require_int, require_number
 
 
@@ -38,7 +38,7 @@ class TrainConfig:
     )
     granularity: str = option("block", "where remat applies", choices=jremat.GRANULARITIES)
     batch_size: int | None = option(None, "sequences per micro-batch (preset default)")
-    seq_len: int | None = option(None, "tokens per sequence; <= the preset's max_seq_len (default: equal)")
+    seq_len: int | None = option(None, "tokens per sequence; <= the model's positions, --max-seq-len (default: equal)")
     steps: int | None = option(None, "optimizer steps (preset default unless --epochs)")
     epochs: float | None = option(None, "passes over the training split instead of --steps")
     lr: float = option(3e-3, "peak AdamW learning rate")
@@ -49,6 +49,9 @@ class TrainConfig:
     accum: int = option(1, "micro-batches accumulated per optimizer step (optax.MultiSteps)")
     seed: int = option(0, "seed for initialization and dropout")
     dropout: float | None = option(None, "attention and residual dropout rate (preset default)")
+    attention: str = model_flags.attention_option()
+    attention_block_size: int = model_flags.attention_block_size_option()
+    max_seq_len: int | None = model_flags.max_seq_len_option()
     eval_every: int | None = option(None, "valid perplexity every N steps (0: only at the end)")
     eval_batches: int = option(0, "limit each evaluation to N batches (0: the whole split)")
     ckpt_dir: str | None = option(None, "orbax checkpoint directory (none: no checkpoints)")
@@ -88,7 +91,7 @@ class TrainConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         if self.seq_len is None:
-            object.__setattr__(self, "seq_len", PRESETS[self.preset].max_seq_len)
+            object.__setattr__(self, "seq_len", model_flags.positions(self))
         if self.steps is None and self.epochs is None:
             object.__setattr__(self, "steps", DEFAULT_STEPS[self.preset])
         self._validate()
@@ -96,12 +99,7 @@ class TrainConfig:
     def _validate(self) -> None:
         require_int("batch_size", self.batch_size)
         require_int("seq_len", self.seq_len)
-        max_positions = PRESETS[self.preset].max_seq_len
-        require(
-            self.seq_len <= max_positions,
-            f"--seq-len {self.seq_len} is longer than preset {self.preset!r} has positions "
-            f"(max_seq_len {max_positions}); use --seq-len between 1 and {max_positions}",
-        )
+        model_flags.check(self, self.seq_len)
         require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         if self.steps is not None:
             require_int("steps", self.steps)
@@ -185,6 +183,12 @@ class TrainConfig:
         )
         if self.dropout is not None:
             changes.update(attn_dropout=self.dropout, resid_dropout=self.dropout)
+        shape = {k: v for k, v in changes.items() if k in ("vocab_size", "dtype", "attn_dropout", "resid_dropout")}
+        try:  # the attention first, so that its errors are not reported as the policy's
+            model_preset(self.preset, **shape, **model_flags.model_overrides(self))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        changes.update(model_flags.model_overrides(self))
         try:
             return model_preset(self.preset, **changes)
         except ValueError as err:  # a policy or layer grouping that does not fit the preset's layers
@@ -211,6 +215,9 @@ DEFAULT_STEPS: dict[str, int] = {"tiny": 20, "small": 300, "needle": 1000, "gpt2
 #: Model fields a resumed run may change: where and how remat applies, which changes no loss
 #: beyond float rounding.
 REMAT_FIELDS = ("remat_policy", "remat_granularity", "scan_layers", "remat_layer_policies", "remat_head_chunks")
+#: Model fields that change how attention is computed, not its parameters or dropout masks: a
+#: resumed run may change them too.
+ATTENTION_FIELDS = ("attention", "attention_block_size")
 #: Training fields that decide which tokens each step reads: a resume must keep them.
 DATA_FIELDS = ("batch_size", "seq_len", "accum")
 #: Optimizer and schedule fields: a resume may change them, with a warning (the losses differ).
@@ -232,10 +239,12 @@ def resume_differences(meta: dict, cfg: TrainConfig, model_fields: dict, vocab_m
       to log for changed remat fields and optimizer fields.
     """
     stored_model, stored_train = meta.get("model", {}), meta.get("train", {})
+    # A checkpoint written before a field existed holds the field's default.
+    stored_model = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | stored_model
     refused = [
         f"{k}: checkpoint {stored_model.get(k)!r}, this run {v!r}"
         for k, v in model_fields.items()
-        if k not in REMAT_FIELDS and stored_model.get(k) != v
+        if k not in REMAT_FIELDS + ATTENTION_FIELDS and stored_model.get(k) != v
     ]
     refused += [
         f"--{k.replace('_', '-')}: checkpoint {stored_train.get(k)!r}, this run {getattr(cfg, k)!r}"
@@ -246,7 +255,7 @@ def resume_differences(meta: dict, cfg: TrainConfig, model_fields: dict, vocab_m
         refused.append("vocabulary: another training text (use the original --data-dir)")
     remat = [
         f"{k}: {stored_model.get(k)!r} -> {model_fields[k]!r}"
-        for k in REMAT_FIELDS
+        for k in REMAT_FIELDS + ATTENTION_FIELDS
         if k in model_fields and stored_model.get(k) != model_fields[k]
     ]
     optimizer = [k for k in OPTIMIZER_FIELDS if stored_train.get(k) != getattr(cfg, k)]

@@ -30,7 +30,7 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
 from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
-from jremat.train import cli, interrupts, timeline_plot
+from jremat.train import cli, interrupts, model_flags, timeline_plot
 from jremat.train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
 from jremat.train.usage import program_name
 
@@ -53,7 +53,7 @@ class MemoryConfig:
 
     preset: str = option("small", "model preset", choices=tuple(PRESETS))
     batch_size: int = option(8, "sequences per batch")
-    seq_len: int | None = option(None, "tokens per sequence (<= the preset's max_seq_len; default: equal)")
+    seq_len: int | None = option(None, "tokens per sequence (<= the model's positions, --max-seq-len; default: equal)")
     dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
     policy: tuple[str, ...] = option(
         ("none", "full"), "policy spec NAME or NAME:key=value, one report row each", metavar="SPEC"
@@ -65,6 +65,9 @@ class MemoryConfig:
     heads: int | None = option(None, "override the head count (head_dim = d_model / heads unless --head-dim)")
     head_dim: int | None = option(None, "override head_dim")
     dropout: float | None = option(None, "attention and residual dropout rate")
+    attention: str = model_flags.attention_option()
+    attention_block_size: int = model_flags.attention_block_size_option()
+    max_seq_len: int | None = model_flags.max_seq_len_option()
     granularity: str | None = option(None, "remat granularity", choices=jremat.GRANULARITIES)
     unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
     policy_module: tuple[str, ...] = option((), "import a module that registers policies", metavar="MODULE")
@@ -123,11 +126,7 @@ class MemoryConfig:
                 f"--heads {self.heads} does not divide d_model {d_model}; give --head-dim or "
                 "a head count that divides d_model",
             )
-        max_seq = PRESETS[self.preset].max_seq_len
-        require(
-            self.seq_len is None or self.seq_len <= max_seq,
-            f"--seq-len {self.seq_len} exceeds preset {self.preset!r}'s max_seq_len {max_seq}",
-        )
+        model_flags.check(self, self.seq_len)
         for module in self.policy_module:
             try:
                 registry.load_module(module)
@@ -170,6 +169,7 @@ class MemoryConfig:
             overrides["remat_granularity"] = self.granularity
         if self.unrolled:
             overrides["scan_layers"] = False
+        overrides.update(model_flags.model_overrides(self))
         overrides["remat_head_chunks"] = (
             self.remat_head_chunks
             if self.remat_head_chunks is not None
@@ -183,7 +183,7 @@ class MemoryConfig:
     @property
     def resolved_seq_len(self) -> int:
         """``seq_len``, or the preset's ``max_seq_len`` when unset."""
-        return self.seq_len if self.seq_len is not None else PRESETS[self.preset].max_seq_len
+        return self.seq_len if self.seq_len is not None else model_flags.positions(self)
 
     def model_argv(self) -> list[str]:
         """The flags that rebuild this config's model and budget (not its policies or outputs)."""
@@ -199,6 +199,9 @@ class MemoryConfig:
             "heads",
             "head_dim",
             "dropout",
+            "attention",
+            "attention_block_size",
+            "max_seq_len",
             "granularity",
             "remat_head_chunks",
             "memory_budget",
@@ -219,9 +222,11 @@ class MemoryConfig:
 def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     """The human-readable table: one line per policy, then notes."""
     live = any(r.live_peak_bytes is not None for r in rows)
+    fused = any(r.attention_forward_passes for r in rows)
     header = (
         f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
         f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}"
+        + (f" {'attn fwd':>8}" if fused else "")
         + (f" {'live peak':>11}" if live else "")
     )
     lines = [header, "-" * len(header)]
@@ -234,6 +239,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
             f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
             f"{f'{sr:.3f}' if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
             f"{format_bytes(r.analytic_peak_bytes):>11} {f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
+            + (f" {r.attention_forward_passes:>8}" if fused else "")
             + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
         )
     first = rows[0]
@@ -241,6 +247,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
         f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
         f"peak from: {first.peak_source}; recompute = extra FLOPs vs none / step FLOPs under none "
         f"({base.step_flops:.3g})"
+        + ("; attn fwd = fused attention forward passes per layer (1: not recomputed)" if fused else "")
     )
     seen = set()
     for r in rows:
@@ -363,6 +370,7 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
       UsageError: on an invalid model shape or policy.
     """
     base_cfg = config.model_config(config.policy[0])
+    model_flags.check_backend(base_cfg)
     for spec in config.policy[1:]:
         config.model_config(spec)
     try:

@@ -37,7 +37,7 @@ import numpy as np
 import jremat
 from jremat import registry
 from jremat.models import policy_memory
-from jremat.train import cli, interrupts, sharded_steps
+from jremat.train import cli, interrupts, model_flags, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
 from jremat.train import sharding as sharding_lib
@@ -335,6 +335,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
 
     model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
+    model_flags.check_backend(model_cfg)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))

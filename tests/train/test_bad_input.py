@@ -27,7 +27,9 @@ TABLE = {
         ("ptb", "--steps many", "argument --steps: expected an integer, got 'many'"),
         ("ptb", "--lr -1", "--lr must be a positive number"),
         ("ptb", "--dropout 1.5", "--dropout must be in [0, 1), got 1.5"),
-        ("ptb", "--seq-len 17", "--seq-len 17 is longer than preset 'tiny' has positions (max_seq_len 16)"),
+        ("ptb", "--seq-len 17", "--seq-len 17 is longer than the model has positions (16); pass --max-seq-len 17"),
+        ("ptb", "--attention-block-size 0", "--attention-block-size must be a positive integer, got 0"),
+        ("memory", "--seq-len 32", "--seq-len 32 is longer than the model has positions (16); pass --max-seq-len 32"),
         ("ptb", "--accum 0", "--accum must be a positive integer, got 0"),
         ("ptb", "--ckpt-every -1", "--ckpt-every must be an integer >= 0, got -1"),
         ("ptb", "--keep-checkpoints 0", "--keep-checkpoints must be a positive integer, got 0"),
@@ -37,6 +39,16 @@ TABLE = {
         ("memory", "--heads 3", "--heads 3 does not divide d_model"),
         ("bench", "--time-steps -2", "--time-steps"),
         ("launch", "--processes 0 -- python -c pass", "--processes must be"),
+    ],
+    "attention": [
+        ("ptb", "--attention flash", "argument --attention: invalid choice: 'flash'"),
+        ("ptb", "--attention xla", "attention 'xla' (jax.nn.dot_product_attention) has no attention dropout"),
+        ("ptb", "--attention cudnn --dropout 0", "attention 'cudnn' needs dtype bfloat16"),
+        (
+            "memory",
+            "--attention cudnn --dropout 0 --dtype bfloat16",
+            "needs an NVIDIA GPU with cuDNN, but JAX runs on cpu",
+        ),
     ],
     "specs": [
         ("ptb", "--policy nosuch", "unknown policy 'nosuch'; valid policies:"),
@@ -106,4 +118,4 @@ def test_bad_input_is_one_line_and_exit_2(folder, ptb_offline_dir, capsys, kind,
 
 def test_the_table_covers_every_cli_and_class():
     assert {cli for _, cli, _, _ in ROWS} == set(CLIS)
-    assert set(TABLE) == {"numbers", "specs", "paths", "data files"}
+    assert set(TABLE) == {"numbers", "attention", "specs", "paths", "data files"}

@@ -6,9 +6,9 @@ import jax
 import pytest
 from flax import nnx
 
-from jremat.models import GPT
+from jremat.models import GPT, PRESETS
 from jremat.train.bench import cli as bench
-from jremat.train.bench import harness, parts, peers, plots, report
+from jremat.train.bench import flops, harness, parts, peers, plots, report
 from jremat.train.bench.config import BenchConfig
 
 
@@ -107,6 +107,7 @@ def fake_rows() -> list[dict]:
                     peak_bytes=10**7,
                     compile_s=2.0,
                     peak_reduction_vs_none=0.1,
+                    **flops.throughput_fields(cfg, 8, 128, 0.5e-3 * t, 989.4),
                 )
             )
     for label, ours, t, peak in (
@@ -295,3 +296,110 @@ def test_one_real_tiny_compile_and_timed_step():
     assert full.flops > none.flops > 0 and none.compile_s > 0
     assert [len(r) for r in full.rounds] == [1, 1]
     assert harness.measured_ratios(measured, "none")["none"] == (1.0, 1.0, 1.0)
+
+
+def test_model_flops_match_a_hand_count_for_tiny():
+    cfg = PRESETS["tiny"]  # 2 layers, d_model 32, 2 heads of 16, d_ff 64, vocab 64, seq 16
+    # per layer q, k, v, out: 4 * 32 * 32 = 4096; MLP: 2 * 32 * 64 = 4096; head: 32 * 64 = 2048
+    assert flops.matmul_parameters(cfg) == 2 * (4096 + 4096) + 2048 == 18432
+    weights = 6 * 18432  # per token: 2 FLOPs per weight forward, 4 backward
+    # per token and layer: QK^T and PV, 2 * 16 * 32 FLOPs each forward (seq 16, 2 heads x 16), halved
+    # by the causal mask, times 3 for forward + backward: 6 * 16 * 2 * 16 = 3072
+    attention = 2 * 3 * (2 * 2 * 16 * 32) // 2
+    assert attention == 6 * 2 * 16 * 2 * 16 == 6144
+    assert flops.model_flops_per_step(cfg, 4, 16) == 4 * 16 * (weights + attention) == 7_471_104
+    # embeddings, biases and LayerNorms are not matmul weights
+    assert flops.matmul_parameters(cfg) < cfg.parameter_count()
+    fields = flops.throughput_fields(cfg, 4, 16, 0.5, None)
+    assert fields["tokens_per_s"] == 128 and fields["model_tflops_per_s"] == pytest.approx(7_471_104 / 0.5 / 1e12)
+    assert fields["mfu"] == "" and fields["peak_bf16_tflops"] == ""
+    known = flops.throughput_fields(cfg, 4, 16, 0.5, 989.4)
+    assert known["mfu"] == pytest.approx(known["model_tflops_per_s"] / 989.4)
+
+
+@pytest.mark.parametrize(
+    "kind, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA L40S", None),
+        ("TPU v4", 275.0),
+        ("TPU v4 lite", None),
+        ("TPU v5 lite", 197.0),
+        ("TPU v5", 459.0),
+        ("TPU v6 lite", 918.0),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("cpu", None),
+    ],
+)
+def test_mfu_peak_only_for_a_known_device_kind(kind, peak):
+    assert flops.peak_bf16_tflops(kind) == peak
+
+
+def test_this_cpu_has_no_peak_so_no_mfu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU")
+    assert flops.peak_bf16_tflops(jax.devices()[0].device_kind) is None and parts.device_peak_tflops() is None
+
+
+def test_report_shows_absolute_figures_and_the_peak_used():
+    text = report.results_markdown(fake_rows(), [], "results", "python -m train.bench", 60.0)
+    assert "| step | tokens/s | TFLOP/s | MFU (bf16 peak) |" in text
+    assert "dense bf16 peak, 989.4 TFLOP/s" in text
+    # block-dominated none: 8 x 128 tokens in 0.5 ms
+    line = next(ln for ln in text.splitlines() if ln.startswith("| none | 1.000x (1.000-1.000)"))
+    # 8 * 128 * 6 * (18432 + 2 * 128 * 2 * 16) FLOPs in 0.5 ms: 0.327 TFLOP/s, 0.0331% of 989.4
+    assert line.endswith("| 0.5 ms | 2.05M | 0.327 | 0.0331% |")
+
+
+@pytest.mark.parametrize("argv", [["--attention", "cudnn"], ["--attention", "cudnn", "--dtype", "bfloat16"]])
+def test_cudnn_attention_off_gpu_exits_2_with_one_line(argv, capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU")
+    assert bench.main([*argv, "--quick", "--report", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --attention: attention 'cudnn' needs an NVIDIA GPU") and "\n" not in err
+
+
+def test_attention_and_dtype_reach_every_bench_model():
+    xla = BenchConfig(quick=True, attention="xla", dtype="bfloat16")
+    timed = [xla.time_model(), xla.block_model(), parts.needle_config(xla, 64, "none")]
+    assert {(c.attention, c.dtype, c.attn_dropout) for c in timed} == {("xla", "bfloat16", 0.0)}
+    assert xla.time_model().resid_dropout == 0.1  # only the attention dropout, which xla lacks, goes
+    megatron = xla.megatron_config("none")  # Megatron's accounting is of 16-bit activations, whatever --dtype
+    assert (megatron.attention, megatron.dtype, megatron.attn_dropout, megatron.resid_dropout) == (
+        "xla",
+        "bfloat16",
+        0.0,
+        0.1,
+    )
+    blockwise = BenchConfig(quick=True, attention="blockwise", attention_block_size=8)
+    assert blockwise.megatron_config("none").attn_dropout == 0.1 and blockwise.block_model().attention_block_size == 8
+    assert BenchConfig(quick=True).time_model() == PRESETS["tiny"]  # the defaults change nothing
+    assert parts.megatron_formulas(1024, 8, 768, 12)["none"] == 34 + 5 * 12 * 1024 / 768
+    assert parts.megatron_formulas(1024, 8, 768, 12, "blockwise")["none"] == 34.0
+    assert "none" not in parts.megatron_formulas(1024, 8, 768, 12, "xla")
+
+
+def test_quick_time_part_in_bf16_with_blockwise_attention_has_absolute_figures(tmp_path):
+    pytest.importorskip("jremat.attention")
+    out, md = tmp_path / "results", tmp_path / "RESULTS.md"
+    argv = ["--quick", "--parts", "time", "--policy", "none", "--dtype", "bfloat16", "--attention", "blockwise"]
+    assert bench.main([*argv, "--time-steps", "2", "--time-rounds", "1", "--out", str(out), "--report", str(md)]) == 0
+    rows = report.read_csv(out / "bench.csv")
+    assert [r["model"] for r in rows] == ["head-dominated (tiny)", "block-dominated"]
+    for r in rows:
+        assert (r["dtype"], r["attention"]) == ("bfloat16", "blockwise")
+        assert r["step_s"] > 0 and r["model_tflops_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * r["seq_len"] / r["step_s"], rel=1e-4)
+        assert r["model_flops"] == pytest.approx(
+            flops.model_flops_per_step(PRESETS["tiny"], r["batch_size"], r["seq_len"]), rel=1e-5
+        )
+        assert r["mfu"] == "" and r["peak_bf16_tflops"] == ""  # no published peak for this CPU
+    text = md.read_text()
+    assert "bfloat16, attention blockwise" in text and "MFU is empty" in text

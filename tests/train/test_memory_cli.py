@@ -69,7 +69,7 @@ def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XL
         (["--preset", "tiny", "--policy", "every_k:k=0"], "k must be >="),
         (["--preset", "tiny", "--dropout", "1.5"], "--dropout"),
         (["--preset", "tiny", "--granularity", "layer"], "--granularity"),
-        (["--preset", "tiny", "--seq-len", "4096"], "exceeds"),
+        (["--preset", "tiny", "--seq-len", "4096"], "is longer than the model has positions"),
         (["--preset", "tiny", "--policy-module", "no.such.module"], "cannot import policy module"),
         (["--preset", "tiny", "--batch-size", "two"], "expected an integer"),
         (["--preset", "tiny", "--bogus"], "unrecognized arguments"),
@@ -128,7 +128,10 @@ def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced
     out = capsys.readouterr().out
     assert "live peak" in out.splitlines()[0]
     assert [spec for _, spec in calls] == ["none", "full"]
-    assert calls[0][0] == ("--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16")
+    assert calls[0][0] == (
+        "--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16", "--attention", "explicit",
+        "--attention-block-size", "128",
+    )  # fmt: skip
 
 
 def test_model_argv_rebuilds_the_same_model():
@@ -144,12 +147,21 @@ def test_model_argv_rebuilds_the_same_model():
             "--unrolled",
             "--remat-head-chunks",
             "2",
+            "--attention",
+            "blockwise",
+            "--attention-block-size",
+            "8",
+            "--max-seq-len",
+            "32",
+            "--seq-len",
+            "32",
             "--policy",
             "selective",
         ]
     )
     again = tm.parse_config(config.model_argv() + ["--policy", "selective"])
     assert again.model_config("selective") == config.model_config("selective")
+    assert again.model_config("selective").attention == "blockwise" and again.resolved_seq_len == 32
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCT
 ``maxbatch``
     The largest batch whose compiled Adam-step peak fits a budget.
 ``time``
-    Step time, FLOPs bound, peak and compile time per policy, on a head-dominated and a
-    block-dominated model.
+    Step time (as a ratio to ``none`` and absolute: tokens/s, model TFLOP/s, MFU), FLOPs bound,
+    peak and compile time per policy, on a head-dominated and a block-dominated model.
 ``peers``
     ``jax.checkpoint``, ``flax.nnx.remat``, Linen ``nn.remat`` / ``nn.remat_scan`` next to the
     jremat policy that does the same (:mod:`train.bench.peers`).
@@ -22,7 +22,8 @@ the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCT
     ``auto`` plans at budgets between ``full``'s and ``none``'s peak, timed against the built-ins.
 
 Modules: :mod:`~train.bench.config` (what runs, the command line), :mod:`~train.bench.harness`
-(compiling, memory, FLOPs, paired timing), :mod:`~train.bench.peers`, :mod:`~train.bench.parts`,
+(compiling, memory, FLOPs, paired timing), :mod:`~train.bench.flops` (model FLOPs, tokens/s, MFU),
+:mod:`~train.bench.peers`, :mod:`~train.bench.parts`,
 :mod:`~train.bench.report` (CSV, verdict, markdown), :mod:`~train.bench.plots`.
 """
 

@@ -58,6 +58,11 @@ READING_GUIDE = """\
   runs it in chunks, so their ratios include that change too: a ratio below 1 means the chunked step ran faster
   than `none`'s on this machine, which the blocks' recompute cannot explain. The peers table (blocks only, no
   chunking) has no such term.
+* **Absolute figures.** Every timed row also gives its median step time, tokens/s, model TFLOP/s per device
+  and MFU. Model FLOPs are MaxText's count (6 x matmul weights + causal attention per token; docs/benchmark.md),
+  the same for every policy of a model: recomputation is not counted, so a policy's TFLOP/s and MFU are `none`'s
+  divided by its time ratio. MFU is against the device's published dense bf16 peak, for float32 runs too, and empty on a device
+  with no published peak (every CPU).
 * **Peers that recompute nothing.** A peer row whose FLOPs bound is 1.000 recomputes nothing and keeps `none`'s
   peak: its checkpoint did not survive into the compiled step. A row with a FLOPs bound above 1 and `none`'s peak
   recomputes but saves no memory: XLA scheduled the recomputation where it frees nothing. Either way the

@@ -9,7 +9,9 @@ from typing import Any
 
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.train.cli import UsageError, apply_policy_keys, option, parse
+from jremat.models.config import DTYPES
+from jremat.train import model_flags
+from jremat.train.cli import UsageError, apply_policy_keys, option, parse, require_int
 from jremat.train.usage import program_name
 
 PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto")
@@ -121,6 +123,14 @@ class BenchConfig:
     auto_budget_fractions: tuple[float, ...] | None = _sized(
         "auto_budget_fractions", "auto budgets, as fractions between full's (0) and none's (1) peak"
     )
+    dtype: str = option(
+        "float32",
+        "compute dtype of the needle, needle_time, time, peers and auto models (parameters stay float32; "
+        "megatron and maxbatch are bfloat16 always)",
+        choices=DTYPES,
+    )
+    attention: str = model_flags.attention_option()
+    attention_block_size: int = model_flags.attention_block_size_option()
     seed: int = option(0, "parameter and data seed")
     remat_head_chunks: int = option(
         4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)"
@@ -180,6 +190,7 @@ class BenchConfig:
             raise UsageError(f"--auto-budget-fractions must be numbers in (0, 1), got {self.auto_budget_fractions!r}")
         if not isinstance(self.remat_head_chunks, int) or self.remat_head_chunks < 0:
             raise UsageError(f"--remat-head-chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
+        self._check_models()
         for seq in (
             PRESETS["needle"].max_seq_len,
             self.maxbatch_seq,
@@ -196,13 +207,66 @@ class BenchConfig:
                     f"{self.megatron_preset!r}'s max_seq_len {limit}"
                 )
 
+    def _check_models(self) -> None:
+        """The attention flags, then every model the parts build (``ModelConfig`` refuses bad combinations)."""
+        require_int("attention_block_size", self.attention_block_size)
+        if self.attention == "cudnn":  # the machine first: no use fixing flags for a kernel it lacks
+            shapes = BLOCK_MODEL_QUICK if self.quick else BLOCK_MODEL
+            model_flags.check_backend(
+                ModelConfig(**shapes, attn_dropout=0.0, resid_dropout=0.0, dtype="bfloat16", attention="cudnn")
+            )
+        try:
+            self.model(PRESETS["needle"])
+            self.time_model()
+            self.block_model()
+            self.megatron_config("none")
+        except ValueError as err:
+            raise UsageError(f"--attention {self.attention} --dtype {self.dtype}: {err}") from None
+        self.check_machine()
+
+    def check_machine(self) -> None:
+        """Check that this machine runs ``--attention`` on every model the parts build.
+
+        Only ``cudnn`` needs a particular machine (an NVIDIA GPU; head_dim within its generation's
+        limit): :func:`train.model_flags.check_backend`.
+
+        Raises:
+          UsageError: naming what is missing and the attentions that run here.
+        """
+        for cfg in (self.model(PRESETS["needle"]), self.time_model(), self.block_model(), self.megatron_config("none")):
+            model_flags.check_backend(cfg)
+
+    def attention_changes(self) -> dict[str, Any]:
+        """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn``.
+
+        ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) has no attention dropout, so with those
+        every bench model's ``attn_dropout`` is 0; residual dropout is kept. ``explicit`` and
+        ``blockwise`` keep the model's attention dropout.
+        """
+        changes: dict[str, Any] = dict(attention=self.attention, attention_block_size=self.attention_block_size)
+        if self.attention in ("xla", "cudnn"):
+            changes["attn_dropout"] = 0.0
+        return changes
+
+    def model(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` with ``--attention`` (:meth:`attention_changes`) and ``--dtype`` (compute dtype) applied."""
+        return cfg.replace(dtype=self.dtype, **self.attention_changes())
+
+    def time_model(self) -> ModelConfig:
+        """The head-dominated model of the ``time`` and ``auto`` parts: ``--time-preset`` under :meth:`model`."""
+        return self.model(model_preset(self.time_preset))
+
     def whole_step(self, cfg: ModelConfig, policy: Any) -> ModelConfig:
         """``cfg`` under ``policy``, with the head and loss rematerialized too unless the policy is ``none``."""
         chunks = 0 if policy == "none" else self.remat_head_chunks
         return cfg.replace(remat_policy=policy, remat_head_chunks=chunks)
 
     def megatron_config(self, policy: str, **changes) -> ModelConfig:
-        """The Megatron comparison's model: the preset in bf16 compute, f32 parameters, dropout 0.1."""
+        """The Megatron comparison's model: the preset in bf16 compute, f32 parameters, dropout 0.1.
+
+        ``--attention`` applies (:meth:`attention_changes`: attention dropout 0 under ``xla`` and
+        ``cudnn``); ``--dtype`` does not (Megatron-LM's accounting is of 16-bit activations).
+        """
         overrides = dict(
             dtype="bfloat16",
             param_dtype="float32",
@@ -210,14 +274,15 @@ class BenchConfig:
             resid_dropout=0.1,
             remat_policy=policy,
             remat_granularity="block",
-            **changes,
         )
+        overrides.update(self.attention_changes())
+        overrides.update(changes)
         return model_preset(self.megatron_preset, **overrides)
 
     def block_model(self, **changes) -> ModelConfig:
-        """The block-dominated model (:data:`BLOCK_MODEL`, or its quick version), dropout 0."""
+        """The block-dominated model (:data:`BLOCK_MODEL`, or its quick version), dropout 0, under :meth:`model`."""
         shapes = BLOCK_MODEL_QUICK if self.quick else BLOCK_MODEL
-        return ModelConfig(**{**shapes, "attn_dropout": 0.0, "resid_dropout": 0.0, **changes})
+        return self.model(ModelConfig(**shapes, attn_dropout=0.0, resid_dropout=0.0)).replace(**changes)
 
 
 def _positive(name: str, value) -> None:

@@ -7,8 +7,9 @@ every start), reads XLA's buffer assignment and ``cost_analysis()`` FLOPs from t
 and optionally times the programs in interleaved rounds; :func:`time_ratios` turns the rounds
 into medians and quartiles of paired per-round ratios.
 
-Memory is compile-only (nothing is allocated for it); times are only ever reported as ratios
-between programs measured in the same process.
+Memory is compile-only (nothing is allocated for it). Times are compared as ratios between
+programs measured in the same process; each program's median step time also gives the absolute
+figures (tokens/s, model TFLOP/s, MFU: :mod:`train.bench.flops`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class Measured:
     compile_s: float
     rounds: list[list[float]] = dataclasses.field(default_factory=list)
     hlo_fingerprint: str = ""
+
+    @property
+    def step_s(self) -> float | None:
+        """The median of every timed step, in seconds (``None`` when not timed)."""
+        steps = [t for block in self.rounds for t in block]
+        return statistics.median(steps) if steps else None
 
 
 def hlo_fingerprint(compiled) -> str:

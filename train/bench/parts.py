@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from jremat.models import ModelConfig
-from jremat.models import preset as model_preset
+import jax
+
+from jremat.models import PRESETS, ModelConfig
 from jremat.models.policy_memory import policy_memory
-from jremat.train.bench import harness, peers
+from jremat.train.bench import flops, harness, peers
 from jremat.train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
 from jremat.train.bench.harness import (
     GIB,
@@ -38,6 +39,8 @@ CSV_COLUMNS = (
     "d_ff",
     "vocab_size",
     "dtype",
+    "attention",
+    "attn_dropout",
     "head_chunks",
     "k",
     "peak_bytes",
@@ -63,6 +66,12 @@ CSV_COLUMNS = (
     "time_ratio_low",
     "time_ratio_high",
     "time_steps",
+    "step_s",
+    "tokens_per_s",
+    "model_flops",
+    "model_tflops_per_s",
+    "mfu",
+    "peak_bf16_tflops",
     "best_fitting_policy",
     "best_fitting_time_ratio",
     "hlo_fingerprint",
@@ -82,21 +91,23 @@ def row(part: str, policy: str, cfg: ModelConfig, batch: int, seq: int, **values
         d_ff=cfg.d_ff,
         vocab_size=cfg.vocab_size,
         dtype=cfg.dtype,
+        attention=cfg.attention,
+        attn_dropout=cfg.attn_dropout,
         head_chunks=cfg.remat_head_chunks,
     )
     out.update(values)
     return out
 
 
-def needle_config(d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
-    """Preset ``needle`` with ``d_ff`` and ``policy`` at block granularity, its one layer unrolled.
+def needle_config(config: BenchConfig, d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
+    """Preset ``needle`` with ``d_ff`` and ``policy`` at block granularity, its one layer unrolled,
+    under ``--dtype`` and ``--attention`` (:meth:`BenchConfig.model`).
 
     Unrolled, not under ``lax.scan``: XLA turns a scan of length 1 into straight-line code and
     merges the recomputation with the forward pass; unrolled layers get the cotangent tie
     (:mod:`jremat._tie`), which keeps the recomputation in the backward pass.
     """
-    return model_preset(
-        "needle",
+    return config.model(PRESETS["needle"]).replace(
         d_ff=d_ff,
         remat_policy=policy,
         remat_granularity="block",
@@ -121,7 +132,7 @@ def part_needle(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     for part, batch, d_ff in points:
         found = {}
         for scope, spec, chunks in needle_scopes(config.remat_head_chunks):
-            cfg = needle_config(d_ff, spec, chunks)
+            cfg = needle_config(config, d_ff, spec, chunks)
             found[scope] = (cfg, harness.step_memory(cfg, batch))
         base = bench_peak(found["none"][1].memory)
         log(
@@ -149,9 +160,24 @@ def part_needle(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     return rows
 
 
-def _timed_fields(m: Measured, base: Measured, timing: tuple[float, float, float], time_steps: int) -> dict:
-    """The CSV columns of one timed program: FLOPs and their bound, compile time, time ratio, memory."""
+def device_peak_tflops() -> float | None:
+    """The dense bf16 peak of the device the bench runs on (:func:`flops.peak_bf16_tflops`; ``None``: unknown)."""
+    return flops.peak_bf16_tflops(jax.devices()[0].device_kind)
+
+
+def _timed_fields(
+    m: Measured,
+    base: Measured,
+    timing: tuple[float, float, float],
+    time_steps: int,
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+) -> dict:
+    """The CSV columns of one timed program: FLOPs and their bound, compile time, time ratio, memory,
+    and the absolute figures of its median step (:func:`flops.throughput_fields`)."""
     ratio, low, high = timing
+    absolute = flops.throughput_fields(cfg, batch, seq, m.step_s, device_peak_tflops()) if m.step_s else {}
     return dict(
         flops=m.flops,
         xla_flops=m.xla_flops,
@@ -163,6 +189,7 @@ def _timed_fields(m: Measured, base: Measured, timing: tuple[float, float, float
         time_steps=time_steps,
         peak_reduction_vs_none=1 - bench_peak(m.memory) / bench_peak(base.memory),
         **memory_fields(m.memory),
+        **absolute,
     )
 
 
@@ -187,7 +214,7 @@ def _timed_rows(
                 cfg.max_seq_len,
                 model=model,
                 scope="whole step" if cfg.remat_head_chunks else "blocks",
-                **_timed_fields(m, base_m, ratios[label], config.time_steps),
+                **_timed_fields(m, base_m, ratios[label], config.time_steps, cfg, batch, cfg.max_seq_len),
                 **extra.get(label, {}),
             )
         )
@@ -199,18 +226,27 @@ def part_needle_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]
     configs = {}
     for k in sorted({0, *config.needle_ks}):
         spec = "none" if k == 0 else f"every_k:k={k}"
-        configs[spec] = config.whole_step(needle_config(config.needle_d_ff, spec), spec)
+        configs[spec] = config.whole_step(needle_config(config, config.needle_d_ff, spec), spec)
     log(f"[needle_time] timing {len(configs)} steps at batch {config.needle_time_batch}")
     extra = {spec: {"k": 0 if spec == "none" else int(spec.split("=")[1])} for spec in configs}
     return _timed_rows("needle_time", "needle", configs, config.needle_time_batch, config, **extra)
 
 
-def megatron_formulas(s: int, b: int, h: int, a: int) -> dict[str, float]:
+def megatron_formulas(s: int, b: int, h: int, a: int, attention: str = "explicit") -> dict[str, float]:
     """Megatron-LM's activation bytes per layer (16-bit activations), in units of ``s*b*h``.
 
     ``none``: ``34 + 5*a*s/h``; ``selective``: 34; ``full``: 2 (Korthikanti et al. 2022, table 2).
+    The ``5*a*s/h`` term is attention's ``[s, s]`` tensors (scores, softmax, dropout mask), which
+    the fused kernels (``attention`` ``cudnn``, ``blockwise``) never keep, as Megatron's selective
+    recompute: ``none`` is then 34. Under ``xla`` (``jax.nn.dot_product_attention`` differentiated
+    by XLA, no dropout) Megatron gives no figure for ``none``, and it is left out.
     """
-    return {"none": 34 + 5 * a * s / h, "selective": 34.0, "full": 2.0}
+    out = {"none": 34 + 5 * a * s / h, "selective": 34.0, "full": 2.0}
+    if attention in ("cudnn", "blockwise"):
+        out["none"] = 34.0
+    elif attention != "explicit":
+        del out["none"]
+    return out
 
 
 def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
@@ -222,7 +258,7 @@ def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     b, s = config.megatron_batch, config.megatron_seq
     none_cfg = config.megatron_config("none")
     sbh = s * b * none_cfg.d_model
-    formulas = megatron_formulas(s, b, none_cfg.d_model, none_cfg.n_heads)
+    formulas = megatron_formulas(s, b, none_cfg.d_model, none_cfg.n_heads, none_cfg.attention)
     rows, base = [], None
     for spec in MEGATRON_POLICIES:
         cfg = config.megatron_config(spec)
@@ -330,7 +366,7 @@ def part_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Step time, FLOPs bound, peak and compile time of every policy on a head- and a block-dominated model."""
     rows = []
     for model, cfg, batch in (
-        (f"head-dominated ({config.time_preset})", model_preset(config.time_preset), config.time_batch),
+        (f"head-dominated ({config.time_preset})", config.time_model(), config.time_batch),
         ("block-dominated", config.block_model(), config.block_batch),
     ):
         configs = {spec: config.whole_step(cfg, spec) for spec in dict.fromkeys(["none", *policies])}
@@ -372,7 +408,7 @@ def part_peers(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                 scope="blocks",
                 compared_with=compared.get(program.label, ""),
                 hlo_fingerprint=m.hlo_fingerprint,
-                **_timed_fields(m, base, ratios[program.label], config.time_steps),
+                **_timed_fields(m, base, ratios[program.label], config.time_steps, cfg, batch, cfg.max_seq_len),
             )
         )
     return rows
@@ -387,7 +423,7 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """
     from jremat.models.planning import plan_for_budget
 
-    cfg, batch = model_preset(config.time_preset), config.time_batch
+    cfg, batch = config.time_model(), config.time_batch
 
     def peak(model_cfg: ModelConfig) -> int:
         return bench_peak(harness.step_memory(model_cfg, batch).memory)

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 import jremat
-from jremat import ops
+from jremat import attention, ops
 from jremat.models import ModelConfig
 from jremat.train.bench.harness import Program
 
@@ -73,7 +73,12 @@ class NnxRematPeer(jremat.Policy):
 
 
 class LinenBlock(nn.Module):
-    """:class:`models.gpt.Block` in Linen, without dropout: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """:class:`models.gpt.Block` in Linen, without dropout: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+
+    Attention follows ``cfg.attention`` as the NNX model does: ``explicit`` (einsum, causal mask,
+    softmax, einsum), ``xla`` / ``cudnn`` (``jax.nn.dot_product_attention``) or ``blockwise``
+    (:func:`jremat.attention.blockwise_attention`).
+    """
 
     cfg: ModelConfig
 
@@ -87,10 +92,16 @@ class LinenBlock(nn.Module):
         split = lambda t: t.reshape(batch, seq, cfg.n_heads, cfg.head_dim)
         h = _layer_norm(self, "ln1", x, cfg.d_model, pdtype)
         q, k, v = (split(dense(inner, name)(h)) for name in ("q_proj", "k_proj", "v_proj"))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), x.dtype)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        probs = ops.softmax(jnp.where(causal, scores, jnp.finfo(x.dtype).min))
-        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch, seq, inner)
+        if cfg.attention == "explicit":
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), x.dtype)
+            causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+            probs = ops.softmax(jnp.where(causal, scores, jnp.finfo(x.dtype).min))
+            context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        elif cfg.attention == "blockwise":
+            context = attention.blockwise_attention(q, k, v, causal=True, block_size=cfg.attention_block_size)
+        else:
+            context = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+        context = context.reshape(batch, seq, inner)
         x = x + dense(cfg.d_model, "out_proj")(context)
         h = _layer_norm(self, "ln2", x, cfg.d_model, pdtype)
         return x + dense(cfg.d_model, "fc_out")(ops.gelu(dense(cfg.d_ff, "fc_in")(h)))

@@ -74,6 +74,59 @@ def _x(x) -> str:
     return "n/a" if x in (None, "") else f"{x:.3f}x"
 
 
+def _step(r: dict) -> str:
+    x = r.get("step_s", "")
+    return "" if x in (None, "") else (f"{1e3 * x:.3g} ms" if x < 1 else f"{x:.3g} s")
+
+
+def _si(x) -> str:
+    """``12345.6`` -> ``12.3k`` (3 significant digits)."""
+    if x in (None, ""):
+        return ""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+#: The absolute columns of every timed table (:func:`_absolute`); MFU is against the dense bf16 peak.
+ABSOLUTE_HEADER = ("step", "tokens/s", "TFLOP/s", "MFU (bf16 peak)")
+
+
+def _absolute(r: dict) -> list[str]:
+    """Step time, tokens/s, model TFLOP/s per device and MFU of a timed row ("" where not measured or no peak)."""
+    tflops, mfu = r.get("model_tflops_per_s", ""), r.get("mfu", "")
+    return [
+        _step(r),
+        _si(r.get("tokens_per_s", "")),
+        "" if tflops in (None, "") else f"{tflops:.3g}",
+        "" if mfu in (None, "") else f"{100 * mfu:.3g}%",
+    ]
+
+
+def _quartiles(r: dict) -> str:
+    """``1.050x (1.040-1.060)``: the time ratio and its quartiles."""
+    return f"{_x(r['time_ratio_vs_none'])} ({r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f})"
+
+
+def throughput_note(rows: Sequence[dict]) -> str:
+    """What the absolute columns are and which peak MFU is against ("" when no row was timed)."""
+    timed = [r for r in rows if r.get("step_s", "") not in ("", None)]
+    if not timed:
+        return ""
+    peak = next((r["peak_bf16_tflops"] for r in timed if r.get("peak_bf16_tflops", "") not in ("", None)), None)
+    mfu = (
+        f"MFU = TFLOP/s over the device's published dense bf16 peak, {peak:g} TFLOP/s (float32 runs too)"
+        if peak
+        else "MFU is empty: no published peak is known for this device, and none is guessed"
+    )
+    return (
+        "Absolute figures: step = the median timed step; tokens/s = batch x seq / step; TFLOP/s = model FLOPs per "
+        "step / step, per device (MaxText's count, docs/benchmark.md: 6 x matmul weights + causal attention per "
+        f"token, recomputation not counted); {mfu}."
+    )
+
+
 def _table(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return out + ["| " + " | ".join(str(c) for c in line) + " |" for line in lines] + [""]
@@ -118,11 +171,13 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
             )
         )
     meg = {r["policy"]: r for r in parts.get("megatron", [])}
-    if "none" in meg:
+    if "none" in meg and meg["none"]["megatron_per_sbh"] != "":
         v, f = meg["none"]["saved_per_sbh"], meg["none"]["megatron_per_sbh"]
+        fused = meg["none"].get("attention", "explicit") in ("cudnn", "blockwise")
+        formula = "34 (fused attention: no s*s term)" if fused else "(34 + 5*a*s/h)"
         out.append(
             (
-                "Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)",
+                f"Megatron: none saves s*b*h*{formula} per layer (within 1%)",
                 f"{v:.2f} vs {f:.2f} sbh",
                 abs(v / f - 1) <= 0.01,
             )
@@ -248,6 +303,11 @@ def machine_description() -> str:
     )
 
 
+def _precision(r: dict) -> str:
+    """``float32, attention explicit``: a row's compute dtype and attention."""
+    return f"{r['dtype']}, attention {r.get('attention') or 'explicit'}"
+
+
 def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir: str) -> list[str]:
     lines: list[str] = []
     img = lambda name: [f"![{name}]({plot_dir}/{name})", ""] if name in plots else []
@@ -281,25 +341,18 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
             "",
         ]
         lines += _table(
-            ("k", "time / none", "quartiles", "FLOPs bound", "peak"),
-            [
-                (
-                    r["k"],
-                    _x(r["time_ratio_vs_none"]),
-                    f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
-                    _x(r["flops_bound"]),
-                    format_bytes(r["peak_bytes"]),
-                )
-                for r in pts
-            ],
+            ("k", "time / none (quartiles)", "FLOPs bound", "peak", *ABSOLUTE_HEADER),
+            [(r["k"], _quartiles(r), _x(r["flops_bound"]), format_bytes(r["peak_bytes"]), *_absolute(r)) for r in pts],
         )
         lines += img("needle_k_time.png")
     pts = parts.get("megatron", [])
     if pts:
         r0 = pts[0]
+        attention = r0.get("attention") or "explicit"
+        dropout = "dropout 0.1" if r0.get("attn_dropout", 0.1) else "residual dropout 0.1, attention dropout 0"
         lines += [
             f"## Megatron-LM accounting and the analytic estimate: {r0['model']}, b={r0['batch_size']}, "
-            f"s={r0['seq_len']}, {r0['dtype']}, dropout 0.1, gradient step, blocks only",
+            f"s={r0['seq_len']}, {r0['dtype']}, attention {attention}, {dropout}, gradient step, blocks only",
             "",
         ]
         lines += _table(
@@ -355,20 +408,21 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
             r0 = sel[0]
             lines += [
                 f"### {model}: {r0['n_layers']} layers, d_model {r0['d_model']}, d_ff {r0['d_ff']}, vocab "
-                f"{r0['vocab_size']}, batch {r0['batch_size']} x {r0['seq_len']}",
+                f"{r0['vocab_size']}, batch {r0['batch_size']} x {r0['seq_len']}, {_precision(r0)}",
                 "",
             ]
             lines += _table(
-                ("policy", "time / none", "quartiles", "FLOPs bound", "peak", "peak reduction", "compile s"),
+                ("policy", "time / none (quartiles)", "FLOPs bound", "peak", "peak reduction", "compile s")
+                + ABSOLUTE_HEADER,
                 [
                     (
                         r["policy"],
-                        _x(r["time_ratio_vs_none"]),
-                        f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
+                        _quartiles(r),
                         _x(r["flops_bound"]),
                         format_bytes(r["peak_bytes"]),
                         _pct(r["peak_reduction_vs_none"]),
                         f"{r['compile_s']:.1f}",
+                        *_absolute(r),
                     )
                     for r in sel
                 ],
@@ -378,8 +432,8 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
     if pts:
         r0 = pts[0]
         lines += [
-            f"## Peers: block-dominated model, batch {r0['batch_size']} x {r0['seq_len']}, Adam step, blocks "
-            "only, dropout 0",
+            f"## Peers: block-dominated model, batch {r0['batch_size']} x {r0['seq_len']}, {_precision(r0)}, "
+            "Adam step, blocks only, dropout 0",
             "",
         ]
         lines += _table(
@@ -388,10 +442,10 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
                 "jremat counterpart",
                 "peak",
                 "temp",
-                "time / jremat none",
-                "quartiles",
+                "time / jremat none (quartiles)",
                 "FLOPs bound",
                 "compile s",
+                *ABSOLUTE_HEADER,
                 "compiled HLO",
             ),
             [
@@ -400,10 +454,10 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
                     r["compared_with"] or "(jremat)",
                     format_bytes(r["peak_bytes"]),
                     format_bytes(r["temp_bytes"]),
-                    _x(r["time_ratio_vs_none"]),
-                    f"{r['time_ratio_low']:.3f}-{r['time_ratio_high']:.3f}",
+                    _quartiles(r),
                     _x(r["flops_bound"]),
                     f"{r['compile_s']:.1f}",
+                    *_absolute(r),
                     f"`{r['hlo_fingerprint']}`" if r.get("hlo_fingerprint") else "",
                 )
                 for r in pts
@@ -424,7 +478,16 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
             "",
         ]
         lines += _table(
-            ("budget", "plan", "peak", "time / none", "fastest fitting built-in", "its time", "planning s"),
+            (
+                "budget",
+                "plan",
+                "peak",
+                "time / none",
+                "fastest fitting built-in",
+                "its time",
+                "planning s",
+                *ABSOLUTE_HEADER,
+            ),
             [
                 (
                     format_bytes(r["budget_bytes"]),
@@ -434,6 +497,7 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
                     r["best_fitting_policy"],
                     _x(r["best_fitting_time_ratio"]),
                     f"{r['compile_s']:.1f}",
+                    *_absolute(r),
                 )
                 for r in pts
             ],
@@ -499,8 +563,12 @@ def results_markdown(
         f"- Machine: {machine_description()}",
         f"- Data: [{plot_dir}/bench.csv]({plot_dir}/bench.csv) (one row per measurement)",
         "- Memory is compile-only: XLA's buffer assignment of the jitted step (nothing is allocated); "
-        "peak = arguments + outputs - aliased + temp. Times are ratios to `none` measured in the same process: "
+        "peak = arguments + outputs - aliased + temp. Time ratios are to `none` measured in the same process: "
         "the median over interleaved rounds of each round's paired ratio, with the quartiles of those ratios.",
+    ]
+    note = throughput_note(rows)
+    lines += [f"- {note}"] if note else []
+    lines += [
         "",
         "## Verdict",
         "",

@@ -1,0 +1,152 @@
+"""ModelConfig.attention: blockwise and xla attention give explicit's gradients under every policy,
+fused forward passes per policy, config-time errors, and blockwise memory linear in the sequence."""
+
+import jax
+import pytest
+
+import jremat
+from jremat.models import preset
+from jremat.models.config import check_attention_backend
+from jremat.models.programs import attention_forward_passes, step_program
+from tests.conftest import loss_and_grads, max_relative_error
+
+TOLERANCE = 1e-5
+
+#: One spec per built-in policy that means the same under every attention.
+SPECS = {
+    "none": "none",
+    "full": "full",
+    "dots": "dots",
+    "dots_no_batch": "dots_no_batch",
+    "every_k": "every_k:k=2",
+    "skip_cheap": "skip_cheap",
+    "selective": "selective",
+    "names": "names:save=q+k+mlp_in",
+    "names_except": "names_except:exclude=q+mlp_act",
+    "offload": "offload:names=q+k,save=v",
+    "nested": "nested:block=2",
+    "auto": "auto",
+}
+
+
+def _cfg(attention, policy, dropout):
+    return preset(
+        "tiny",
+        attention=attention,
+        attention_block_size=8,
+        remat_policy=policy,
+        attn_dropout=dropout,
+        resid_dropout=dropout,
+    )
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.1], ids=["no-dropout", "dropout"])
+def explicit_reference(request):
+    return request.param, loss_and_grads(_cfg("explicit", "none", request.param).replace(remat_granularity="none"))
+
+
+def test_every_built_in_policy_is_covered():
+    assert set(SPECS) == set(jremat.available()) - {"test_fresh_key_on_recompute"}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_blockwise_gives_explicit_gradients_under_every_policy(explicit_reference, name):
+    """Same dropout masks (regenerated from the layer key, never stored), float32."""
+    dropout, (ref_loss, ref_grads) = explicit_reference
+    loss, grads = loss_and_grads(_cfg("blockwise", SPECS[name], dropout))
+    assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+def test_blockwise_with_a_fresh_dropout_key_differs(explicit_reference):
+    """The comparison above has teeth: another dropout key gives other gradients."""
+    dropout, (_, ref_grads) = explicit_reference
+    if not dropout:
+        pytest.skip("needs dropout")
+    _, grads = loss_and_grads(_cfg("blockwise", "full", dropout), seed=7)
+    assert max_relative_error(grads, ref_grads) > 100 * TOLERANCE
+
+
+def test_xla_attention_gives_explicit_gradients():
+    ref_loss, ref_grads = loss_and_grads(_cfg("explicit", "none", 0.0))
+    loss, grads = loss_and_grads(_cfg("xla", "selective", 0.0))
+    assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "spec, passes",
+    [
+        ("none", 1),
+        ("selective", 1),
+        ("names:save=attn_context+attn_lse", 1),
+        ("offload:names=attn_context+attn_lse", 1),
+        ("full", 2),
+        ("dots", 2),
+        ("names:save=q+k+v", 2),
+    ],
+)
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_fused_forward_passes_per_layer(spec, passes, scan_layers):
+    """1: the backward pass reads the kernel's saved output and log-sum-exp; 2: it runs the kernel again."""
+    cfg = _cfg("blockwise", spec, 0.1).replace(scan_layers=scan_layers)
+    assert attention_forward_passes(cfg, 2) == passes
+
+
+def test_explicit_and_xla_have_no_fused_kernel():
+    assert attention_forward_passes(_cfg("explicit", "full", 0.1), 2) == 0
+    assert attention_forward_passes(_cfg("xla", "full", 0.0), 2) == 0
+
+
+def _temp_bytes(cfg, batch, seq):
+    grad_fn, args = step_program(cfg, batch, seq)
+    return jremat.memory_report(grad_fn, *args).temp_bytes
+
+
+def test_blockwise_memory_grows_linearly_in_the_sequence():
+    """Compile-only: 4x the sequence, at most 4.4x the temp memory under blockwise; explicit grows
+    faster (its [seq, seq] scores), and at the long sequence blockwise needs at most half."""
+    cfg = preset(
+        "tiny",
+        n_layers=1,
+        n_heads=4,
+        vocab_size=16,
+        max_seq_len=512,
+        attention_block_size=32,
+        remat_policy="none",
+        remat_granularity="none",
+        attn_dropout=0.0,
+        resid_dropout=0.0,
+    )
+    blockwise = [_temp_bytes(cfg.replace(attention="blockwise"), 2, s) for s in (128, 512)]
+    explicit = [_temp_bytes(cfg, 2, s) for s in (128, 512)]
+    assert blockwise[1] <= 4.4 * blockwise[0], blockwise
+    assert explicit[1] > 4.4 * explicit[0], explicit
+    assert blockwise[1] <= 0.5 * explicit[1], (blockwise, explicit)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(attention="flash"), "attention must be one of explicit, xla, cudnn, blockwise"),
+        (dict(attention="blockwise", attention_block_size=0), "attention_block_size must be a positive integer"),
+        (dict(attention="xla"), "has no attention dropout, but attn_dropout is 0.1"),
+        (dict(attention="cudnn", attn_dropout=0.0, resid_dropout=0.0), "needs dtype bfloat16"),
+        (
+            dict(attention="cudnn", attn_dropout=0.0, dtype="bfloat16", head_dim=12),
+            "head_dim a multiple of 8 and at most 128",
+        ),
+    ],
+)
+def test_attention_config_errors_name_what_is_valid(changes, message):
+    with pytest.raises(ValueError, match=message):
+        preset("tiny", **changes)
+
+
+def test_cudnn_on_a_machine_without_an_nvidia_gpu_is_a_clear_error():
+    cfg = preset("tiny", attention="cudnn", attn_dropout=0.0, dtype="bfloat16")
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"):
+        check_attention_backend(cfg)
+    check_attention_backend(cfg.replace(attention="blockwise"))  # every other attention runs anywhere
