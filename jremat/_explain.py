@@ -418,14 +418,19 @@ def explain_applied(
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
     passes = base_passes = None
-    if flat_base is not None:
+    kernels = {kind for eqn in tag_jaxpr.eqns if (kind := attention.forward_kernel(eqn))}
+    if flat_base is not None and kernels:
         passes, base_passes = (_attention_forward_passes(f, structs) for f in (flat_remat, flat_base))
         if passes > base_passes:
+            fix = (
+                f"save its output and statistics ({names.ATTN_CONTEXT} and {names.ATTN_LSE}) to avoid it"
+                if attention.CUDNN not in kernels
+                else "JAX names none of cuDNN's statistics, so no policy can keep them (blockwise attention can)"
+            )
             messages.append(
                 f"fused attention recomputed ({label}): the gradient runs {passes} fused attention forward "
                 f"kernel{'s' if passes != 1 else ''} where the function without remat runs {base_passes}; "
-                "the backward pass runs the kernel again. Save its output and statistics "
-                f"({names.ATTN_CONTEXT} and {names.ATTN_LSE} of jremat.attention.blockwise_attention) to avoid it"
+                f"the backward pass runs the kernel again: {fix}"
             )
     matched = tuple(_match_lines(chosen, jaxpr))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
@@ -460,9 +465,10 @@ def explain_applied(
 
 
 def _attention_forward_passes(flat_fn: Callable, structs: list) -> int:
-    """Fused attention forward kernels in the value-and-gradient of ``flat_fn`` (:func:`jremat.attention.count_forward_passes`)."""
-    with _jax_compat.classic_remat_context():
-        return attention.count_forward_passes(jax.make_jaxpr(_gradient_program(flat_fn, structs, True))(*structs))
+    """Fused attention forward kernels in the value-and-gradient of ``flat_fn``
+    (:func:`jremat.attention.count_forward_passes`), under the active remat engine: the engines
+    differ here (remat3 recomputes a custom_vjp call whole)."""
+    return attention.count_forward_passes(jax.make_jaxpr(_gradient_program(flat_fn, structs, True))(*structs))
 
 
 def _match_lines(chosen: Policy, jaxpr) -> list[str]:

@@ -66,7 +66,9 @@ def blockwise_attention(
 ) -> jax.Array:
     """Softmax self-attention computed block by block, with a memory-efficient custom gradient.
 
-    Equal to :func:`reference_attention` up to float rounding, dropout masks included. The
+    Equal to :func:`reference_attention` up to float rounding, dropout masks included. It is
+    reverse-mode only (a ``custom_vjp``): ``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` through
+    it raise JAX's error for custom_vjp functions. The
     backward pass keeps ``q``, ``k``, ``v``, the output and a float32 log-sum-exp of shape
     ``[batch, heads, seq]`` (plus the dropout key); it recomputes everything else block by block.
 
@@ -165,7 +167,7 @@ def reference_attention(
     return out.astype(q.dtype)
 
 
-def count_forward_passes(closed_jaxpr) -> int:
+def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
     """How many attention forward kernels a traced program runs.
 
     Counts each loop of :func:`blockwise_attention`'s forward pass (found by its
@@ -173,7 +175,9 @@ def count_forward_passes(closed_jaxpr) -> int:
     ``jax.nn.dot_product_attention(..., implementation="cudnn")``
     (:data:`CUDNN_FORWARD_PRIMITIVES`), over the program and every jaxpr nested in it (``jit``,
     ``scan``, ``while``, ``cond``, checkpoints, custom derivatives). A kernel inside a loop body
-    counts once, not once per iteration. Only kernels whose results the program's outputs use
+    counts once, not once per iteration, unless ``loop_iterations``: then a kernel inside a
+    ``scan`` (a layer stack) counts once per iteration (a ``while`` loop's trip count is unknown:
+    once). Only kernels whose results the program's outputs use
     count: under ``jax_remat3`` a saved value's recomputation stays in the jaxpr as an unused
     input of a call (it supplies a tangent that is zero here), and XLA removes it.
 
@@ -184,27 +188,52 @@ def count_forward_passes(closed_jaxpr) -> int:
 
     Args:
       closed_jaxpr: a ``jax.make_jaxpr`` result (a ``ClosedJaxpr``) or a ``Jaxpr``.
+      loop_iterations: count a kernel inside a ``scan`` once per iteration.
 
     Returns:
       The number of forward kernels.
     """
     jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
-    return _count_forward(jaxpr, [True] * len(jaxpr.outvars), inside_scope=False)[0]
+    return _count_forward(jaxpr, [True] * len(jaxpr.outvars), False, loop_iterations)[0]
 
 
-def runs_forward_kernel(eqn) -> bool:
-    """Whether equation ``eqn`` is, or holds, an attention forward kernel that
-    :func:`count_forward_passes` counts (a :func:`blockwise_attention` forward loop, a cuDNN
-    forward kernel, or a call or loop that runs one)."""
-    return _runs_forward_kernel(eqn, inside_scope=False)
+#: What :func:`forward_kernel` returns for each kind of attention forward kernel.
+BLOCKWISE = "blockwise"
+CUDNN = "cudnn"
 
 
-def _runs_forward_kernel(eqn, inside_scope: bool) -> bool:
-    in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
-    name = eqn.primitive.name
-    if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES and _computes_floats(eqn)):
-        return True
-    return any(_runs_forward_kernel(inner, in_scope) for sub in _subjaxprs(eqn) for inner in sub.eqns)
+def forward_kernel(eqn) -> str | None:
+    """Which attention forward kernel equation ``eqn`` is or holds (a call or loop that runs
+    one): :data:`BLOCKWISE` (a :func:`blockwise_attention` forward loop), :data:`CUDNN` (a
+    cuDNN forward kernel), or ``None``. The kernels :func:`count_forward_passes` counts."""
+    return _forward_kernel(eqn, inside_scope=False)
+
+
+def _kernel_kind(eqn, in_scope: bool) -> str | None:
+    """The kind of kernel ``eqn`` itself is (not what it holds)."""
+    if eqn.primitive.name in CUDNN_FORWARD_PRIMITIVES:
+        return CUDNN
+    if in_scope and eqn.primitive.name in _LOOP_PRIMITIVES and _computes_floats(eqn):
+        return BLOCKWISE  # a loop of the kernel: the loops inside it belong to the same pass
+    return None
+
+
+def _in_scope(eqn, inside_scope: bool) -> bool:
+    # A nested jaxpr's name stacks are relative to the equation that holds it.
+    return inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
+
+
+def _forward_kernel(eqn, inside_scope: bool) -> str | None:
+    in_scope = _in_scope(eqn, inside_scope)
+    kind = _kernel_kind(eqn, in_scope)
+    if kind is not None:
+        return kind
+    for sub in _subjaxprs(eqn):
+        for inner in sub.eqns:
+            kind = _forward_kernel(inner, in_scope)
+            if kind is not None:
+                return kind
+    return None
 
 
 # Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
@@ -214,7 +243,7 @@ _CALL_PRIMITIVES = frozenset(
 )
 
 
-def _count_forward(jaxpr, used_outputs, inside_scope: bool) -> tuple[int, list[bool]]:
+def _count_forward(jaxpr, used_outputs, inside_scope: bool, loop_iterations: bool) -> tuple[int, list[bool]]:
     """``(forward kernels, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
     live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, Var)}
     count = 0
@@ -222,18 +251,18 @@ def _count_forward(jaxpr, used_outputs, inside_scope: bool) -> tuple[int, list[b
         used = [v in live for v in eqn.outvars]
         if not any(used) and not eqn.effects:
             continue
-        # A nested jaxpr's name stacks are relative to the equation that holds it.
-        in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
+        in_scope = _in_scope(eqn, inside_scope)
         name = eqn.primitive.name
         used_inputs = [True] * len(eqn.invars)
-        if name in CUDNN_FORWARD_PRIMITIVES or (in_scope and name in _LOOP_PRIMITIVES and _computes_floats(eqn)):
-            count += 1  # a loop of the kernel: the loops inside it belong to the same pass
+        if _kernel_kind(eqn, in_scope) is not None:
+            count += 1
         elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
-            found, used_inputs = _count_forward(sub, used, in_scope)
+            found, used_inputs = _count_forward(sub, used, in_scope, loop_iterations)
             count += found
         else:
+            times = eqn.params.get("length", 1) if loop_iterations and name == "scan" else 1
             for sub in _subjaxprs(eqn):
-                count += _count_forward(sub, [True] * len(sub.outvars), in_scope)[0]
+                count += times * _count_forward(sub, [True] * len(sub.outvars), in_scope, loop_iterations)[0]
         live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, Var))
     return count, [v in live for v in jaxpr.invars]
 

@@ -40,6 +40,7 @@ ALL_NAMES: tuple[str, ...] = (
     ATTN_SCORES,
     ATTN_PROBS,
     ATTN_CONTEXT,
+    ATTN_LSE,
     ATTN_OUT,
     LN2_OUT,
     MLP_IN,

@@ -147,33 +147,35 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_attention_backend(cfg: ModelConfig, devices=None) -> None:
-    """Check that this machine can run ``cfg.attention`` (only ``cudnn`` needs a particular one).
+def check_attention_backend(attention: str, head_dim: int, devices=None) -> None:
+    """Check that this machine can run ``attention`` (only ``cudnn`` needs a particular one).
 
     Args:
-      cfg: the model configuration.
+      attention: :attr:`ModelConfig.attention`.
+      head_dim: the model's head width.
       devices: the devices the model runs on (default ``jax.devices()``).
 
     Raises:
-      ValueError: for ``cudnn`` on a backend other than an NVIDIA GPU, or with a head_dim above
-        what the GPU's generation takes.
+      ValueError: for ``cudnn`` on a backend other than an NVIDIA GPU (a CPU, a TPU, an AMD GPU),
+        or with a head_dim above what the GPU's generation takes.
     """
-    if cfg.attention != "cudnn":
+    if attention != "cudnn":
         return
     import jax
 
     devices = jax.devices() if devices is None else devices
     device = devices[0]
-    if device.platform not in ("gpu", "cuda"):
+    platform_version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    if device.platform not in ("gpu", "cuda") or "rocm" in platform_version:
         raise ValueError(
             f"attention 'cudnn' needs an NVIDIA GPU with cuDNN, but JAX runs on {device.platform} "
             f"({device.device_kind}); use attention 'blockwise' (same memory behaviour, pure JAX) or 'xla'"
         )
     major = int(str(getattr(device, "compute_capability", "0")).split(".")[0] or 0)
     limit = CUDNN_MAX_HEAD_DIM_HOPPER if major >= 9 else CUDNN_MAX_HEAD_DIM
-    if cfg.head_dim > limit:
+    if head_dim > limit:
         raise ValueError(
-            f"attention 'cudnn' on {device.device_kind} takes head_dim up to {limit}, got {cfg.head_dim}; use "
+            f"attention 'cudnn' on {device.device_kind} takes head_dim up to {limit}, got {head_dim}; use "
             "attention 'blockwise' or 'xla'"
         )
 

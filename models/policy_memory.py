@@ -75,9 +75,10 @@ class PolicyMemory:
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
       analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes`.
       notes: caveats (backend, truthfulness checks).
-      attention_forward_passes: fused attention forward kernels per layer in the training step
-        (:func:`models.programs.attention_forward_passes`): 1 = the kernel is not recomputed,
-        2 = the backward pass runs it again; 0 = no fused kernel (``explicit``, ``xla``).
+      attention_forward_passes: fused attention forward kernels per layer in the training step,
+        averaged over the layers (:func:`models.programs.attention_forward_passes`): 1 = the
+        kernel is not recomputed, 2 = every layer's backward pass runs it again; 0 = no fused
+        kernel (``explicit``, ``xla``).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.
       explanation: what the policy did to the step (:func:`explain_step`), or ``None``.
       timeline: the :class:`jremat.MemoryTimeline` of the compiled step (``--timeline``),
@@ -104,7 +105,7 @@ class PolicyMemory:
     recompute_flops_fraction: float
     analytic_peak_bytes: int
     notes: tuple[str, ...] = ()
-    attention_forward_passes: int = 0
+    attention_forward_passes: float = 0.0
     live_peak_bytes: int | None = None
     timeline: MemoryTimeline | None = None
     explanation: Explanation | None = None
@@ -181,9 +182,13 @@ def policy_memory(
     recompute = max(0.0, flops - baseline_step_flops)
     passes = attention_forward_passes(model_cfg, batch_size, seq_len)
     if passes > 1:
+        fix = (
+            f"a policy that saves {jremat.names.ATTN_CONTEXT} and {jremat.names.ATTN_LSE} runs it once"
+            if model_cfg.attention == "blockwise"
+            else "JAX names none of cuDNN's statistics, so only none (or attention blockwise) runs it once"
+        )
         notes.append(
-            f"the backward pass runs the fused attention forward kernel again ({passes} passes per layer); a "
-            f"policy that saves {jremat.names.ATTN_CONTEXT} and {jremat.names.ATTN_LSE} runs it once"
+            f"the backward pass runs the fused attention forward kernel again ({passes:g} passes per layer); {fix}"
         )
     get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
     return PolicyMemory(

@@ -85,17 +85,21 @@ def step_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = 
     return jax.grad(loss), args
 
 
-def attention_forward_passes(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> int:
-    """Fused attention forward kernels one layer runs in a training step (value and gradient).
+def attention_forward_passes(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> float:
+    """Fused attention forward kernels per layer in a training step (value and gradient), averaged
+    over the layers.
 
-    1 when the backward pass reads the kernel's saved output and statistics, 2 when it runs the
-    kernel again; 0 for attentions without a fused kernel (``explicit``, ``xla``). Counted on the
-    traced step (:func:`jremat.attention.count_forward_passes`); nothing runs.
+    1 when every layer's backward pass reads the kernel's saved output and statistics, 2 when every
+    layer runs the kernel again, in between when layer groups differ (``"1:full,rest:none"``, an
+    ``auto`` plan); 0 for attentions without a fused kernel (``explicit``, ``xla``), which are not
+    traced. Counted on the traced step (:func:`jremat.attention.count_forward_passes`, a kernel in
+    the layer scan once per layer); nothing runs.
     """
+    if model_cfg.attention not in ("blockwise", "cudnn"):
+        return 0.0
     loss, args = loss_program(model_cfg, batch_size, seq_len)
-    count = jremat.attention.count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss))(*args))
-    # A kernel inside the layer scan counts once; unrolled, once per layer.
-    return count if model_cfg.scan_layers else count // model_cfg.n_layers
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(*args)
+    return jremat.attention.count_forward_passes(jaxpr, loop_iterations=True) / model_cfg.n_layers
 
 
 def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None):

@@ -7,10 +7,11 @@ far the largest per byte of compute, and are recomputed in the backward pass fro
 ``q``, ``k``, ``v``.
 
 Under a fused attention kernel (:func:`jremat.attention.blockwise_attention`, cuDNN through
-``jax.nn.dot_product_attention``) there is no such tensor: the kernel keeps only its output and
-a log-sum-exp per query, and recomputing it would run the kernel again for no memory. There
-``selective`` recomputes nothing of the attention and keeps what ``none`` keeps (dropout masks
-aside, which it always regenerates).
+``jax.nn.dot_product_attention``) there is no such tensor, and recomputing the kernel would run
+it again for no memory. There ``selective`` recomputes nothing of the attention and keeps what
+``none`` keeps (dropout masks aside, which it always regenerates): for ``blockwise`` that is its
+output and log-sum-exp, so the kernel is not run again; JAX's cuDNN kernel names none of its
+statistics, so no policy can keep them and its backward pass runs the kernel again.
 
 Otherwise the core is found in one of two ways (:func:`find_attention_core` says which):
 
@@ -76,27 +77,28 @@ class AttentionCore:
       equations: indices of the equations recomputed (scores, softmax, dropout, probabilities x V).
       matched_by: :data:`BY_TAG`, :data:`BY_STRUCTURE` or :data:`BY_FUSED_KERNEL` (nothing to
         recompute); ``None`` when no core was found.
-      count: how many attention cores (one per scores ``dot_general``).
+      count: how many attention cores (one per scores ``dot_general``, or per fused kernel).
+      kernels: the kinds of fused kernel found (:func:`jremat.attention.forward_kernel`).
     """
 
     equations: frozenset[int]
     matched_by: str | None
     count: int
+    kernels: frozenset[str] = frozenset()
 
 
 def find_attention_core(program: Program) -> AttentionCore:
     """The attention core(s) of ``program``: none to recompute where a fused attention kernel
-    computes attention (:func:`jremat.attention.runs_forward_kernel`), else by tag where it tags
+    computes attention (:func:`jremat.attention.forward_kernel`), else by tag where it tags
     its attention, else by structure.
 
     Raises:
       ValueError: if the program tags attention tensors but not the core's boundary (see
         :func:`attention_core`).
     """
-    eqns = program.closed_jaxpr.jaxpr.eqns
-    fused = [i for i, eqn in enumerate(eqns) if attention.runs_forward_kernel(eqn)]
-    if fused:  # its output and statistics are kept: recomputing would re-run the kernel and free no S x S tensor
-        return AttentionCore(frozenset(), BY_FUSED_KERNEL, len(fused))
+    kernels = [kind for eqn in program.closed_jaxpr.jaxpr.eqns if (kind := attention.forward_kernel(eqn))]
+    if kernels:  # recomputing a fused kernel would run it again and free no S x S tensor
+        return AttentionCore(frozenset(), BY_FUSED_KERNEL, len(kernels), frozenset(kernels))
     by_tag = attention_core(program)
     if by_tag:
         n_scores = sum(1 for i in by_tag if program.closed_jaxpr.jaxpr.eqns[i].primitive.name in _DOTS)
@@ -258,10 +260,19 @@ class Selective(PlanPolicy):
         if found.matched_by is None:
             return [f"no attention core: looked for {LOOKED_FOR}"]
         if found.matched_by == BY_FUSED_KERNEL:
-            return [
-                f"fused attention kernel ({found.count}): no [seq, seq] tensor to drop, so its output and statistics "
-                "are kept and the kernel is not run again (selective keeps what none keeps here, dropout masks aside)"
-            ]
+            lines = []
+            if attention.BLOCKWISE in found.kernels:
+                lines.append(
+                    "fused attention kernel (blockwise): no [seq, seq] tensor to drop, so its output and statistics "
+                    "are kept and the kernel is not run again (selective keeps what none keeps here, dropout masks aside)"
+                )
+            if attention.CUDNN in found.kernels:
+                lines.append(
+                    "fused attention kernel (cuDNN): no [seq, seq] tensor to drop, so nothing of it is recomputed, "
+                    "but JAX names none of its statistics, so no policy can keep them: the backward pass runs the "
+                    "kernel again (attention 'blockwise' keeps them)"
+                )
+            return lines
         how = (
             f"between the {names.QUERY}/{names.KEY}/{names.VALUE} and {names.ATTN_CONTEXT} tags"
             if found.matched_by == BY_TAG

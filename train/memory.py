@@ -127,6 +127,7 @@ class MemoryConfig:
                 "a head count that divides d_model",
             )
         model_flags.check(self, self.seq_len)
+        model_flags.check_backend(self.attention, self.resolved_head_dim)
         for module in self.policy_module:
             try:
                 registry.load_module(module)
@@ -159,8 +160,7 @@ class MemoryConfig:
             overrides["d_ff"] = self.d_ff
         if self.heads is not None:
             overrides["n_heads"] = self.heads
-            d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
-            overrides["head_dim"] = self.head_dim if self.head_dim is not None else d_model // self.heads
+            overrides["head_dim"] = self.resolved_head_dim
         elif self.head_dim is not None:
             overrides["head_dim"] = self.head_dim
         if self.dropout is not None:
@@ -179,6 +179,15 @@ class MemoryConfig:
             return model_preset(self.preset, **overrides)
         except ValueError as err:
             raise UsageError(str(err)) from None
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """``head_dim``, else ``d_model / heads`` when ``heads`` is given, else the preset's."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.heads is not None:
+            return (self.d_model if self.d_model is not None else PRESETS[self.preset].d_model) // self.heads
+        return PRESETS[self.preset].head_dim
 
     @property
     def resolved_seq_len(self) -> int:
@@ -239,7 +248,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
             f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
             f"{f'{sr:.3f}' if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
             f"{format_bytes(r.analytic_peak_bytes):>11} {f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
-            + (f" {r.attention_forward_passes:>8}" if fused else "")
+            + (f" {r.attention_forward_passes:>8g}" if fused else "")
             + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
         )
     first = rows[0]
@@ -370,7 +379,6 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
       UsageError: on an invalid model shape or policy.
     """
     base_cfg = config.model_config(config.policy[0])
-    model_flags.check_backend(base_cfg)
     for spec in config.policy[1:]:
         config.model_config(spec)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jremat.models import PRESETS, ModelConfig
+from jremat.models import PRESETS
 from jremat.models.config import ATTENTIONS, check_attention_backend
 from jremat.train.cli import UsageError, option, require, require_choice, require_int
 
@@ -62,13 +62,14 @@ def model_overrides(config) -> dict[str, Any]:
     return overrides
 
 
-def check_backend(model_cfg: ModelConfig) -> None:
-    """Check that this machine runs ``model_cfg.attention`` (``cudnn`` needs an NVIDIA GPU).
+def check_backend(attention: str, head_dim: int) -> None:
+    """Check that this machine runs ``attention`` (``cudnn`` needs an NVIDIA GPU). Call it before
+    anything traces the model, so the machine is named before any other flag is questioned.
 
     Raises:
       UsageError: naming what is missing and the attentions that run here.
     """
     try:
-        check_attention_backend(model_cfg)
+        check_attention_backend(attention, head_dim)
     except ValueError as err:
         raise UsageError(f"--attention: {err}") from None

@@ -36,7 +36,7 @@ import numpy as np
 
 import jremat
 from jremat import registry
-from jremat.models import policy_memory
+from jremat.models import PRESETS, policy_memory
 from jremat.train import cli, interrupts, model_flags, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
@@ -232,18 +232,25 @@ def compiled_steps(
     return _STEP_CACHE[key]
 
 
-def resume_from_newest_good(ckpts: Checkpoints, template: dict, check: Callable[[dict], list[str]], log, move: bool):
+def resume_from_newest_good(
+    ckpts: Checkpoints,
+    template: dict,
+    check: Callable[[dict], list[str]],
+    log,
+    move: bool,
+    agree: Callable[[int], None] = lambda step: None,
+):
     """``(step, meta, state)`` of the newest checkpoint that reads back and that ``check(meta)`` accepts.
 
     ``check`` raises to refuse a checkpoint (another model or data: the search stops) and
     returns notes, logged for the checkpoint resumed from. A damaged checkpoint
-    (:class:`CorruptCheckpoint`) is reported and the next older one tried; once an older one has
-    restored, the damaged ones are moved aside when ``move`` (process 0). If none restores,
-    nothing is moved.
+    (:class:`CorruptCheckpoint`) is reported and the next older one tried. Once an older one has
+    restored and ``agree(step)`` has accepted its step (every process of a run found the same),
+    the damaged ones are moved aside when ``move`` (process 0). If none restores, nothing is moved.
 
     Raises:
       CheckpointError: no checkpoint, none intact, a checkpoint that cannot be read (permissions),
-        or ``check``'s refusal.
+        ``check``'s refusal, or ``agree``'s.
     """
     damaged = []
     for step in ckpts.all_steps():
@@ -255,6 +262,7 @@ def resume_from_newest_good(ckpts: Checkpoints, template: dict, check: Callable[
             damaged.append((step, err))
             log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}); trying the one before")
             continue
+        agree(step)
         for bad_step, _ in damaged:
             if move:
                 log(f"warning: moved the damaged checkpoint step {bad_step} to {ckpts.quarantine(bad_step)}")
@@ -310,6 +318,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     from tqdm import tqdm
 
     signals.startup_note = "nothing was trained, nothing to save"
+    model_flags.check_backend(cfg.attention, PRESETS[cfg.preset].head_dim)  # the machine, before the other flags
     if ckpts and ckpts.lock is not None and ckpts.lock.taken_over:
         log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
     latest = ckpts.latest_step() if ckpts else None
@@ -335,7 +344,6 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
 
     model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
-    model_flags.check_backend(model_cfg)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))
@@ -361,14 +369,17 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
             return notes
 
         template = pack_state(params, opt_state, base_key)
-        latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary)
+
+        def agree(step):  # each process reads the directory itself
+            if not distributed_lib.same_on_every_process(step):
+                raise CheckpointError(
+                    f"--resume: this process's newest intact checkpoint in {str(ckpts.path)!r} is step {step}, but "
+                    "other processes found another; every process must see the same --ckpt-dir (a shared file system)"
+                )
+
+        latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary, agree=agree)
         params, opt_state, base_key = unpack_state(tree, params, opt_state)
         start_step = int(meta["step"])
-        if not distributed_lib.same_on_every_process(start_step):  # each process reads the directory itself
-            raise CheckpointError(
-                f"--resume: this process's newest intact checkpoint in {str(ckpts.path)!r} is step {start_step}, "
-                "but other processes found another; every process must see the same --ckpt-dir (a shared file system)"
-            )
         if start_step >= total_steps:
             raise UsageError(
                 f"--resume: the checkpoint in {str(ckpts.path)!r} is at step {start_step}, which --steps "

@@ -84,6 +84,7 @@ def test_xla_attention_gives_explicit_gradients():
         ("full", 2),
         ("dots", 2),
         ("names:save=q+k+v", 2),
+        ("nested:block=2", 2),
     ],
 )
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
@@ -91,6 +92,13 @@ def test_fused_forward_passes_per_layer(spec, passes, scan_layers):
     """1: the backward pass reads the kernel's saved output and log-sum-exp; 2: it runs the kernel again."""
     cfg = _cfg("blockwise", spec, 0.1).replace(scan_layers=scan_layers)
     assert attention_forward_passes(cfg, 2) == passes
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_fused_forward_passes_average_over_layer_groups(scan_layers):
+    """One layer of two recomputes the kernel, the other keeps its results: 1.5 per layer."""
+    cfg = _cfg("blockwise", "none", 0.1).replace(scan_layers=scan_layers, remat_layer_policies="1:full,rest:none")
+    assert attention_forward_passes(cfg, 2) == 1.5
 
 
 def test_explicit_and_xla_have_no_fused_kernel():
@@ -143,10 +151,36 @@ def test_attention_config_errors_name_what_is_valid(changes, message):
         preset("tiny", **changes)
 
 
-def test_cudnn_on_a_machine_without_an_nvidia_gpu_is_a_clear_error():
-    cfg = preset("tiny", attention="cudnn", attn_dropout=0.0, dtype="bfloat16")
+class _FakeDevice:
+    def __init__(self, platform, kind, compute_capability="0", platform_version=""):
+        self.platform, self.device_kind, self.compute_capability = platform, kind, compute_capability
+        self.client = type("Client", (), {"platform_version": platform_version})()
+
+
+@pytest.mark.parametrize(
+    "device, head_dim, message",
+    [
+        (_FakeDevice("cpu", "cpu"), 64, "needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"),
+        (_FakeDevice("tpu", "TPU v5 lite"), 64, "needs an NVIDIA GPU with cuDNN, but JAX runs on tpu"),
+        (_FakeDevice("gpu", "AMD Instinct MI300X", platform_version="rocm 6.2"), 64, "needs an NVIDIA GPU"),
+        (_FakeDevice("gpu", "NVIDIA A100-SXM4-80GB", "8.0", "cuda 12080"), 256, "takes head_dim up to 128, got 256"),
+        (_FakeDevice("gpu", "NVIDIA H100 80GB HBM3", "9.0", "cuda 12080"), 256, None),
+        (_FakeDevice("gpu", "NVIDIA A100-SXM4-80GB", "8.0", "cuda 12080"), 128, None),
+    ],
+)
+def test_cudnn_needs_an_nvidia_gpu_of_the_right_generation(device, head_dim, message):
+    if message is None:
+        check_attention_backend("cudnn", head_dim, devices=[device])
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_attention_backend("cudnn", head_dim, devices=[device])
+
+
+def test_on_this_machine_cudnn_is_refused_and_blockwise_is_not():
     if jax.devices()[0].platform == "gpu":
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"):
-        check_attention_backend(cfg)
-    check_attention_backend(cfg.replace(attention="blockwise"))  # every other attention runs anywhere
+        check_attention_backend("cudnn", 64)
+    cpu = _FakeDevice("cpu", "cpu")
+    for attention in ("explicit", "xla", "blockwise"):
+        check_attention_backend(attention, 64, devices=[cpu])

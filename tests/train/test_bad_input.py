@@ -43,7 +43,7 @@ TABLE = {
     "attention": [
         ("ptb", "--attention flash", "argument --attention: invalid choice: 'flash'"),
         ("ptb", "--attention xla", "attention 'xla' (jax.nn.dot_product_attention) has no attention dropout"),
-        ("ptb", "--attention cudnn --dropout 0", "attention 'cudnn' needs dtype bfloat16"),
+        ("ptb", "--attention cudnn --dropout 0", "needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"),
         (
             "memory",
             "--attention cudnn --dropout 0 --dtype bfloat16",

@@ -387,7 +387,6 @@ def test_attention_and_dtype_reach_every_bench_model():
 
 
 def test_quick_time_part_in_bf16_with_blockwise_attention_has_absolute_figures(tmp_path):
-    pytest.importorskip("jremat.attention")
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     argv = ["--quick", "--parts", "time", "--policy", "none", "--dtype", "bfloat16", "--attention", "blockwise"]
     assert bench.main([*argv, "--time-steps", "2", "--time-rounds", "1", "--out", str(out), "--report", str(md)]) == 0

@@ -210,11 +210,11 @@ class BenchConfig:
     def _check_models(self) -> None:
         """The attention flags, then every model the parts build (``ModelConfig`` refuses bad combinations)."""
         require_int("attention_block_size", self.attention_block_size)
-        if self.attention == "cudnn":  # the machine first: no use fixing flags for a kernel it lacks
-            shapes = BLOCK_MODEL_QUICK if self.quick else BLOCK_MODEL
-            model_flags.check_backend(
-                ModelConfig(**shapes, attn_dropout=0.0, resid_dropout=0.0, dtype="bfloat16", attention="cudnn")
-            )
+        # The machine first: no use fixing flags for a kernel it lacks.
+        for cfg in (PRESETS["needle"], PRESETS[self.time_preset], ModelConfig(**self._block_shapes())):
+            model_flags.check_backend(self.attention, cfg.head_dim)
+        if self.megatron_preset is not None:
+            model_flags.check_backend(self.attention, PRESETS[self.megatron_preset].head_dim)
         try:
             self.model(PRESETS["needle"])
             self.time_model()
@@ -222,19 +222,6 @@ class BenchConfig:
             self.megatron_config("none")
         except ValueError as err:
             raise UsageError(f"--attention {self.attention} --dtype {self.dtype}: {err}") from None
-        self.check_machine()
-
-    def check_machine(self) -> None:
-        """Check that this machine runs ``--attention`` on every model the parts build.
-
-        Only ``cudnn`` needs a particular machine (an NVIDIA GPU; head_dim within its generation's
-        limit): :func:`train.model_flags.check_backend`.
-
-        Raises:
-          UsageError: naming what is missing and the attentions that run here.
-        """
-        for cfg in (self.model(PRESETS["needle"]), self.time_model(), self.block_model(), self.megatron_config("none")):
-            model_flags.check_backend(cfg)
 
     def attention_changes(self) -> dict[str, Any]:
         """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn``.
@@ -279,10 +266,12 @@ class BenchConfig:
         overrides.update(changes)
         return model_preset(self.megatron_preset, **overrides)
 
+    def _block_shapes(self) -> dict[str, int]:
+        return BLOCK_MODEL_QUICK if self.quick else BLOCK_MODEL
+
     def block_model(self, **changes) -> ModelConfig:
         """The block-dominated model (:data:`BLOCK_MODEL`, or its quick version), dropout 0, under :meth:`model`."""
-        shapes = BLOCK_MODEL_QUICK if self.quick else BLOCK_MODEL
-        return self.model(ModelConfig(**shapes, attn_dropout=0.0, resid_dropout=0.0)).replace(**changes)
+        return self.model(ModelConfig(**self._block_shapes(), attn_dropout=0.0, resid_dropout=0.0)).replace(**changes)
 
 
 def _positive(name: str, value) -> None:
