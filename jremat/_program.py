@@ -100,6 +100,7 @@ def equation_flops(eqn) -> float:
     ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. ``conv``: 2 x output
     elements x kernel elements / output features. Reductions: input elements. Nested
     checkpoint / custom-derivative calls: the sum over their body. Shape-only ops: 0.
+    ``dynamic_update_slice``: one per element written (the update; XLA writes in place).
     Everything else (elementwise): one FLOP per output element.
     """
     name = eqn.primitive.name
@@ -117,6 +118,8 @@ def equation_flops(eqn) -> float:
     subs = subjaxprs(eqn)
     if subs:
         return float(sum(equation_flops(e) for sub in subs for e in sub.eqns))
+    if name == "dynamic_update_slice":
+        return float(math.prod(eqn.invars[1].aval.shape))
     if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod"):
         return float(sum(math.prod(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")))
     return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))

@@ -445,45 +445,64 @@ def _block_keep(cfg: _Config, key_data, batch, heads, q_start, k_start):
     )
 
 
+def _block_pairs(cfg: _Config, n_blocks: int, query_major: bool):
+    """The (query block, key block) pairs that attend, in loop order, and which pair starts a run.
+
+    Causal attention leaves out the pairs whose key block lies entirely in the query block's
+    future. ``query_major``: for each query block its key blocks (the forward pass); otherwise for
+    each key block its query blocks (the backward pass). A static list, so the loop over it is a
+    ``scan`` of known length (FLOP counts see every pair). Returns int32 arrays ``(q, k, first)``.
+    """
+    pairs = [(qb, kb) for qb in range(n_blocks) for kb in range(n_blocks) if not cfg.causal or kb <= qb]
+    if not query_major:
+        pairs.sort(key=lambda pair: (pair[1], pair[0]))
+    outer = [pair[0] if query_major else pair[1] for pair in pairs]
+    first = [i == 0 or outer[i] != outer[i - 1] for i in range(len(pairs))]
+    as_array = lambda xs: jnp.asarray(np.asarray(xs, np.int32))
+    return as_array([pq for pq, _ in pairs]), as_array([pk for _, pk in pairs]), as_array(first)
+
+
 def _forward(cfg: _Config, q, k, v, key_data):
     """Output ``[batch, seq, heads, value_dim]`` (``q``'s dtype) and float32 log-sum-exp ``[batch, heads, seq]``."""
     batch, seq, heads, _ = q.shape
     qt, kt, vt = (_to_blocks(x, cfg) for x in (q, k, v))
     n_blocks = qt.shape[2] // cfg.block
     inv_keep = jnp.float32(1.0 / (1.0 - cfg.dropout_rate))
+    init = (
+        jnp.full((batch, heads, cfg.block), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, heads, cfg.block), jnp.float32),
+        jnp.zeros((batch, heads, cfg.block, vt.shape[-1]), jnp.float32),
+    )
 
-    def query_block(qb):
-        q_start = qb * cfg.block
+    def pair(carry, xs):
+        state, out, lse = carry
+        qb, kb, first = xs
+        m, total, acc = jax.tree.map(lambda a, b: jnp.where(first, a, b), init, state)  # a new query block
+        q_start, k_start = qb * cfg.block, kb * cfg.block
         q_blk = lax.dynamic_slice_in_dim(qt, q_start, cfg.block, axis=2)
+        k_blk = lax.dynamic_slice_in_dim(kt, k_start, cfg.block, axis=2)
+        v_blk = lax.dynamic_slice_in_dim(vt, k_start, cfg.block, axis=2)
+        s = _scores(cfg, q_blk, k_blk, q_start, k_start)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        total = total * correction + p.sum(axis=-1)  # the sum of the undropped softmax
+        if cfg.dropout_rate:
+            keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
+            p = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+        acc = acc * correction[..., None] + pv
+        # Written at every key block of the query block; the last write is the result.
+        out = lax.dynamic_update_index_in_dim(out, (acc / total[..., None]).astype(q.dtype), qb, 0)
+        lse = lax.dynamic_update_index_in_dim(lse, m_new + jnp.log(total), qb, 0)
+        return ((m_new, total, acc), out, lse), None
 
-        def key_block(kb, carry):
-            m, total, acc = carry
-            k_start = kb * cfg.block
-            k_blk = lax.dynamic_slice_in_dim(kt, k_start, cfg.block, axis=2)
-            v_blk = lax.dynamic_slice_in_dim(vt, k_start, cfg.block, axis=2)
-            s = _scores(cfg, q_blk, k_blk, q_start, k_start)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            correction = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[..., None])
-            total = total * correction + p.sum(axis=-1)  # the sum of the undropped softmax
-            if cfg.dropout_rate:
-                keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
-                p = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
-            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
-            return m_new, total, acc * correction[..., None] + pv
-
-        init = (
-            jnp.full((batch, heads, cfg.block), -jnp.inf, jnp.float32),
-            jnp.zeros((batch, heads, cfg.block), jnp.float32),
-            jnp.zeros((batch, heads, cfg.block, vt.shape[-1]), jnp.float32),
-        )
-        # Causal: key blocks after the query block are entirely masked and never computed.
-        stop = qb + 1 if cfg.causal else n_blocks
-        m, total, acc = lax.fori_loop(0, stop, key_block, init)
-        return (acc / total[..., None]).astype(q.dtype), m + jnp.log(total)
-
+    buffers = (
+        jnp.zeros((n_blocks, batch, heads, cfg.block, vt.shape[-1]), q.dtype),
+        jnp.zeros((n_blocks, batch, heads, cfg.block), jnp.float32),
+    )
     with jax.named_scope(FORWARD_SCOPE):
-        out, lse = lax.map(query_block, jnp.arange(n_blocks, dtype=jnp.int32))
+        (_, out, lse), _ = lax.scan(pair, (init, *buffers), _block_pairs(cfg, n_blocks, query_major=True))
     # [blocks, batch, heads, block, d] -> [batch, seq, heads, d]
     out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, n_blocks * cfg.block, heads, -1)[:, :seq]
     lse = jnp.transpose(lse, (1, 2, 0, 3)).reshape(batch, heads, n_blocks * cfg.block)[:, :, :seq]
@@ -491,8 +510,8 @@ def _forward(cfg: _Config, q, k, v, key_data):
 
 
 def _backward_blocks(cfg: _Config, q, k, v, out, lse, key_data, d_out):
-    """``(dq, dk, dv)`` FlashAttention-2 style: for each key block, loop over the query blocks that
-    see it, recomputing probabilities from the saved log-sum-exp."""
+    """``(dq, dk, dv)`` FlashAttention-2 style: for each key block, over the query blocks that see
+    it, recomputing probabilities from the saved log-sum-exp."""
     batch, seq, heads, _ = q.shape
     qt, kt, vt, dot = (_to_blocks(x, cfg) for x in (q, k, v, d_out))
     # D = rowsum(dO * O) = rowsum(P * dP), with or without dropout.
@@ -501,49 +520,51 @@ def _backward_blocks(cfg: _Config, q, k, v, out, lse, key_data, d_out):
     lse = _to_blocks(lse.transpose(0, 2, 1)[..., None], cfg)[..., 0]  # padding rows are masked
     n_blocks = qt.shape[2] // cfg.block
     inv_keep = jnp.float32(1.0 / (1.0 - cfg.dropout_rate))
+    zeros_kv = (
+        jnp.zeros((batch, heads, cfg.block, kt.shape[-1]), jnp.float32),
+        jnp.zeros((batch, heads, cfg.block, vt.shape[-1]), jnp.float32),
+    )
 
-    def key_block(dq, kb):
-        k_start = kb * cfg.block
+    def pair(carry, xs):
+        dq, acc, dk_all, dv_all = carry
+        qb, kb, first = xs
+        dk, dv = jax.tree.map(lambda a, b: jnp.where(first, a, b), zeros_kv, acc)  # a new key block
+        q_start, k_start = qb * cfg.block, kb * cfg.block
         k_blk = lax.dynamic_slice_in_dim(kt, k_start, cfg.block, axis=2)
         v_blk = lax.dynamic_slice_in_dim(vt, k_start, cfg.block, axis=2)
+        q_blk, do_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (qt, dot))
+        lse_blk, delta_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (lse, delta))
+        p = jnp.exp(_scores(cfg, q_blk, k_blk, q_start, k_start) - lse_blk[..., None])
+        dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+        if cfg.dropout_rate:
+            keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
+            p_dropped = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
+            dp = jnp.where(keep, dp * inv_keep, jnp.float32(0.0))
+        else:
+            p_dropped = p
+        dv = dv + jnp.einsum("bhqk,bhqd->bhkd", p_dropped.astype(dot.dtype), do_blk, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_blk[..., None])
+        dk = dk + cfg.scale * jnp.einsum(
+            "bhqk,bhqd->bhkd", ds.astype(qt.dtype), q_blk, preferred_element_type=jnp.float32
+        )
+        dq_blk = cfg.scale * jnp.einsum(
+            "bhqk,bhkd->bhqd", ds.astype(kt.dtype), k_blk, preferred_element_type=jnp.float32
+        )
+        dq = lax.dynamic_update_slice_in_dim(
+            dq, lax.dynamic_slice_in_dim(dq, q_start, cfg.block, axis=2) + dq_blk, q_start, axis=2
+        )
+        # Written at every query block of the key block; the last write is the result.
+        dk_all = lax.dynamic_update_index_in_dim(dk_all, dk, kb, 0)
+        dv_all = lax.dynamic_update_index_in_dim(dv_all, dv, kb, 0)
+        return (dq, (dk, dv), dk_all, dv_all), None
 
-        def query_block(qb, carry):
-            dq, dk, dv = carry
-            q_start = qb * cfg.block
-            q_blk, do_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (qt, dot))
-            lse_blk, delta_blk = (lax.dynamic_slice_in_dim(x, q_start, cfg.block, axis=2) for x in (lse, delta))
-            p = jnp.exp(_scores(cfg, q_blk, k_blk, q_start, k_start) - lse_blk[..., None])
-            dp = jnp.einsum("bhqd,bhkd->bhqk", do_blk, v_blk, preferred_element_type=jnp.float32)
-            if cfg.dropout_rate:
-                keep = _block_keep(cfg, key_data, batch, heads, q_start, k_start)
-                p_dropped = jnp.where(keep, p * inv_keep, jnp.float32(0.0))
-                dp = jnp.where(keep, dp * inv_keep, jnp.float32(0.0))
-            else:
-                p_dropped = p
-            dv = dv + jnp.einsum(
-                "bhqk,bhqd->bhkd", p_dropped.astype(dot.dtype), do_blk, preferred_element_type=jnp.float32
-            )
-            ds = p * (dp - delta_blk[..., None])
-            dk = dk + cfg.scale * jnp.einsum(
-                "bhqk,bhqd->bhkd", ds.astype(qt.dtype), q_blk, preferred_element_type=jnp.float32
-            )
-            dq_blk = cfg.scale * jnp.einsum(
-                "bhqk,bhkd->bhqd", ds.astype(kt.dtype), k_blk, preferred_element_type=jnp.float32
-            )
-            dq = lax.dynamic_update_slice_in_dim(
-                dq, lax.dynamic_slice_in_dim(dq, q_start, cfg.block, axis=2) + dq_blk, q_start, axis=2
-            )
-            return dq, dk, dv
-
-        zeros_k = jnp.zeros(k_blk.shape, jnp.float32)
-        zeros_v = jnp.zeros(v_blk.shape, jnp.float32)
-        # Causal: query blocks before the key block see none of it and are never computed.
-        start = kb if cfg.causal else 0
-        dq, dk, dv = lax.fori_loop(start, n_blocks, query_block, (dq, zeros_k, zeros_v))
-        return dq, (dk, dv)
-
-    dq0 = jnp.zeros(qt.shape, jnp.float32)
-    dq, (dk, dv) = lax.scan(key_block, dq0, jnp.arange(n_blocks, dtype=jnp.int32))
+    carry = (
+        jnp.zeros(qt.shape, jnp.float32),
+        zeros_kv,
+        jnp.zeros((n_blocks, *zeros_kv[0].shape), jnp.float32),
+        jnp.zeros((n_blocks, *zeros_kv[1].shape), jnp.float32),
+    )
+    (dq, _, dk, dv), _ = lax.scan(pair, carry, _block_pairs(cfg, n_blocks, query_major=False))
 
     def to_input_layout(x, blocked, like):
         if blocked:  # [blocks, batch, heads, block, d]

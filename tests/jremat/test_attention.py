@@ -280,14 +280,14 @@ def test_saving_output_and_lse_runs_the_forward_kernel_once(remat_engine):
 
 
 def test_the_compiled_program_runs_the_forward_loops_as_counted(remat_engine):
-    """XLA's program has one forward pass (a query-block loop around a key-block loop) fewer when
-    the kernel's results are saved: the remat3 recomputation count_forward_passes does not count is gone."""
+    """XLA's program has one forward pass (one loop over the attending block pairs) fewer when the
+    kernel's results are saved: the remat3 recomputation count_forward_passes does not count is gone."""
 
     def loops(policy):
         fn, args = _checkpointed_program(policy, rate=0.0)
         return jax.jit(fn).lower(*args).compile().as_text().count(" while(")
 
-    assert loops(jax.checkpoint_policies.nothing_saveable) == loops(SAVE_KERNEL_RESULTS) + 2
+    assert loops(jax.checkpoint_policies.nothing_saveable) == loops(SAVE_KERNEL_RESULTS) + 1
 
 
 def _cudnn_like_attention():
@@ -439,3 +439,18 @@ def test_a_legacy_uint32_key_is_the_typed_key():
     typed = attn(q, k, v, dropout_key=jax.random.key(6))
     raw = attn(q, k, v, dropout_key=jax.random.PRNGKey(6))
     np.testing.assert_array_equal(np.asarray(typed), np.asarray(raw))
+
+
+def test_flop_counts_see_every_attending_block_pair():
+    """The kernel loops over a static list of block pairs (a scan of known length), so
+    jremat.program_flops counts every pair: causal costs about half of non-causal, and 4x the
+    sequence costs about 16x the attention FLOPs."""
+    import jremat
+
+    def flops(seq, causal):
+        q = jax.ShapeDtypeStruct((1, seq, 1, 8), jnp.float32)
+        loss = lambda q, k, v: jnp.sum(attention.blockwise_attention(q, k, v, causal=causal, block_size=8))
+        return jremat.program_flops(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, q, q)
+
+    assert 0.5 < flops(64, True) / flops(64, False) < 0.7  # 36 of 64 block pairs, plus the masking
+    assert 15 < flops(256, False) / flops(64, False) <= 16.5
