@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.extend.random import threefry_2x32
 
-from jremat import names
+from jremat import _jax_compat, names
 
 #: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
 FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
@@ -282,7 +282,11 @@ def _call_jaxpr(eqn):
 
 
 def _subjaxprs(eqn):
-    """Every jaxpr in an equation's parameters, whatever the parameter is called."""
+    """Every jaxpr in an equation's parameters, whatever the parameter is called (and a remat3
+    checkpoint's body)."""
+    remat3_body = _jax_compat.remat3_checkpoint_jaxpr(eqn)
+    if remat3_body is not None:
+        yield remat3_body.jaxpr
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(item, ClosedJaxpr):
@@ -581,7 +585,11 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # primal program, not inside a custom_vjp forward rule: both remat engines then see the tags
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
-    out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
+    # The loop is a scan; inside its own nothing-saveable checkpoint an enclosing policy (dots)
+    # cannot keep its per-block-pair values, which together are the [seq, seq] scores: the
+    # kernel is kept whole (its two tagged results) or run again whole.
+    forward = jax.checkpoint(functools.partial(_forward, cfg), policy=jax.checkpoint_policies.nothing_saveable)
+    out, lse = forward(*(lax.stop_gradient(x) for x in (q, k, v)), key_data)
     out = checkpoint_name(out, names.ATTN_CONTEXT)
     lse = checkpoint_name(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)

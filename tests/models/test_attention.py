@@ -9,24 +9,13 @@ from jremat.models import preset
 from jremat.models.config import check_attention_backend
 from jremat.models.programs import attention_forward_passes, step_program
 from tests.conftest import loss_and_grads, max_relative_error
+from tests.policies.test_policy_gradients import EXAMPLE_SPECS
 
 TOLERANCE = 1e-5
 
-#: One spec per built-in policy that means the same under every attention.
-SPECS = {
-    "none": "none",
-    "full": "full",
-    "dots": "dots",
-    "dots_no_batch": "dots_no_batch",
-    "every_k": "every_k:k=2",
-    "skip_cheap": "skip_cheap",
-    "selective": "selective",
-    "names": "names:save=q+k+mlp_in",
-    "names_except": "names_except:exclude=q+mlp_act",
-    "offload": "offload:names=q+k,save=v",
-    "nested": "nested:block=2",
-    "auto": "auto",
-}
+#: One spec per built-in policy; names_except excludes a name blockwise attention also tags
+#: (it has no attn_probs).
+SPECS = {**EXAMPLE_SPECS, "names_except": "names_except:exclude=q+mlp_act"}
 
 
 def _cfg(attention, policy, dropout):
