@@ -116,17 +116,6 @@ def remat3_tag_name(eqn) -> str | None:
     return prim.params["name"]
 
 
-def remat3_checkpoint_jaxpr(eqn):
-    """The body (a ``ClosedJaxpr``) of a checkpoint traced under jax_remat3, else ``None``.
-
-    Under remat3 ``jax.checkpoint`` is a ``call_hi_primitive`` equation whose ``_prim`` (JAX's
-    private ``RematTraced``) holds the traced body as ``.jaxpr``.
-    """
-    prim = eqn.params.get("_prim") if eqn.primitive.name == "call_hi_primitive" else None
-    body = getattr(prim, "jaxpr", None)
-    return body if hasattr(body, "jaxpr") and hasattr(body, "consts") else None
-
-
 def scan_counts(eqn) -> tuple[int, int]:
     """``(constants, carried values)`` of a ``scan`` equation: how its leading inputs split.
 

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.extend.random import threefry_2x32
 
-from jremat import _jax_compat, names
+from jremat import names
 
 #: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
 FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
@@ -282,11 +282,7 @@ def _call_jaxpr(eqn):
 
 
 def _subjaxprs(eqn):
-    """Every jaxpr in an equation's parameters, whatever the parameter is called (and a remat3
-    checkpoint's body)."""
-    remat3_body = _jax_compat.remat3_checkpoint_jaxpr(eqn)
-    if remat3_body is not None:
-        yield remat3_body.jaxpr
+    """Every jaxpr in an equation's parameters, whatever the parameter is called."""
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(item, ClosedJaxpr):
@@ -454,8 +450,8 @@ def _block_pairs(cfg: _Config, n_blocks: int, query_major: bool):
 
     Causal attention leaves out the pairs whose key block lies entirely in the query block's
     future. ``query_major``: for each query block its key blocks (the forward pass); otherwise for
-    each key block its query blocks (the backward pass). A static list, so the loop over it is a
-    ``scan`` of known length (FLOP counts see every pair). Returns int32 arrays ``(q, k, first)``.
+    each key block its query blocks (the backward pass). A static list, so the loop over it has a
+    known trip count (:func:`_pair_loop`). Returns int32 arrays ``(q, k, first)``.
     """
     pairs = [(qb, kb) for qb in range(n_blocks) for kb in range(n_blocks) if not cfg.causal or kb <= qb]
     if not query_major:
@@ -464,6 +460,23 @@ def _block_pairs(cfg: _Config, n_blocks: int, query_major: bool):
     first = [i == 0 or outer[i] != outer[i - 1] for i in range(len(pairs))]
     as_array = lambda xs: jnp.asarray(np.asarray(xs, np.int32))
     return as_array([pq for pq, _ in pairs]), as_array([pk for _, pk in pairs]), as_array(first)
+
+
+def _pair_loop(body, carry, pairs):
+    """``body(carry, (q_block, k_block, first))`` over the block pairs, as a ``while`` loop.
+
+    A ``while`` loop, not a ``scan``: a checkpoint policy cannot keep per-iteration values of a
+    ``while`` loop (``dots`` would stack every pair's scores: the ``[seq, seq]`` tensor). Its
+    trip count is a literal bound on a counter from 0, which :func:`jremat.program_flops` reads,
+    so FLOP counts still see every pair.
+    """
+    n_pairs = int(pairs[0].shape[0])
+
+    def step(state):
+        i, inner = state
+        return i + 1, body(inner, tuple(p[i] for p in pairs))
+
+    return lax.while_loop(lambda state: state[0] < n_pairs, step, (0, carry))[1]
 
 
 def _forward(cfg: _Config, q, k, v, key_data):
@@ -499,14 +512,14 @@ def _forward(cfg: _Config, q, k, v, key_data):
         # Written at every key block of the query block; the last write is the result.
         out = lax.dynamic_update_index_in_dim(out, (acc / total[..., None]).astype(q.dtype), qb, 0)
         lse = lax.dynamic_update_index_in_dim(lse, m_new + jnp.log(total), qb, 0)
-        return ((m_new, total, acc), out, lse), None
+        return (m_new, total, acc), out, lse
 
     buffers = (
         jnp.zeros((n_blocks, batch, heads, cfg.block, vt.shape[-1]), q.dtype),
         jnp.zeros((n_blocks, batch, heads, cfg.block), jnp.float32),
     )
     with jax.named_scope(FORWARD_SCOPE):
-        (_, out, lse), _ = lax.scan(pair, (init, *buffers), _block_pairs(cfg, n_blocks, query_major=True))
+        _, out, lse = _pair_loop(pair, (init, *buffers), _block_pairs(cfg, n_blocks, query_major=True))
     # [blocks, batch, heads, block, d] -> [batch, seq, heads, d]
     out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(batch, n_blocks * cfg.block, heads, -1)[:, :seq]
     lse = jnp.transpose(lse, (1, 2, 0, 3)).reshape(batch, heads, n_blocks * cfg.block)[:, :, :seq]
@@ -560,7 +573,7 @@ def _backward_blocks(cfg: _Config, q, k, v, out, lse, key_data, d_out):
         # Written at every query block of the key block; the last write is the result.
         dk_all = lax.dynamic_update_index_in_dim(dk_all, dk, kb, 0)
         dv_all = lax.dynamic_update_index_in_dim(dv_all, dv, kb, 0)
-        return (dq, (dk, dv), dk_all, dv_all), None
+        return dq, (dk, dv), dk_all, dv_all
 
     carry = (
         jnp.zeros(qt.shape, jnp.float32),
@@ -568,7 +581,7 @@ def _backward_blocks(cfg: _Config, q, k, v, out, lse, key_data, d_out):
         jnp.zeros((n_blocks, *zeros_kv[0].shape), jnp.float32),
         jnp.zeros((n_blocks, *zeros_kv[1].shape), jnp.float32),
     )
-    (dq, _, dk, dv), _ = lax.scan(pair, carry, _block_pairs(cfg, n_blocks, query_major=False))
+    dq, _, dk, dv = _pair_loop(pair, carry, _block_pairs(cfg, n_blocks, query_major=False))
 
     def to_input_layout(x, blocked, like):
         if blocked:  # [blocks, batch, heads, block, d]
@@ -585,11 +598,7 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # primal program, not inside a custom_vjp forward rule: both remat engines then see the tags
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
-    # The loop is a scan; inside its own nothing-saveable checkpoint an enclosing policy (dots)
-    # cannot keep its per-block-pair values, which together are the [seq, seq] scores: the
-    # kernel is kept whole (its two tagged results) or run again whole.
-    forward = jax.checkpoint(functools.partial(_forward, cfg), policy=jax.checkpoint_policies.nothing_saveable)
-    out, lse = forward(*(lax.stop_gradient(x) for x in (q, k, v)), key_data)
+    out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
     out = checkpoint_name(out, names.ATTN_CONTEXT)
     lse = checkpoint_name(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)
