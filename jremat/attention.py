@@ -268,8 +268,8 @@ def _count_forward(jaxpr, used_outputs, inside_scope: bool, loop_iterations: boo
 
 
 def _computes_floats(eqn) -> bool:
-    # JAX's scan differentiation hoists the loop's integer-only block-index arithmetic into a scan
-    # of its own, under the same name scope: that is not a pass of the kernel.
+    # A loop of index arithmetic only (which JAX's differentiation of a scan can hoist out of a
+    # kernel loop into a loop of its own, under the same name scope) is not a pass of the kernel.
     return any(jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating) for v in eqn.outvars)
 
 
