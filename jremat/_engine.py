@@ -145,19 +145,18 @@ def checkpoint(
     if both:
         raise ValueError(f"jremat._engine.checkpoint: {both} listed both to save and to offload; give each name once")
 
-    # jax.checkpoint fixes its engine when it is built, so one is built per engine, when first used.
-    classic_by_flag: dict = {}
+    # jax.checkpoint fixes its engine when it is built, so the classic one is built at the first
+    # call under the classic engine, not here (a function decorated under remat3 may run under both).
+    classic = None
     remat3_traces = TraceCache()
 
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
+        nonlocal classic
         if active_engine() == CLASSIC:
-            flag = _flag_value()
-            if flag not in classic_by_flag:
-                classic_by_flag[flag] = _classic(
-                    fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse
-                )
-            return classic_by_flag[flag](*args, **kwargs)
+            if classic is None:
+                classic = _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse)
+            return classic(*args, **kwargs)
         if callback is not None and not natively_understood(callback):
             lower = lambda: _remat3_callback(fn, callback, args, kwargs)
         elif callback is not None:

@@ -164,7 +164,7 @@ class PlanPolicy(Policy):
 
         @functools.wraps(fn)
         def rematerialized(*args, **kwargs):
-            out_tree, tagged = cache.build(fn, args, kwargs, build)
+            out_tree, tagged = cache.traced(fn, args, kwargs, build)
             return jax.tree.unflatten(out_tree, tagged(*jax.tree.leaves((args, kwargs))))
 
         return rematerialized

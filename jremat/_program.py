@@ -290,7 +290,7 @@ class ProgramCache(_engine.TraceCache):
     """Programs of one function traced once per argument structure, shapes and dtypes (the
     contract of ``jax.checkpoint``'s own cache: see :class:`jremat._engine.TraceCache`)."""
 
-    def build(self, fn: Callable, args: tuple, kwargs: dict, build: Callable[[Program], Any] = lambda p: p):
+    def traced(self, fn: Callable, args: tuple, kwargs: dict, build: Callable[[Program], Any] = lambda p: p):
         """``build(trace_program(fn, *args, **kwargs))``, from the cache when traced before.
 
         Args:

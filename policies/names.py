@@ -64,7 +64,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        program, checkpointed = cache.build(fn, args, kwargs, build)
+        program, checkpointed = cache.traced(fn, args, kwargs, build)
         found = jaxpr_tags(program.closed_jaxpr.jaxpr)
         for wanted, name, key in requirements:
             check_found(wanted, found, policy=name, key=key)

@@ -1,5 +1,6 @@
 """Shared fixtures and strict numerics for the whole suite."""
 
+import contextlib
 import functools
 import os
 
@@ -42,22 +43,34 @@ ATTENTION_ONLY_POLICIES = frozenset({"selective"})
 
 def expect_does_not_apply(policy: str):
     """A context manager: ``pytest.raises(PolicyDoesNotApply)`` for an attention-only policy, else nothing."""
-    import contextlib
-
     if policy.partition(":")[0] in ATTENTION_ONLY_POLICIES:
         return pytest.raises(jremat.PolicyDoesNotApply, match="no attention core")
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _engine(name: str):
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", name == "remat3")
+    try:
+        yield name
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
 @pytest.fixture(params=["classic", "remat3"])
 def remat_engine(request):
     """Run the test under one of JAX's remat engines (``jax_remat3`` off or on), then restore the flag."""
-    before = jax.config.jax_remat3
-    jax.config.update("jax_remat3", request.param == "remat3")
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_remat3", before)
+    with _engine(request.param) as name:
+        yield name
+
+
+@pytest.fixture
+def classic_engine():
+    """Run the test under JAX's classic remat engine whatever ``JAX_REMAT3`` says (a test of
+    classic-only structure: ``remat2`` equations, JAX's classic errors), then restore the flag."""
+    with _engine("classic") as name:
+        yield name
 
 
 @pytest.fixture(autouse=True)

@@ -160,7 +160,7 @@ def test_static_argnames_close_over_keyword_arguments(remat_engine):
     assert [a for a, _ in calls] == ["tanh", "sin"]
 
 
-def test_static_argnums_errors_are_jaxs():
+def test_static_argnums_errors_are_jaxs(classic_engine):
     for checkpointed in both(block, static_argnums=(5,)):
         with pytest.raises(ValueError, match="can only take integer values greater than or equal to `-len"):
             checkpointed(W, X)
@@ -188,7 +188,7 @@ def test_prevent_cse_as_a_bool_or_a_pytree_prefix(remat_engine, prevent_cse):
     assert_same(jax.jit(jax.grad(loss(got)))(weights), jax.grad(loss(ref))(weights))
 
 
-def test_prevent_cse_per_argument_reaches_the_remat_equation():
+def test_prevent_cse_per_argument_reaches_the_remat_equation(classic_engine):
     got = jremat.checkpoint(lambda a, b: jnp.sin(a) * b, prevent_cse=(False, True))
     jaxpr = jax.make_jaxpr(got)(X, X)
     remat = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name in _engine.CLASSIC_CHECKPOINT_PRIMITIVES]
@@ -218,7 +218,7 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
-def test_the_jaxpr_holds_one_remat_equation_and_the_inner_jit():
+def test_the_jaxpr_holds_one_remat_equation_and_the_inner_jit(classic_engine):
     """Classic engine: the same one ``remat2`` equation with the inner ``jit`` inside; jremat's
     tie adds the ``custom_vjp_call`` around it (docs/policies.md)."""
     inner = jax.jit(lambda x: jnp.sin(x) * 2.0)
