@@ -29,6 +29,19 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "jremat._decorator": ("checkpoint", "custom_policy", "policy"),
     # What a policy did to a function: each decision, the names it matched, whether memory fell.
     "jremat._explain": ("Explanation", "explain", "explain_applied"),
+    # Throughput at a memory budget: the (policy, batch) that trains fastest, measured.
+    "jremat._fit": (
+        "FitError",
+        "FitProbe",
+        "FitResult",
+        "FitRow",
+        "FitStep",
+        "TimeModel",
+        "calibrate_time_model",
+        "fit_search",
+        "fit_search_budgets",
+        "measure_throughput",
+    ),
     # FLOPs of traced programs (scan bodies times their length).
     "jremat._flops": ("jaxpr_flops", "program_flops"),
     # Host offload: whether the backend has host memory, and its cost in FLOPs per byte.

@@ -37,7 +37,11 @@ class TrainConfig:
         (), "import this module first (it may register custom policies)", metavar="MODULE"
     )
     granularity: str = option("block", "where remat applies", choices=jremat.GRANULARITIES)
-    batch_size: int | None = option(None, "sequences per micro-batch (preset default)")
+    batch_size: str | int | None = option(
+        None,
+        "sequences per micro-batch (preset default), or auto: the batch with the highest measured tokens/s "
+        "whose train step fits --memory-budget (with --policy auto, the policy too; train.fit)",
+    )
     seq_len: int | None = option(None, "tokens per sequence; <= the model's positions, --max-seq-len (default: equal)")
     steps: int | None = option(None, "optimizer steps (preset default unless --epochs)")
     epochs: float | None = option(None, "passes over the training split instead of --steps")
@@ -78,7 +82,9 @@ class TrainConfig:
         300.0, "multi-process runs: seconds to wait for the coordinator and for every process to connect"
     )
     memory_budget: str | None = option(
-        None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
+        None,
+        "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's); "
+        "for --batch-size auto, a size",
     )
 
     def __post_init__(self):
@@ -90,6 +96,16 @@ class TrainConfig:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if isinstance(self.batch_size, str):
+            text = self.batch_size.strip().lower()
+            if text != AUTO_BATCH:
+                try:
+                    text = int(text)
+                except ValueError:
+                    raise UsageError(
+                        f"--batch-size must be a positive whole number or {AUTO_BATCH}, got {self.batch_size!r}"
+                    ) from None
+            object.__setattr__(self, "batch_size", text)
         if self.seq_len is None:
             object.__setattr__(self, "seq_len", model_flags.positions(self))
         if self.steps is None and self.epochs is None:
@@ -97,7 +113,20 @@ class TrainConfig:
         self._validate()
 
     def _validate(self) -> None:
-        require_int("batch_size", self.batch_size)
+        if self.batch_size == AUTO_BATCH:
+            require(
+                self.memory_budget is not None,
+                "--batch-size auto needs --memory-budget, a size such as 12GiB (the train step's compiled peak)",
+            )
+            require(self.accum == 1, "--batch-size auto chooses the batch of one optimizer step: leave --accum at 1")
+            require(self.mesh is None, "--batch-size auto runs on one device: drop --mesh or give --batch-size N")
+            require(
+                not self.resume,
+                "--resume continues with the checkpoint's batch: give it as --batch-size N (the run that wrote "
+                "the checkpoint logged it)",
+            )
+        else:
+            require_int("batch_size", self.batch_size)
         require_int("seq_len", self.seq_len)
         model_flags.check(self, self.seq_len)
         require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
@@ -134,7 +163,7 @@ class TrainConfig:
                 raise UsageError(f"--mesh: {err}") from None
             ways = sizes["data"] * sizes["fsdp"]
             require(
-                self.batch_size % ways == 0,
+                self.batch_size == AUTO_BATCH or self.batch_size % ways == 0,
                 f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
                 f"use a multiple of {ways}",
             )
@@ -145,13 +174,18 @@ class TrainConfig:
             )
         if self.memory_budget is not None:
             require(
-                registry.parse_spec(spec)[0] == "auto",
-                f"--memory-budget applies only to --policy auto, not to {spec!r}",
+                registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,
+                f"--memory-budget applies only to --policy auto or --batch-size auto, not to --policy {spec!r}",
             )
             try:
-                parse_budget(self.memory_budget)
+                budget = parse_budget(self.memory_budget)
             except ValueError as err:
                 raise UsageError(str(err)) from None
+            require(
+                budget.bytes is not None or self.batch_size != AUTO_BATCH,
+                f"--batch-size auto needs --memory-budget as a size (12GiB, 512MiB or bytes), not the fraction "
+                f"{self.memory_budget!r}: the batch is chosen, so there is no single no-remat peak to take a share of",
+            )
 
     def policy_spec(self) -> str:
         """The canonical policy spec of ``--policy`` with the per-key flags applied.
@@ -200,6 +234,9 @@ class TrainConfig:
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
 
+
+#: ``--batch-size auto``: chosen by the fit search.
+AUTO_BATCH = "auto"
 
 #: Per-preset defaults for the fields a user leaves unset (``None``).
 TRAIN_PRESETS: dict[str, dict[str, Any]] = {

@@ -31,6 +31,7 @@ from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
 from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
 from jremat.train import cli, interrupts, model_flags, timeline_plot
+from jremat.train import fit as fit_lib
 from jremat.train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
 from jremat.train.usage import program_name
 
@@ -56,7 +57,10 @@ class MemoryConfig:
     seq_len: int | None = option(None, "tokens per sequence (<= the model's positions, --max-seq-len; default: equal)")
     dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
     policy: tuple[str, ...] = option(
-        ("none", "full"), "policy spec NAME or NAME:key=value, one report row each", metavar="SPEC"
+        (),
+        "policy spec NAME or NAME:key=value, one report row each (default none and full; with --fit, the "
+        "built-ins of train.fit.FIT_POLICIES and auto's plans)",
+        metavar="SPEC",
     )
     policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
     layers: int | None = option(None, "override the number of layers")
@@ -72,15 +76,30 @@ class MemoryConfig:
     unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
     policy_module: tuple[str, ...] = option((), "import a module that registers policies", metavar="MODULE")
     json: bool = option(False, "print a JSON list, one object per policy")
-    plot: str | None = option(None, "write a bar chart (PNG) of peak and saved bytes per policy", metavar="PNG")
+    plot: str | None = option(
+        None,
+        "write a bar chart (PNG) of peak and saved bytes per policy; with --fit, the measured Pareto front of peak vs tokens/s",
+        metavar="PNG",
+    )
     memory_budget: str | None = option(
-        None, "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's)"
+        None,
+        "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's); "
+        "for --fit, a size",
     )
     remat_head_chunks: int | None = option(
         None,
         "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
         "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
     )
+    fit: bool = option(
+        False,
+        "search the policy and batch with the highest measured tokens/s whose compiled train step fits "
+        "--memory-budget (a size): compile-only batch search, then the best few timed here (jremat.fit_search)",
+    )
+    global_batch: int | None = option(
+        None, "with --fit: fix the sequences per optimizer step; choose the micro-batches"
+    )
+    finalists: int = option(3, "with --fit: how many candidates are timed")
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
     )
@@ -113,12 +132,26 @@ class MemoryConfig:
         require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.granularity is not None:
             require_choice("granularity", self.granularity, jremat.GRANULARITIES)
-        require(bool(self.policy), "give at least one --policy")
+        if not self.policy:
+            object.__setattr__(self, "policy", (*fit_lib.FIT_POLICIES, "auto") if self.fit else ("none", "full"))
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
             except ValueError as err:
                 raise UsageError(str(err)) from None
+        if self.fit:
+            require(self.memory_budget is not None, "--fit needs --memory-budget, a size such as 12GiB")
+            require(
+                parse_budget(self.memory_budget).bytes is not None,
+                f"--fit needs --memory-budget as a size (12GiB, 512MiB or bytes), not the fraction "
+                f"{self.memory_budget!r}: the batch is chosen, so there is no single no-remat peak to take a share of",
+            )
+            require(not (self.live or self.timeline), "--fit does not combine with --live or --timeline")
+            require_int("finalists", self.finalists)
+        else:
+            require(self.global_batch is None, "--global-batch applies only with --fit")
+        if self.global_batch is not None:
+            require_int("global_batch", self.global_batch)
         if self.heads is not None and self.head_dim is None:
             d_model = self.d_model if self.d_model is not None else PRESETS[self.preset].d_model
             require(
@@ -396,6 +429,44 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         raise UsageError(str(err)) from None
 
 
+def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
+    """The policies ``--fit`` searches, and whether ``auto``'s plans join them (``auto`` among them)."""
+    auto = [s for s in config.policy if registry.parse_spec(s)[0] == "auto"]
+    searched = [s for s in config.policy if s not in auto]
+    if not searched:
+        raise UsageError("--fit with --policy auto alone: give the built-in policies to search beside it, or none")
+    return searched, bool(auto)
+
+
+def run_fit(config: MemoryConfig) -> int:
+    """``--fit``: search, print the table (or JSON), write the plot; exit 0, or 2 when nothing fits."""
+    policies, auto = fit_policies(config)
+    seq_len = config.resolved_seq_len
+    builder = fit_lib.GPTStepBuilder(config.model_config, seq_len, fit_lib.SEARCH_OPTIMIZER)
+    try:
+        (result,) = fit_lib.search(
+            builder,
+            [parse_budget(config.memory_budget).bytes],
+            policies,
+            auto=auto,
+            global_batch=config.global_batch,
+            finalists=config.finalists,
+            progress=True,
+        )
+    except jremat.FitError as err:
+        raise UsageError(str(err)) from None
+    if config.json:
+        out = result.to_json()
+        for row in [out["winner"], *out["rows"]]:
+            row["plan"] = builder.describe(row["policy"], row["batch_size"], row["micro_batches"])
+        print(json.dumps(out, indent=2))
+    else:
+        print(fit_lib.format_result(result, builder))
+    if config.plot:
+        fit_lib.write_pareto_plot(result, config.plot)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr; 130/143
     when interrupted by SIGINT/SIGTERM, at once: nothing is written before the report is complete)."""
@@ -419,6 +490,8 @@ def _main(argv: Sequence[str] | None) -> int:
             live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
             print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
             return 0
+        if config.fit:
+            return run_fit(config)
         rows, base = run(config)
         live_note = None
         if config.live:

@@ -35,11 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jremat
-from jremat import registry
+from jremat import parse_budget, registry
 from jremat.models import PRESETS, policy_memory
+from jremat.models.config import whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
+from jremat.train import fit as fit_lib
 from jremat.train import sharding as sharding_lib
 from jremat.train import step as step_lib
 from jremat.train.checkpoint import (
@@ -50,7 +52,7 @@ from jremat.train.checkpoint import (
     pack_state,
     unpack_state,
 )
-from jremat.train.config import TrainConfig, resume_differences
+from jremat.train.config import AUTO_BATCH, TrainConfig, resume_differences
 from jremat.train.metrics import MetricsFile
 from jremat.train.usage import EXIT_USAGE, UsageError, program_name
 
@@ -144,6 +146,45 @@ def plan_auto_policy(cfg: TrainConfig, model_cfg):
     except ValueError as err:
         raise UsageError(str(err)) from None
     return planned, plan.table()
+
+
+def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool):
+    """``--batch-size auto``: the fit search's winner (:mod:`train.fit`) under ``--memory-budget``.
+
+    With ``--policy auto`` the search covers :data:`train.fit.FIT_POLICIES` and the budget
+    planner's plans; with another policy, only the batch is chosen. Each policy gets the CLI's
+    default head chunks (:func:`models.config.whole_step_head_chunks`).
+
+    Returns:
+      ``(cfg with the chosen batch, the winner's model config, the search's table)``.
+
+    Raises:
+      UsageError: nothing fits the budget (the message gives the smallest peak found).
+    """
+    base = cfg.model_config(vocab_size)
+
+    def model_config(spec: str):
+        return base.replace(remat_policy=spec, remat_head_chunks=whole_step_head_chunks(spec, cfg.seq_len))
+
+    auto = registry.parse_spec(base.remat_policy)[0] == "auto"
+    optimizer = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, 1, cfg.clip, cfg.weight_decay, 1)
+    builder = fit_lib.GPTStepBuilder(model_config, cfg.seq_len, optimizer)
+    try:
+        (result,) = fit_lib.search(
+            builder,
+            [parse_budget(cfg.memory_budget).bytes],
+            fit_lib.FIT_POLICIES if auto else [base.remat_policy],
+            auto=auto,
+            progress=progress,
+        )
+    except jremat.FitError as err:
+        raise UsageError(f"--batch-size auto: {err}") from None
+    winner = result.winner.probe
+    table = fit_lib.format_result(result, builder)
+    table += f"\nfit: training with {builder.describe(*winner.key)} at batch {winner.batch_size}"
+    # The budget is spent: under another policy than auto it would now be refused as a stray flag.
+    chosen = cfg.replace(batch_size=winner.batch_size, memory_budget=cfg.memory_budget if auto else None)
+    return chosen, builder.config(*winner.key), table
 
 
 def format_config(
@@ -332,6 +373,10 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
 
     data_dir, source = data_lib.locate(cfg.data_dir)
     corpus = data_lib.load_corpus(data_dir)
+    if cfg.batch_size == AUTO_BATCH:
+        cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress)
+    else:
+        model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
     try:
         mesh = sharding_lib.mesh_from_flag(cfg.mesh)
         rows = None if mesh is None else sharding_lib.process_batch_rows(mesh, cfg.batch_size)  # this process's rows
@@ -343,7 +388,6 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     per_epoch = len(train_batches)
     total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch) // cfg.accum)
 
-    model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))

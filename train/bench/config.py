@@ -14,7 +14,7 @@ from jremat.train import model_flags
 from jremat.train.cli import UsageError, apply_policy_keys, option, parse, require_int
 from jremat.train.usage import program_name
 
-PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto")
+PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto", "fit")
 
 #: Policies of the ``time`` and ``auto`` parts, in table order.
 DEFAULT_POLICIES = (
@@ -57,6 +57,8 @@ QUICK_SIZES: dict[str, Any] = dict(
     time_steps=5,
     time_rounds=1,
     auto_budget_fractions=(0.5,),
+    fit_budget_fractions=(0.5,),
+    fit_rounds=1,
 )
 FULL_SIZES: dict[str, Any] = dict(
     needle_batches=(256, 512, 1024, 2048),
@@ -76,6 +78,8 @@ FULL_SIZES: dict[str, Any] = dict(
     time_steps=20,
     time_rounds=20,
     auto_budget_fractions=(0.1, 0.5, 0.9),
+    fit_budget_fractions=(0.25, 0.5, 0.75),
+    fit_rounds=5,
 )
 
 
@@ -123,6 +127,11 @@ class BenchConfig:
     auto_budget_fractions: tuple[float, ...] | None = _sized(
         "auto_budget_fractions", "auto budgets, as fractions between full's (0) and none's (1) peak"
     )
+    fit_budget_fractions: tuple[float, ...] | None = _sized(
+        "fit_budget_fractions",
+        "fit budgets, as fractions between full's (0) and none's (1) Adam-step peak at --time-batch",
+    )
+    fit_rounds: int | None = _sized("fit_rounds", "interleaved rounds of the fit part's timings (3 steps each)")
     dtype: str = option(
         "float32",
         "compute dtype of the needle, needle_time, time, peers and auto models (parameters stay float32; "
@@ -188,6 +197,9 @@ class BenchConfig:
                 )
         if not self.auto_budget_fractions or any(not 0 < f < 1 for f in self.auto_budget_fractions):
             raise UsageError(f"--auto-budget-fractions must be numbers in (0, 1), got {self.auto_budget_fractions!r}")
+        if not self.fit_budget_fractions or any(not 0 < f < 1 for f in self.fit_budget_fractions):
+            raise UsageError(f"--fit-budget-fractions must be numbers in (0, 1), got {self.fit_budget_fractions!r}")
+        _positive("fit_rounds", self.fit_rounds)
         if not isinstance(self.remat_head_chunks, int) or self.remat_head_chunks < 0:
             raise UsageError(f"--remat-head-chunks must be an integer >= 0, got {self.remat_head_chunks!r}")
         self._check_models()

@@ -15,8 +15,6 @@ figures (tokens/s, model TFLOP/s, MFU: :mod:`train.bench.flops`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
 import statistics
 import sys
 import time
@@ -29,6 +27,7 @@ import optax
 from flax import nnx
 
 from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
+from jremat._compile import hlo_fingerprint
 from jremat._memory import PEAK_FROM_SUM
 from jremat.models import GPT, ModelConfig
 from jremat.models.programs import adam_train_step
@@ -107,15 +106,6 @@ class Measured:
         """The median of every timed step, in seconds (``None`` when not timed)."""
         steps = [t for block in self.rounds for t in block]
         return statistics.median(steps) if steps else None
-
-
-def hlo_fingerprint(compiled) -> str:
-    """A short hash of ``compiled``'s optimized HLO without its metadata (source lines, op names)
-    and module name: two steps with the same fingerprint run the same program, so a time
-    difference between them is the machine's noise."""
-    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    text = re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def compiled_flops(compiled) -> float:

@@ -5,6 +5,7 @@ Rows are dicts with the columns :data:`CSV_COLUMNS` ("" where a column does not 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -72,6 +73,11 @@ CSV_COLUMNS = (
     "model_tflops_per_s",
     "mfu",
     "peak_bf16_tflops",
+    "micro_batches",
+    "fit_role",
+    "fit_digest",
+    "search_s",
+    "predicted_tokens_per_s",
     "best_fitting_policy",
     "best_fitting_time_ratio",
     "hlo_fingerprint",
@@ -81,9 +87,14 @@ CSV_COLUMNS = (
 def row(part: str, policy: str, cfg: ModelConfig, batch: int, seq: int, **values) -> dict:
     """One CSV row: the shape columns of ``cfg`` plus ``values``."""
     out = {c: "" for c in CSV_COLUMNS}
-    out.update(
-        part=part,
-        policy=policy,
+    out.update(part=part, policy=policy, **row_shape(cfg, batch, seq))
+    out.update(values)
+    return out
+
+
+def row_shape(cfg: ModelConfig, batch: int, seq: int) -> dict:
+    """The shape columns of ``cfg`` at ``batch`` x ``seq``."""
+    return dict(
         n_layers=cfg.n_layers,
         batch_size=batch,
         seq_len=seq,
@@ -95,8 +106,6 @@ def row(part: str, policy: str, cfg: ModelConfig, batch: int, seq: int, **values
         attn_dropout=cfg.attn_dropout,
         head_chunks=cfg.remat_head_chunks,
     )
-    out.update(values)
-    return out
 
 
 def needle_config(config: BenchConfig, d_ff: int, policy: str, head_chunks: int = 0) -> ModelConfig:
@@ -456,6 +465,73 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     return rows
 
 
+def part_fit(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
+    """The fit search (:mod:`train.fit`) at budgets between full's and none's train-step peak at
+    ``--time-batch``, then every built-in at its largest fitting batch and each winner timed
+    together in one session, so each winner is compared with the best built-in that fits.
+
+    ``search_s`` is the whole search's wall time (every budget); ``tokens_per_s`` is from the
+    comparison session; ``best_fitting_time_ratio`` is the winner's tokens/s over the best
+    built-in's (>= 1: the winner is faster).
+    """
+    import jremat
+    from jremat.train import fit as fit_lib
+
+    cfg, batch = config.time_model(), config.time_batch
+    seq = cfg.max_seq_len
+    builder = fit_lib.GPTStepBuilder(lambda spec: config.whole_step(cfg, spec), seq, fit_lib.SEARCH_OPTIMIZER)
+    peaks = {s: builder.peak_bytes(builder.config(s, batch, 1), batch, 1) for s in ("none", "full")}
+    budgets = [int(peaks["full"] + f * (peaks["none"] - peaks["full"])) for f in config.fit_budget_fractions]
+    log(
+        f"[fit] budgets {', '.join(f'{b:,}' for b in budgets)} B (full {peaks['full']:,}, none {peaks['none']:,} at batch {batch})"
+    )
+    t0 = time.perf_counter()
+    results = fit_lib.search(
+        builder, budgets, fit_lib.FIT_POLICIES, auto=True, rounds=config.fit_rounds, progress=False
+    )
+    search_s = time.perf_counter() - t0
+    log(
+        f"[fit] searched in {search_s:.0f} s: "
+        + "; ".join(f"{r.budget_bytes:,} B -> {r.winner.probe.policy} b={r.winner.probe.batch_size}" for r in results)
+    )
+    keys = [
+        fit_row.probe.key
+        for r in results
+        for fit_row in r.rows
+        if fit_row.probe.policy in fit_lib.FIT_POLICIES or fit_row is r.winner
+    ]
+    measured = jremat.measure_throughput(builder, keys, tokens_per_example=seq, rounds=config.fit_rounds)
+    median = {k: statistics.median(v) for k, v in measured.items()}
+    rows = []
+    for r in results:
+        builtins = [fit_row for fit_row in r.rows if fit_row.probe.policy in fit_lib.FIT_POLICIES]
+        best = max(builtins, key=lambda fit_row: median[fit_row.probe.key])
+        for fit_row in dict.fromkeys([r.winner, *builtins]):
+            p = fit_row.probe
+            rows.append(
+                row(
+                    "fit",
+                    builder.describe(*p.key),
+                    builder.config(*p.key),
+                    p.batch_size,
+                    seq,
+                    model=config.time_preset,
+                    micro_batches=p.micro_batches,
+                    fit_role="winner" if fit_row is r.winner else "built-in",
+                    fit_digest=r.digest,
+                    search_s=search_s,
+                    budget_bytes=r.budget_bytes,
+                    peak_bytes=p.peak_bytes,
+                    predicted_tokens_per_s=fit_row.predicted_tokens_per_s,
+                    tokens_per_s=median[p.key],
+                    time_steps=config.fit_rounds * 3,
+                    best_fitting_policy=f"{best.probe.policy} b={best.probe.batch_size}",
+                    best_fitting_time_ratio=median[r.winner.probe.key] / median[best.probe.key],
+                )
+            )
+    return rows
+
+
 #: Part name -> part function, in run order.
 PART_FUNCTIONS: dict[str, Callable[[BenchConfig, Sequence[str]], list[dict]]] = {
     "needle": part_needle,
@@ -465,4 +541,5 @@ PART_FUNCTIONS: dict[str, Callable[[BenchConfig, Sequence[str]], list[dict]]] = 
     "time": part_time,
     "peers": part_peers,
     "auto": part_auto,
+    "fit": part_fit,
 }

@@ -245,6 +245,31 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
                 r["time_ratio_vs_none"] <= 1.03 * r["best_fitting_time_ratio"],
             )
         )
+    winners = sorted((r for r in parts.get("fit", []) if r["fit_role"] == "winner"), key=lambda r: r["budget_bytes"])
+    for r in winners:
+        budget = format_bytes(r["budget_bytes"])
+        out.append(
+            (
+                f"fit {budget}: the winner fits",
+                f"peak {format_bytes(r['peak_bytes'])}",
+                r["peak_bytes"] <= r["budget_bytes"],
+            )
+        )
+        out.append(
+            (
+                f"fit {budget}: winner >= 0.97x the tokens/s of the best built-in at its largest fitting batch",
+                f"{r['best_fitting_time_ratio']:.3f} ({r['policy']} b={r['batch_size']} vs {r['best_fitting_policy']})",
+                r["best_fitting_time_ratio"] >= 0.97,
+            )
+        )
+    if len(winners) > 1:
+        out.append(
+            (
+                "fit: the winner's tokens/s never falls as the budget grows",
+                " -> ".join(f"{r['tokens_per_s']:,.0f}" for r in winners),
+                all(a["tokens_per_s"] <= b["tokens_per_s"] for a, b in zip(winners, winners[1:])),
+            )
+        )
     return out
 
 
@@ -285,6 +310,14 @@ MISS_NOTES = {
     "Peer": (
         "Where a peer is smaller or faster, jremat is worse on this model and shape; the peers table gives peak, "
         "temp, step time and compile time side by side."
+    ),
+    "fit ": (
+        "The fit search times only the finalists its time model ranks first; a miss means the model ranked the "
+        "fastest built-in below them, or the machine's noise between sessions exceeded the margin."
+    ),
+    "fit:": (
+        "Each budget's winner is the fastest of its finalists in the search's own session; the comparison session "
+        "measures again, and noise between sessions can reorder winners that are within it."
     ),
     "auto": (
         "auto ranks the plans that fit by recompute FLOPs; where the measured time disagrees by more than 3%, the "
@@ -470,6 +503,7 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
             "",
         ]
         lines += img("peers.png")
+    lines += _fit_section(parts.get("fit", []))
     pts = parts.get("auto", [])
     if pts:
         r0 = pts[0]
@@ -502,6 +536,50 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
                 for r in pts
             ],
         )
+    return lines
+
+
+def _fit_section(pts: Sequence[dict]) -> list[str]:
+    if not pts:
+        return []
+    r0 = pts[0]
+    lines = [
+        f"## Fit search: the policy and batch that train fastest in a budget ({r0['model']}, seq {r0['seq_len']}, "
+        "Adam step)",
+        "",
+        f"`train.fit` searched {len({r['budget_bytes'] for r in pts})} budgets between `full`'s and `none`'s peak in "
+        f"{r0['search_s']:.0f} s of wall time (compile-only batch searches, the planner's plans, the finalists timed). "
+        "Then each winner and every built-in at its largest fitting batch were timed together in one session "
+        f"({r0['time_steps']} steps each, interleaved rounds); those are the tokens/s below.",
+        "",
+    ]
+    lines += _table(
+        (
+            "budget",
+            "candidate",
+            "role",
+            "batch",
+            "peak",
+            "predicted tokens/s",
+            "tokens/s",
+            "winner / best built-in",
+            "digest",
+        ),
+        [
+            (
+                format_bytes(r["budget_bytes"]),
+                f"`{r['policy']}`",
+                r["fit_role"],
+                r["batch_size"],
+                format_bytes(r["peak_bytes"]),
+                f"{r['predicted_tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['best_fitting_time_ratio']:.3f}" if r["fit_role"] == "winner" else "",
+                f"`{r['fit_digest']}`" if r["fit_role"] == "winner" else "",
+            )
+            for r in pts
+        ],
+    )
     return lines
 
 

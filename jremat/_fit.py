@@ -1,0 +1,687 @@
+"""Throughput at a memory budget: the (policy, batch) that trains fastest in a device's memory.
+
+:func:`fit_search` takes a step builder ``build(policy, batch_size, micro_batches)`` for any
+model and searches, per policy, the largest batch (or the fewest micro-batches of a fixed
+global batch) whose compiled peak fits the budget — compile-only, powers of two then bisection.
+A time model (FLOPs and bytes over two device rates measured once) ranks the fitting candidates;
+the best few are then run on the device in interleaved rounds, and the fastest measured wins.
+
+Every figure in the decision but the finalists' measured times is deterministic: compiled
+peaks, traced FLOPs, XLA's byte counts and the time model's rates, which are rounded to powers of
+two, so hosts of one kind rank the same candidates.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jremat._budget import Budget, as_budget
+from jremat._compile import fast_analysis_compile, hlo_fingerprint
+from jremat._flops import jaxpr_flops
+from jremat._memory import compiled_memory_report, format_bytes
+
+#: ``build(policy, batch_size, micro_batches)`` -> a :class:`FitStep`, a ``(step, args)`` pair,
+#: or ``None`` when ``policy`` has no program at that batch.
+StepBuilder = Callable[[str, int, int], Any]
+
+
+class FitError(ValueError):
+    """Nothing fits the budget, or a budget or builder the search cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitStep:
+    """One train step the search compiles and times.
+
+    Attributes:
+      step: a jitted function (``jax.jit``, :func:`jremat.jit`): it must have ``lower``.
+      args: its arguments: arrays, or :class:`jax.ShapeDtypeStruct` (filled with zeros when
+        timed; a PRNG key with the default implementation's ``key(0)``).
+      carry: argument positions fed back from the outputs at the same positions between timed
+        calls, e.g. ``(0, 1)`` for ``(params, opt_state, batch...) -> (params, opt_state, loss)``;
+        needed when the step donates those arguments.
+    """
+
+    step: Callable
+    args: tuple
+    carry: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeModel:
+    """Predicted step seconds ``flops / flops_per_s + bytes / bytes_per_s`` (rates are powers of two)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    def step_s(self, flops: float, bytes_accessed: float) -> float:
+        """The predicted seconds of a step with these FLOPs and bytes moved."""
+        return flops / self.flops_per_s + bytes_accessed / self.bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class FitProbe:
+    """One compiled (policy, batch, micro-batches): what the search knows of it.
+
+    Attributes:
+      policy: the policy label given to the builder.
+      batch_size: sequences (examples) per micro-batch.
+      micro_batches: micro-batches per optimizer step (1 without a global batch).
+      peak_bytes: the compiled peak (:func:`jremat.compiled_memory_report`); ``None`` when the
+        builder had no program for it.
+      flops: traced FLOPs of one call (scan bodies times their length, recompute included).
+      bytes_accessed: XLA's bytes accessed, scaled by ``flops / XLA's FLOPs`` where XLA counts a
+        loop body once.
+      fingerprint: the optimized HLO's hash (:func:`jremat._compile.hlo_fingerprint`): two labels
+        with the same one are the same program, and only the first is a candidate.
+    """
+
+    policy: str
+    batch_size: int
+    micro_batches: int
+    peak_bytes: int | None
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    fingerprint: str = ""
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.policy, self.batch_size, self.micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitRow:
+    """One fitting candidate of a budget.
+
+    Attributes:
+      probe: its compile.
+      predicted_tokens_per_s: from the :class:`TimeModel`.
+      finalist: whether it was timed for this budget.
+      tokens_per_s: measured (median over rounds), ``None`` if not a finalist.
+      rounds_tokens_per_s: the measured tokens/s of each round.
+    """
+
+    probe: FitProbe
+    predicted_tokens_per_s: float
+    finalist: bool
+    tokens_per_s: float | None = None
+    rounds_tokens_per_s: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What :func:`fit_search` chose for one budget.
+
+    Attributes:
+      budget_bytes: the budget.
+      global_batch: the fixed global batch, or ``None`` (the batch was chosen).
+      tokens_per_example: tokens of one example (1: rates are examples/s).
+      rows: every fitting candidate, fastest first (measured, then predicted).
+      winner: the fastest measured finalist.
+      margin: ``(low, high)`` quartiles of the per-round ratio of the runner-up's tokens/s to the
+        winner's (``None`` with one finalist): how close the decision was.
+      time_model: the model that chose the finalists.
+      digest: 12 hex digits over the probes, finalists and winner (equal inputs and times, equal digest).
+      search_s: wall seconds of the whole search (shared by the budgets of one search).
+      probes: every compile the search made for this budget (by policy, batch, micro-batches).
+    """
+
+    budget_bytes: int
+    global_batch: int | None
+    tokens_per_example: int
+    rows: tuple[FitRow, ...]
+    winner: FitRow
+    margin: tuple[float, float] | None
+    time_model: TimeModel
+    digest: str
+    search_s: float
+    probes: tuple[FitProbe, ...]
+
+    def table(self) -> str:
+        """Policy, batch, micro-batches, compiled peak, tokens/s and ratio to the best, one line each."""
+        unit = "tokens/s" if self.tokens_per_example > 1 else "examples/s"
+        best = self.winner.tokens_per_s
+        lines = [
+            f"fit for budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)"
+            + (f", global batch {self.global_batch}" if self.global_batch else "")
+            + f": {len(self.probes)} probes compiled, {sum(r.finalist for r in self.rows)} timed, "
+            f"search {self.search_s:.1f} s, digest {self.digest}",
+            f"  {'policy':<44} {'batch':>6} {'micro':>6} {'peak':>11} {'predicted ' + unit:>22} "
+            f"{'measured ' + unit:>22} {'ratio':>7}",
+        ]
+        for r in self.rows:
+            p = r.probe
+            measured = f"{r.tokens_per_s:,.1f}" if r.tokens_per_s is not None else "-"
+            ratio = f"{r.tokens_per_s / best:.3f}" if r.tokens_per_s is not None else "-"
+            mark = " <- winner" if r is self.winner else ""
+            lines.append(
+                f"  {p.policy:<44} {p.batch_size:>6} {p.micro_batches:>6} {format_bytes(p.peak_bytes):>11} "
+                f"{r.predicted_tokens_per_s:>22,.1f} {measured:>22} {ratio:>7}{mark}"
+            )
+        if self.margin is not None:
+            lines.append(
+                f"  runner-up / winner per round: {self.margin[0]:.3f}..{self.margin[1]:.3f} (quartiles); "
+                "a range that holds 1.0 means the two are within the machine's noise"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """The result as JSON values (rows with their probe fields)."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "global_batch": self.global_batch,
+            "tokens_per_example": self.tokens_per_example,
+            "digest": self.digest,
+            "search_s": self.search_s,
+            "compiles": len(self.probes),
+            "time_model": dataclasses.asdict(self.time_model),
+            "margin": list(self.margin) if self.margin else None,
+            "winner": _row_json(self.winner, self.winner),
+            "rows": [_row_json(r, self.winner) for r in self.rows],
+        }
+
+
+def _row_json(row: FitRow, winner: FitRow) -> dict:
+    out = dataclasses.asdict(row.probe)
+    out.update(
+        predicted_tokens_per_s=row.predicted_tokens_per_s,
+        finalist=row.finalist,
+        tokens_per_s=row.tokens_per_s,
+        rounds_tokens_per_s=list(row.rounds_tokens_per_s),
+        ratio_to_best=row.tokens_per_s / winner.tokens_per_s if row.tokens_per_s is not None else None,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The time model
+# ---------------------------------------------------------------------------------------------
+
+
+def _power_of_two(x: float) -> float:
+    return 2.0 ** round(math.log2(max(x, 1e-30)))
+
+
+def _best_time_s(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def calibrate_time_model(dtype: str = "float32") -> TimeModel:
+    """Measure this device's matmul FLOP rate in ``dtype`` and its copy bandwidth, rounded to powers of two.
+
+    The rounding makes machines of one kind agree on the model (the finalists it picks) unless a
+    rate sits near a power of two.
+    """
+    accelerator = jax.default_backend() != "cpu"
+    n = 4096 if accelerator else 1024
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    flops_per_s = 2 * n**3 / _best_time_s(matmul, a)
+    x = jnp.ones((64 * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda v: v * 2.0)
+    bytes_per_s = 2 * x.nbytes / _best_time_s(copy, x)
+    return TimeModel(_power_of_two(flops_per_s), _power_of_two(bytes_per_s))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and timing one candidate
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_fit_step(built, key) -> FitStep | None:
+    if built is None or isinstance(built, FitStep):
+        return built
+    try:
+        step, args = built
+    except (TypeError, ValueError):
+        raise FitError(
+            f"the step builder returned {type(built).__name__} for {key}; expected a jremat.FitStep, "
+            "a (jitted step, args) pair, or None"
+        ) from None
+    return FitStep(step, tuple(args))
+
+
+def _compile(fit_step: FitStep):
+    """``(peak, flops, bytes accessed, fingerprint)`` from a compile-only analysis.
+
+    Nothing of the compile is kept: JAX caches an executable for as long as its lowering lives,
+    and a search makes dozens (the step is lowered again to be run).
+    """
+    if not hasattr(fit_step.step, "lower"):
+        raise FitError("the step builder's step has no .lower(): pass a jitted function (jax.jit, jremat.jit)")
+    if hasattr(fit_step.step, "trace"):
+        traced = fit_step.step.trace(*fit_step.args)
+        flops, lowered = jaxpr_flops(traced.jaxpr), traced.lower()
+    else:
+        flops, lowered = 0.0, fit_step.step.lower(*fit_step.args)
+    compiled = fast_analysis_compile(lowered)
+    report = compiled_memory_report(compiled)
+    if not report.available:
+        raise FitError(f"this backend reports no compiled memory figures: {'; '.join(report.notes)}")
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    xla_flops = float((cost or {}).get("flops", 0.0))
+    xla_bytes = float((cost or {}).get("bytes accessed", 0.0))
+    if flops and xla_flops:
+        xla_bytes *= max(1.0, flops / xla_flops)  # XLA counts a loop body once; the trace counts every iteration
+    return int(report.peak_bytes), flops or xla_flops, xla_bytes, hlo_fingerprint(compiled)
+
+
+def _filled(leaf):
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf.copy() if isinstance(leaf, jax.Array) else leaf
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        key = jax.random.key(0)
+        if key.dtype != leaf.dtype:
+            raise FitError(
+                f"cannot make a PRNG key of dtype {leaf.dtype} for timing; give the step builder concrete keys"
+            )
+        value = jnp.broadcast_to(key, leaf.shape)
+    else:
+        value = jnp.zeros(leaf.shape, leaf.dtype)
+    sharding = getattr(leaf, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else value
+
+
+def _time_round(compiled, fit_step: FitStep, calls: int) -> float:
+    """Seconds of ``calls`` calls after one untimed call, on fresh arguments (freed afterwards)."""
+    args = list(jax.tree.map(_filled, fit_step.args, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))
+
+    def call():
+        out = compiled(*args)
+        for i in fit_step.carry:
+            args[i] = out[i]
+        return out
+
+    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = call()
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class _Search:
+    def __init__(self, build: StepBuilder, progress: Callable[[str], None] | None):
+        self.build = build
+        self.progress = progress or (lambda _msg: None)
+        self.probes: dict[tuple[str, int, int], FitProbe] = {}
+        self.steps: dict[tuple[str, int, int], FitStep] = {}
+        self.order: list[tuple[str, int, int]] = []
+        self.executables: dict[tuple[str, int, int], Any] = {}
+
+    def probe(self, policy: str, batch_size: int, micro_batches: int) -> FitProbe:
+        key = (policy, batch_size, micro_batches)
+        if key not in self.probes:
+            self.progress(f"compile {policy} batch {batch_size} x {micro_batches}")
+            fit_step = _as_fit_step(self.build(policy, batch_size, micro_batches), key)
+            if fit_step is None:
+                self.probes[key] = FitProbe(policy, batch_size, micro_batches, None)
+            else:
+                peak, flops, nbytes, fingerprint = _compile(fit_step)
+                self.probes[key] = FitProbe(policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint)
+                self.steps[key] = fit_step
+        if key not in self.order:
+            self.order.append(key)
+        return self.probes[key]
+
+    def time(self, keys, rounds: int, calls_per_round: int, tokens_per_example: int) -> dict[tuple, list[float]]:
+        """Tokens/s of each probed key per round, in interleaved rounds (A, B, C, A, B, C, ...)."""
+        out: dict[tuple, list[float]] = {k: [] for k in keys}
+        for r in range(rounds):
+            for key in keys:
+                self.progress(f"time {key[0]} batch {key[1]} x {key[2]} (round {r + 1}/{rounds})")
+                fit_step = self.steps[key]
+                if key not in self.executables:
+                    self.progress(f"compile {key[0]} batch {key[1]} x {key[2]} to run")
+                    self.executables[key] = fit_step.step.lower(*fit_step.args).compile()
+                compiled = self.executables[key]
+                calls = -(-calls_per_round // key[2]) * key[2]  # whole optimizer steps
+                seconds = _time_round(compiled, fit_step, calls)
+                out[key].append(calls * key[1] * tokens_per_example / seconds)
+        return out
+
+    def largest_batch(self, policy: str, budget: int, max_batch_size: int) -> FitProbe | None:
+        """The probe of the largest batch whose peak fits.
+
+        A compiled peak grows close to linearly in the batch, so each step probes where the line
+        through the largest fitting batch and the nearest probe crosses the budget (batch 2 after
+        batch 1), at most 4x the largest fitting batch until a batch does not fit; then within the
+        bracket, with every third step a bisection. It ends when batch ``b`` fits and ``b + 1``
+        does not, or at ``max_batch_size``.
+        """
+        peaks: dict[int, int] = {}
+
+        def fits(b):
+            peak = self.probe(policy, b, 1).peak_bytes
+            peaks[b] = peak if peak is not None else budget + 1
+            return peaks[b] <= budget
+
+        if not fits(1):
+            return None
+        lo, hi, line_steps = 1, None, 0
+        while lo < max_batch_size and (hi is None or hi > lo + 1):
+            second = hi if hi is not None else max((b for b in peaks if b < lo), default=None)
+            guess = None
+            if second is not None and peaks[second] != peaks[lo]:
+                slope = (peaks[second] - peaks[lo]) / (second - lo)
+                guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
+            if hi is None:  # at most 4x per step: a line through small batches overshoots
+                guess = 2 * lo if guess is None else min(max(guess, lo + 1), 4 * lo)
+            elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
+                guess, line_steps = (lo + hi) // 2, 0
+            else:
+                guess, line_steps = min(max(guess, lo + 1), hi - 1), line_steps + 1
+            guess = min(guess, max_batch_size)
+            if fits(guess):
+                lo = guess
+            else:
+                hi = guess
+        return self.probes[(policy, lo, 1)]
+
+    def fewest_micro_batches(self, policy: str, budget: int, global_batch: int) -> FitProbe | None:
+        """The probe of the fewest micro-batches (among the divisors of the global batch) that fits."""
+        divisors = _divisors(global_batch)
+
+        def fits(i):
+            m = divisors[i]
+            peak = self.probe(policy, global_batch // m, m).peak_bytes
+            return peak is not None and peak <= budget
+
+        lo, hi, i = None, 0, 0  # lo: largest index known not to fit; hi: an index that fits
+        while True:
+            if fits(i):
+                hi = i
+                break
+            lo = i
+            if i == len(divisors) - 1:
+                return None
+            nxt = next((j for j, d in enumerate(divisors) if d >= 2 * divisors[i]), len(divisors) - 1)
+            i = nxt
+        if lo is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid
+        m = divisors[hi]
+        return self.probes[(policy, global_batch // m, m)]
+
+
+def _digest(budget: int, global_batch, probes, model: TimeModel, finalists, winner: FitProbe) -> str:
+    record = {
+        "budget": budget,
+        "global_batch": global_batch,
+        "probes": sorted([p.policy, p.batch_size, p.micro_batches, p.peak_bytes] for p in probes),
+        "model": [model.flops_per_s, model.bytes_per_s],
+        "finalists": [list(k) for k in finalists],
+        "winner": list(winner.key),
+    }
+    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _nothing_fits(budget: int, probes, global_batch) -> FitError:
+    tried = [p for p in probes if p.peak_bytes is not None]
+    if not tried:
+        return FitError(f"the step builder gave no program to compile for the budget {format_bytes(budget)}")
+    small = min(tried, key=lambda p: (p.peak_bytes, p.policy))
+    return FitError(
+        f"nothing fits the budget {format_bytes(budget)} ({budget:,} B): the smallest compiled peak is "
+        f"{format_bytes(small.peak_bytes)} ({small.peak_bytes:,} B), policy {small.policy!r} at batch "
+        f"{small.batch_size}" + (f" x {small.micro_batches} micro-batches" if global_batch else "")
+    )
+
+
+def _resolve_budgets(budgets) -> list[int]:
+    single = isinstance(budgets, (str, int, Budget))
+    out = []
+    for b in [budgets] if single else list(budgets):
+        parsed = Budget(int(b), None, str(b)) if isinstance(b, int) else as_budget(b)
+        if parsed.bytes is None:
+            raise FitError(
+                f"memory budget {parsed.text!r}: the fit search needs a size (12GiB, 512MiB or bytes), "
+                "not a fraction (there is no single no-remat peak when the batch is chosen)"
+            )
+        out.append(parsed.bytes)
+    if not out:
+        raise FitError("give at least one memory budget")
+    return out
+
+
+def fit_search_budgets(
+    build: StepBuilder,
+    policies: Sequence[str],
+    budgets: Sequence[str | int | Budget],
+    *,
+    plans: Callable[[int, Sequence[FitProbe]], Sequence[tuple[str, int, int]]] | None = None,
+    global_batch: int | None = None,
+    tokens_per_example: int = 1,
+    max_batch_size: int = 4096,
+    finalists: int = 3,
+    rounds: int = 3,
+    calls_per_round: int = 3,
+    time_model: TimeModel | None = None,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
+) -> list[FitResult]:
+    """:func:`fit_search` for several budgets at once, smallest first, timed in one session.
+
+    Each budget's finalists include the smaller budgets' finalists (they fit a larger budget
+    too), and all finalists are timed in the same interleaved rounds, so the winner's measured
+    throughput never falls as the budget grows. Arguments as :func:`fit_search`; returns one
+    :class:`FitResult` per budget, in the order given.
+    """
+    if finalists < 1 or rounds < 1 or calls_per_round < 1:
+        raise FitError(
+            f"finalists, rounds and calls_per_round must be at least 1, got {finalists}, {rounds}, {calls_per_round}"
+        )
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+        raise FitError(f"global batch must be a positive whole number, got {global_batch!r}")
+    if not policies:
+        raise FitError("give at least one policy to search")
+    t0 = time.perf_counter()
+    workers = workers or os.cpu_count() or 1
+    budget_list = _resolve_budgets(budgets)
+    search = _Search(build, progress)
+    if time_model is None:
+        search.progress("calibrate the time model")
+        time_model = calibrate_time_model(dtype)
+
+    def predicted(p: FitProbe) -> float:
+        return p.batch_size * tokens_per_example / time_model.step_s(p.flops, p.bytes_accessed)
+
+    chosen: dict[int, tuple[list[FitProbe], list[tuple], list[tuple]]] = {}
+    earlier: list[tuple] = []  # the finalists of the smaller budgets: they fit this one too
+    for budget in sorted(set(budget_list)):
+        search.order = []
+
+        def searched(policy, budget=budget):
+            if global_batch is None:
+                return search.largest_batch(policy, budget, max_batch_size)
+            return search.fewest_micro_batches(policy, budget, global_batch)
+
+        # One policy's compiles depend on each other; different policies' do not, and XLA
+        # compiles with the GIL released, so the policies are searched on parallel threads.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(policies)))) as pool:
+            fitting = [p for p in pool.map(searched, dict.fromkeys(policies)) if p is not None]
+        for key in dict.fromkeys(plans(budget, tuple(fitting)) if plans else ()):
+            p = search.probe(*key)
+            if p.peak_bytes is not None and p.peak_bytes <= budget:
+                fitting.append(p)
+        if not fitting:
+            raise _nothing_fits(budget, search.probes.values(), global_batch)
+        fitting.extend(search.probes[k] for k in earlier)
+        same_program: dict[str | tuple, FitProbe] = {}  # the first label of each compiled program stands for it
+        for p in fitting:
+            same_program.setdefault(p.fingerprint or p.key, p)
+        fitting = list(same_program.values())
+        ranked = sorted(range(len(fitting)), key=lambda i: (-predicted(fitting[i]), i))
+        earlier = [same_program[search.probes[k].fingerprint or k].key for k in earlier]
+        picked = list(dict.fromkeys([fitting[i].key for i in ranked[:finalists]] + earlier))
+        chosen[budget] = (fitting, picked, list(search.order))
+        earlier = picked
+
+    timed_keys = list(dict.fromkeys(k for _, picked, _ in chosen.values() for k in picked))
+    rounds_tps = search.time(timed_keys, rounds, calls_per_round, tokens_per_example)
+
+    def measured(key) -> float:
+        return statistics.median(rounds_tps[key])
+
+    results: dict[int, FitResult] = {}
+    for budget in sorted(chosen):
+        fitting, picked, order = chosen[budget]
+        win_key = min(picked, key=lambda k: (-measured(k), picked.index(k)))
+        rows = [
+            FitRow(
+                p,
+                predicted(p),
+                p.key in picked,
+                measured(p.key) if p.key in picked else None,
+                tuple(rounds_tps[p.key]) if p.key in picked else (),
+            )
+            for p in fitting
+        ]
+        rows.sort(key=lambda r: (r.tokens_per_s is None, -(r.tokens_per_s or 0.0), -r.predicted_tokens_per_s))
+        winner = next(r for r in rows if r.probe.key == win_key)
+        runner_up = next((r for r in rows if r.finalist and r is not winner), None)
+        margin = None
+        if runner_up is not None:
+            paired = [a / b for a, b in zip(runner_up.rounds_tokens_per_s, winner.rounds_tokens_per_s)]
+            low, _, high = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
+            margin = (low, high)
+        probes = tuple(sorted((search.probes[k] for k in order), key=lambda p: p.key))
+        results[budget] = FitResult(
+            budget_bytes=budget,
+            global_batch=global_batch,
+            tokens_per_example=tokens_per_example,
+            rows=tuple(rows),
+            winner=winner,
+            margin=margin,
+            time_model=time_model,
+            digest=_digest(budget, global_batch, probes, time_model, picked, winner.probe),
+            search_s=0.0,
+            probes=probes,
+        )
+    search_s = time.perf_counter() - t0
+    return [dataclasses.replace(results[b], search_s=search_s) for b in budget_list]
+
+
+def measure_throughput(
+    build: StepBuilder,
+    candidates: Sequence[tuple[str, int, int]],
+    *,
+    tokens_per_example: int = 1,
+    rounds: int = 3,
+    calls_per_round: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> dict[tuple[str, int, int], tuple[float, ...]]:
+    """Compile and time ``(policy, batch_size, micro_batches)`` candidates in interleaved rounds.
+
+    The timing :func:`fit_search` gives its finalists, for comparing other candidates in one
+    process (each round: fresh arguments, one untimed call, then ``calls_per_round`` calls rounded
+    up to whole optimizer steps).
+
+    Returns:
+      Per candidate, the tokens/s (examples/s when ``tokens_per_example`` is 1) of each round.
+
+    Raises:
+      FitError: the builder has no program for a candidate, or returns something else.
+    """
+    search = _Search(build, progress)
+    for key in dict.fromkeys(candidates):
+        if search.probe(*key).peak_bytes is None:
+            raise FitError(f"the step builder gave no program for {key}")
+    timed = search.time(list(dict.fromkeys(candidates)), rounds, calls_per_round, tokens_per_example)
+    return {k: tuple(v) for k, v in timed.items()}
+
+
+def fit_search(
+    build: StepBuilder,
+    policies: Sequence[str],
+    budget: str | int | Budget,
+    **kwargs,
+) -> FitResult:
+    """The (policy, batch) with the highest measured throughput whose compiled peak fits ``budget``.
+
+    Per policy, the largest batch that fits (compile-only: 1, 2, 4, ... then bisection up to
+    ``max_batch_size``) or, with ``global_batch``, the fewest micro-batches that divide it and
+    fit; ``plans`` may add candidates at chosen batches.
+    The ``finalists`` best by the time model are run on the device in ``rounds`` interleaved
+    rounds of ``calls_per_round`` calls (rounded up to whole optimizer steps); the fastest
+    median wins, ties going to the better predicted.
+
+    Args:
+      build: ``build(policy, batch_size, micro_batches)`` -> :class:`FitStep`, ``(step, args)``
+        or ``None`` (no program there). ``batch_size`` is per micro-batch; one call of the step
+        processes one micro-batch, so ``micro_batches`` calls make an optimizer step.
+      policies: policy labels the builder understands, searched in this order (ties go to the
+        earlier).
+      budget: bytes (an int, ``"12GiB"``, ``"512MiB"``) of the compiled peak per device.
+      plans: ``plans(budget_bytes, searched)`` -> more ``(label, batch_size, micro_batches)``
+        candidates (e.g. a budget planner's plan at some of the batches where the searches of
+        ``policies`` ended; ``searched`` holds their probes); those that fit join the candidates.
+      global_batch: fix the examples per optimizer step and choose the micro-batches.
+      tokens_per_example: tokens per example (sequence length), for tokens/s.
+      max_batch_size: the largest batch tried.
+      finalists: how many candidates are timed.
+      rounds, calls_per_round: the timing.
+      time_model: skip the calibration (e.g. the model another host measured).
+      dtype: the dtype of the calibration's matmul.
+      progress: called with a short line before each compile and each timed round.
+      workers: threads that search policies at once (default: the CPU count); the result does
+        not depend on it.
+
+    Returns:
+      A :class:`FitResult`.
+
+    Raises:
+      FitError: nothing fits (with the smallest compiled peak found and its policy and batch), a
+        fractional budget, bad search settings, a builder that returns something else, or a
+        backend without compiled memory figures.
+    """
+    return fit_search_budgets(build, policies, [budget], **kwargs)[0]
+
+
+__all__ = [
+    "FitError",
+    "FitResult",
+    "FitRow",
+    "FitStep",
+    "FitProbe",
+    "StepBuilder",
+    "TimeModel",
+    "calibrate_time_model",
+    "fit_search",
+    "fit_search_budgets",
+    "measure_throughput",
+]

@@ -1,0 +1,199 @@
+"""``jremat.fit_search``: the (policy, batch) with the highest measured throughput that fits a budget.
+
+A plain-JAX model (a stack of MLP blocks, parameters a list of dicts, the step donating them) is
+the user's step builder; budgets sit between what its policies need at small batches, so the
+searches cross real boundaries in a few compiles. A fixed time model keeps the finalists
+independent of this machine's speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jremat
+
+D, LAYERS, SEQ = 32, 3, 16
+MODEL = jremat.TimeModel(flops_per_s=2.0**33, bytes_per_s=2.0**33)
+
+
+def init(key):
+    keys = jax.random.split(key, LAYERS)
+    return [
+        {"w1": jax.random.normal(k, (D, 4 * D)) * 0.05, "w2": jax.random.normal(k, (4 * D, D)) * 0.05} for k in keys
+    ]
+
+
+def block(p, x):
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def build(policy: str, batch: int, micro: int):
+    """The user's builder: an SGD step over ``micro`` micro-batches of ``batch`` (``lax.scan``)."""
+    if policy == "nothing here":
+        return None
+    remat = {"same as full": "full"}.get(policy, policy)
+    layer = jremat.checkpoint(block, remat) if remat != "none" else block
+
+    def loss(params, x):
+        for p in params:
+            x = layer(p, x)
+        return jnp.mean(x**2)
+
+    def step(params, xs):
+        def micro_step(acc, x):
+            return jax.tree.map(jnp.add, acc, jax.grad(loss)(params, x)), None
+
+        grads, _ = jax.lax.scan(micro_step, jax.tree.map(jnp.zeros_like, params), xs)
+        return jax.tree.map(lambda w, g: w - 1e-3 * g, params, grads), jnp.float32(0)
+
+    params = jax.eval_shape(init, jax.random.key(0))
+    xs = jax.ShapeDtypeStruct((micro, batch, SEQ, D), jnp.float32)
+    return jremat.FitStep(jax.jit(step, donate_argnums=0), (params, xs), carry=(0,))
+
+
+def peak(policy: str, batch: int, micro: int = 1) -> int:
+    fit_step = build(policy, batch, micro)
+    compiled = fit_step.step.lower(*fit_step.args).compile()
+    return jremat.compiled_memory_report(compiled).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def budget():
+    """Between none's and full's peak at batch 8: the searches end at different batches."""
+    return (peak("none", 8) + peak("full", 8)) // 2
+
+
+def search(budget, policies=("none", "full"), **kwargs):
+    kwargs = {"tokens_per_example": SEQ, "time_model": MODEL, "rounds": 1, "calls_per_round": 1, **kwargs}
+    return jremat.fit_search(build, list(policies), budget, **kwargs)
+
+
+def test_each_policy_ends_at_its_largest_fitting_batch_and_the_winner_fits(budget):
+    result = search(budget)
+    assert result.winner.probe.peak_bytes <= budget
+    assert {r.probe.policy for r in result.rows} == {"none", "full"}
+    for row in result.rows:
+        b = row.probe.batch_size
+        assert row.probe.peak_bytes <= budget
+        assert peak(row.probe.policy, b + 1) > budget, f"{row.probe.policy}: batch {b + 1} fits too"
+    batches = {r.probe.policy: r.probe.batch_size for r in result.rows}
+    assert batches["full"] > batches["none"]  # remat buys batch
+
+
+def test_the_winner_is_the_fastest_measured_finalist(budget):
+    result = search(budget, finalists=2, rounds=2)
+    finalists = [r for r in result.rows if r.finalist]
+    assert len(finalists) == 2 and all(len(r.rounds_tokens_per_s) == 2 for r in finalists)
+    assert result.winner.tokens_per_s == max(r.tokens_per_s for r in finalists)
+    assert result.margin is not None and result.margin[0] <= result.margin[1]
+    assert "<- winner" in result.table()
+    assert result.to_json()["winner"]["policy"] == result.winner.probe.policy
+
+
+def test_the_same_inputs_give_the_same_digest_whatever_the_threads(budget):
+    # One finalist: the decision takes no wall-clock time, so it must be the same.
+    first = search(budget, policies=("none", "full", "dots"), workers=1, finalists=1)
+    second = search(budget, policies=("none", "full", "dots"), workers=3, finalists=1)
+    assert first.digest == second.digest
+    assert [p.key for p in first.probes] == [p.key for p in second.probes]
+    other = search(budget + 4096 * 64, policies=("none", "full", "dots"), finalists=1)
+    assert other.digest != first.digest
+
+
+def test_finalists_come_from_the_time_model_and_ties_go_to_the_earlier_policy(budget):
+    result = search(budget, policies=("none", "full", "dots"), finalists=1)
+    (finalist,) = [r for r in result.rows if r.finalist]
+    assert finalist is result.winner
+    assert finalist.predicted_tokens_per_s == max(r.predicted_tokens_per_s for r in result.rows)
+
+
+def test_a_global_batch_gets_the_fewest_micro_batches_that_fit(budget):
+    result = search(budget, global_batch=24)
+    for row in result.rows:
+        p = row.probe
+        assert p.batch_size * p.micro_batches == 24 and p.peak_bytes <= budget
+        fewer = [m for m in range(1, p.micro_batches) if 24 % m == 0]
+        if fewer:
+            assert peak(p.policy, 24 // fewer[-1], fewer[-1]) > budget
+
+
+def test_a_larger_budget_never_yields_lower_measured_throughput(budget):
+    budgets = [budget, budget * 3 // 2, budget * 2]
+    results = jremat.fit_search_budgets(
+        build,
+        ["none", "full"],
+        budgets,
+        tokens_per_example=SEQ,
+        time_model=MODEL,
+        rounds=1,
+        calls_per_round=1,
+        finalists=1,
+    )
+    winners = [r.winner.tokens_per_s for r in results]
+    assert winners == sorted(winners)
+    for smaller, larger in zip(results, results[1:]):
+        assert {r.probe.key for r in smaller.rows if r.finalist} <= {r.probe.key for r in larger.rows if r.finalist}
+
+
+def test_one_program_under_two_labels_is_one_candidate(budget):
+    result = search(budget, policies=("full", "same as full"))
+    assert [r.probe.policy for r in result.rows] == ["full"]
+
+
+def test_plans_join_the_candidates_at_the_batches_they_name(budget):
+    seen = []
+
+    def plans(budget_bytes, searched):
+        seen.append((budget_bytes, [p.key for p in searched]))
+        return [("full", p.batch_size, p.micro_batches) for p in searched]
+
+    result = search(budget, policies=("none",), plans=plans)
+    assert seen and seen[0][0] == budget and seen[0][1][0][0] == "none"
+    assert ("full", seen[0][1][0][1], 1) in {r.probe.key for r in result.rows}
+
+
+def test_nothing_fits_names_the_smallest_peak():
+    with pytest.raises(
+        jremat.FitError,
+        match=r"nothing fits the budget .* smallest compiled peak is .*, policy '(none|full)' at batch 1$",
+    ):
+        search(1024, policies=("none", "full", "nothing here"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget": "0.5"}, "needs a size"),
+        ({"budget": "lots"}, "is not a size"),
+        ({"finalists": 0}, "must be at least 1"),
+        ({"global_batch": 0}, "global batch must be a positive whole number"),
+        ({"policies": ()}, "at least one policy"),
+    ],
+)
+def test_bad_settings_are_fit_errors(budget, kwargs, message):
+    args = {"budget": budget, "policies": ("none",), **kwargs}
+    with pytest.raises((jremat.FitError, ValueError), match=message):
+        search(args.pop("budget"), **args)
+
+
+def test_a_builder_that_returns_something_else_is_named():
+    with pytest.raises(jremat.FitError, match="expected a jremat.FitStep"):
+        jremat.fit_search(lambda *a: 42, ["none"], "1MiB", time_model=MODEL)
+
+
+def test_measure_throughput_times_what_it_is_given(budget):
+    timed = jremat.measure_throughput(
+        build, [("none", 2, 1), ("full", 4, 2)], tokens_per_example=SEQ, rounds=2, calls_per_round=1
+    )
+    assert set(timed) == {("none", 2, 1), ("full", 4, 2)}
+    assert all(len(v) == 2 and min(v) > 0 for v in timed.values())
+    with pytest.raises(jremat.FitError, match="no program"):
+        jremat.measure_throughput(build, [("nothing here", 2, 1)])
+
+
+def test_the_calibrated_model_uses_powers_of_two():
+    model = jremat.calibrate_time_model()
+    for rate in (model.flops_per_s, model.bytes_per_s):
+        assert rate > 0 and float(rate).hex().startswith("0x1.0000000000000p")

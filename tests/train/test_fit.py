@@ -1,0 +1,112 @@
+"""The fit search on the reference GPT: ``train.memory --fit`` and ``train.ptb --batch-size auto``.
+
+Tiny shapes, two policies and one finalist keep each search to a few seconds of compiles; the
+search over every built-in and ``auto``'s plans is the benchmark's (``train.bench --parts fit``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jremat.train import fit as fit_lib
+from jremat.train import memory, ptb
+from jremat.train.memory import MemoryConfig
+
+FIT = ["--preset", "tiny", "--fit", "--memory-budget", "1MiB", "--finalists", "1"]
+TWO = ["--policy", "none", "--policy", "full"]
+
+
+def fit_json(capsys, *extra) -> dict:
+    assert memory.main([*FIT, "--json", *(extra or ["--policy", "full"])]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_path):
+    out = fit_json(capsys, *TWO, "--plot", str(tmp_path / "front.png"))
+    assert out["budget_bytes"] == 2**20
+    assert out["winner"]["peak_bytes"] <= 2**20
+    assert {r["policy"] for r in out["rows"]} == {"none", "full"}
+    assert all(r["peak_bytes"] <= 2**20 for r in out["rows"])
+    by_policy = {r["policy"]: r["batch_size"] for r in out["rows"]}
+    assert by_policy["full"] > by_policy["none"]
+    assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_two_searches_give_the_same_digest(capsys):
+    assert fit_json(capsys)["digest"] == fit_json(capsys)["digest"]
+
+
+def test_a_global_batch_is_split_into_micro_batches(capsys):
+    out = fit_json(capsys, "--policy", "full", "--global-batch", "64")
+    for r in out["rows"]:
+        assert r["batch_size"] * r["micro_batches"] == 64 and r["peak_bytes"] <= 2**20
+    assert any(r["micro_batches"] > 1 for r in out["rows"])
+
+
+def test_the_default_search_covers_every_builtin_and_auto():
+    config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
+    assert memory.fit_policies(config) == (list(fit_lib.FIT_POLICIES), True)
+    assert MemoryConfig(preset="tiny").policy == ("none", "full")
+
+
+def test_the_builder_plans_auto_at_a_batch_and_describes_it():
+    config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
+    builder = fit_lib.GPTStepBuilder(config.model_config, 16, fit_lib.SEARCH_OPTIMIZER)
+    full_peak = builder.peak_bytes(builder.config("full", 8, 1), 8, 1)
+    none_peak = builder.peak_bytes(builder.config("none", 8, 1), 8, 1)
+    label = fit_lib.auto_label((full_peak + none_peak) // 2)
+    planned = builder.config(label, 8, 1)
+    assert planned.remat_policy != "auto" and builder.peak_bytes(planned, 8, 1) <= (full_peak + none_peak) // 2
+    assert builder.describe(label, 8, 1).startswith(f"{label} = ")
+    assert builder(fit_lib.auto_label(1024), 8, 1) is None  # no plan fits 1 KiB
+
+
+def test_auto_plans_are_tried_only_above_nones_largest_batch():
+    from jremat import FitProbe
+
+    searched = (FitProbe("none", 8, 1, 1), FitProbe("full", 12, 1, 1), FitProbe("dots", 8, 1, 1))
+    assert fit_lib.auto_plans(100, searched) == [(fit_lib.auto_label(100), 12, 1)]
+
+
+def test_ptb_trains_with_the_batch_the_search_chose(ptb_offline_dir, capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    argv = [
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--eval-batches",
+        "1",
+        "--no-memory-report",
+        "--data-dir",
+        ptb_offline_dir,
+    ]
+    argv += ["--policy", "full", "--batch-size", "auto", "--memory-budget", "12MiB", "--metrics-file", str(metrics)]
+    assert ptb.main(argv) == 0
+    out = capsys.readouterr().out
+    chosen = int(re.search(r"fit: training with full at batch (\d+)", out).group(1))
+    assert re.search(rf"batch_size +{chosen}\b", out)
+    assert f"micro-batch(es) of {chosen} x 16" in out
+
+
+@pytest.mark.slow
+def test_ptb_with_policy_auto_searches_every_builtin_and_the_plans(ptb_offline_dir, capsys):
+    argv = [
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--eval-batches",
+        "1",
+        "--no-memory-report",
+        "--data-dir",
+        ptb_offline_dir,
+    ]
+    assert ptb.main([*argv, "--policy", "auto", "--batch-size", "auto", "--memory-budget", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    for policy in fit_lib.FIT_POLICIES:
+        assert re.search(rf"^  {re.escape(policy)} +\d+ ", out, re.M), policy
+    assert "fit: training with " in out
