@@ -111,6 +111,9 @@ class FitRow:
       finalist: whether it was timed for this budget.
       tokens_per_s: measured (median over rounds), ``None`` if not a finalist.
       rounds_tokens_per_s: the measured tokens/s of each round.
+      origin: ``"search"`` (a policy's largest fitting batch, or fewest micro-batches),
+        ``"plan"`` (from ``plans``) or ``"smaller budget"`` (a finalist of a smaller budget of the
+        same search, kept so that throughput never falls as the budget grows).
     """
 
     probe: FitProbe
@@ -118,6 +121,7 @@ class FitRow:
     finalist: bool
     tokens_per_s: float | None = None
     rounds_tokens_per_s: tuple[float, ...] = ()
+    origin: str = "search"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +169,7 @@ class FitResult:
             p = r.probe
             measured = f"{r.tokens_per_s:,.1f}" if r.tokens_per_s is not None else "-"
             ratio = f"{r.tokens_per_s / best:.3f}" if r.tokens_per_s is not None else "-"
-            mark = " <- winner" if r is self.winner else ""
+            mark = (" <- winner" if r is self.winner else "") + (f" ({r.origin})" if r.origin != "search" else "")
             lines.append(
                 f"  {p.policy:<44} {p.batch_size:>6} {p.micro_batches:>6} {format_bytes(p.peak_bytes):>11} "
                 f"{r.predicted_tokens_per_s:>22,.1f} {measured:>22} {ratio:>7}{mark}"
@@ -198,6 +202,7 @@ def _row_json(row: FitRow, winner: FitRow) -> dict:
     out.update(
         predicted_tokens_per_s=row.predicted_tokens_per_s,
         finalist=row.finalist,
+        origin=row.origin,
         tokens_per_s=row.tokens_per_s,
         rounds_tokens_per_s=list(row.rounds_tokens_per_s),
         ratio_to_best=row.tokens_per_s / winner.tokens_per_s if row.tokens_per_s is not None else None,
@@ -534,12 +539,17 @@ def fit_search_budgets(
         # compiles with the GIL released, so the policies are searched on parallel threads.
         with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(policies)))) as pool:
             fitting = [p for p in pool.map(searched, dict.fromkeys(policies)) if p is not None]
+        plan_probes = []
         for key in dict.fromkeys(plans(budget, tuple(fitting)) if plans else ()):
             p = search.probe(*key)
             if p.peak_bytes is not None and p.peak_bytes <= budget:
-                fitting.append(p)
+                plan_probes.append(p)
+        fitting += plan_probes
         if not fitting:
             raise _nothing_fits(budget, search.probes.values(), global_batch)
+        origin = {p.key: "search" for p in fitting[: len(fitting) - len(plan_probes)]}
+        origin.update({p.key: "plan" for p in plan_probes if p.key not in origin})
+        origin.update({k: "smaller budget" for k in earlier if k not in origin})
         fitting.extend(search.probes[k] for k in earlier)
         same_program: dict[str | tuple, FitProbe] = {}  # the first label of each compiled program stands for it
         for p in fitting:
@@ -548,10 +558,10 @@ def fit_search_budgets(
         ranked = sorted(range(len(fitting)), key=lambda i: (-predicted(fitting[i]), i))
         earlier = [same_program[search.probes[k].fingerprint or k].key for k in earlier]
         picked = list(dict.fromkeys([fitting[i].key for i in ranked[:finalists]] + earlier))
-        chosen[budget] = (fitting, picked, list(search.order))
+        chosen[budget] = (fitting, picked, list(search.order), origin)
         earlier = picked
 
-    timed_keys = list(dict.fromkeys(k for _, picked, _ in chosen.values() for k in picked))
+    timed_keys = list(dict.fromkeys(k for _, picked, _, _ in chosen.values() for k in picked))
     rounds_tps = search.time(timed_keys, rounds, calls_per_round, tokens_per_example)
 
     def measured(key) -> float:
@@ -559,7 +569,7 @@ def fit_search_budgets(
 
     results: dict[int, FitResult] = {}
     for budget in sorted(chosen):
-        fitting, picked, order = chosen[budget]
+        fitting, picked, order, origin = chosen[budget]
         win_key = min(picked, key=lambda k: (-measured(k), picked.index(k)))
         rows = [
             FitRow(
@@ -568,6 +578,7 @@ def fit_search_budgets(
                 p.key in picked,
                 measured(p.key) if p.key in picked else None,
                 tuple(rounds_tps[p.key]) if p.key in picked else (),
+                origin[p.key],
             )
             for p in fitting
         ]

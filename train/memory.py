@@ -94,7 +94,8 @@ class MemoryConfig:
     fit: bool = option(
         False,
         "search the policy and batch with the highest measured tokens/s whose compiled train step fits "
-        "--memory-budget (a size): compile-only batch search, then the best few timed here (jremat.fit_search)",
+        "--memory-budget (a size): compile-only batch search, then the best few timed here (jremat.fit_search); "
+        "--batch-size is not used",
     )
     global_batch: int | None = option(
         None, "with --fit: fix the sequences per optimizer step; choose the micro-batches"

@@ -135,6 +135,11 @@ def test_a_larger_budget_never_yields_lower_measured_throughput(budget):
     assert winners == sorted(winners)
     for smaller, larger in zip(results, results[1:]):
         assert {r.probe.key for r in smaller.rows if r.finalist} <= {r.probe.key for r in larger.rows if r.finalist}
+        searched = {r.probe.policy: r.probe.batch_size for r in larger.rows if r.origin == "search"}
+        assert set(searched) == {"none", "full"}
+        for r in larger.rows:
+            if r.origin == "smaller budget":  # kept from before, below this budget's own largest batch
+                assert r.probe.batch_size < searched[r.probe.policy]
 
 
 def test_one_program_under_two_labels_is_one_candidate(budget):

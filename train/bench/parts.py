@@ -494,19 +494,17 @@ def part_fit(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
         f"[fit] searched in {search_s:.0f} s: "
         + "; ".join(f"{r.budget_bytes:,} B -> {r.winner.probe.policy} b={r.winner.probe.batch_size}" for r in results)
     )
-    keys = [
-        fit_row.probe.key
-        for r in results
-        for fit_row in r.rows
-        if fit_row.probe.policy in fit_lib.FIT_POLICIES or fit_row is r.winner
-    ]
+
+    def builtins(result):  # every built-in at its largest fitting batch for this budget
+        return [f for f in result.rows if f.origin == "search" and f.probe.policy in fit_lib.FIT_POLICIES]
+
+    keys = list(dict.fromkeys(f.probe.key for r in results for f in [r.winner, *builtins(r)]))
     measured = jremat.measure_throughput(builder, keys, tokens_per_example=seq, rounds=config.fit_rounds)
     median = {k: statistics.median(v) for k, v in measured.items()}
     rows = []
     for r in results:
-        builtins = [fit_row for fit_row in r.rows if fit_row.probe.policy in fit_lib.FIT_POLICIES]
-        best = max(builtins, key=lambda fit_row: median[fit_row.probe.key])
-        for fit_row in dict.fromkeys([r.winner, *builtins]):
+        best = max(builtins(r), key=lambda fit_row: median[fit_row.probe.key])
+        for fit_row in dict.fromkeys([r.winner, *builtins(r)]):
             p = fit_row.probe
             rows.append(
                 row(
@@ -517,7 +515,7 @@ def part_fit(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                     seq,
                     model=config.time_preset,
                     micro_batches=p.micro_batches,
-                    fit_role="winner" if fit_row is r.winner else "built-in",
+                    fit_role=f"winner ({fit_row.origin})" if fit_row is r.winner else "built-in",
                     fit_digest=r.digest,
                     search_s=search_s,
                     budget_bytes=r.budget_bytes,

@@ -245,7 +245,9 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
                 r["time_ratio_vs_none"] <= 1.03 * r["best_fitting_time_ratio"],
             )
         )
-    winners = sorted((r for r in parts.get("fit", []) if r["fit_role"] == "winner"), key=lambda r: r["budget_bytes"])
+    winners = sorted(
+        (r for r in parts.get("fit", []) if r["fit_role"].startswith("winner")), key=lambda r: r["budget_bytes"]
+    )
     for r in winners:
         budget = format_bytes(r["budget_bytes"])
         out.append(
@@ -574,8 +576,8 @@ def _fit_section(pts: Sequence[dict]) -> list[str]:
                 format_bytes(r["peak_bytes"]),
                 f"{r['predicted_tokens_per_s']:,.0f}",
                 f"{r['tokens_per_s']:,.0f}",
-                f"{r['best_fitting_time_ratio']:.3f}" if r["fit_role"] == "winner" else "",
-                f"`{r['fit_digest']}`" if r["fit_role"] == "winner" else "",
+                f"{r['best_fitting_time_ratio']:.3f}" if r["fit_role"].startswith("winner") else "",
+                f"`{r['fit_digest']}`" if r["fit_role"].startswith("winner") else "",
             )
             for r in pts
         ],
