@@ -435,7 +435,10 @@ def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
     auto = [s for s in config.policy if registry.parse_spec(s)[0] == "auto"]
     searched = [s for s in config.policy if s not in auto]
     if not searched:
-        raise UsageError("--fit with --policy auto alone: give the built-in policies to search beside it, or none")
+        raise UsageError(
+            "--fit with only --policy auto: add the built-ins to search beside its plans "
+            "(--policy none --policy full --policy auto), or give no --policy for the default set"
+        )
     return searched, bool(auto)
 
 

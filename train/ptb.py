@@ -159,8 +159,14 @@ def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool):
       ``(cfg with the chosen batch, the winner's model config, the search's table)``.
 
     Raises:
-      UsageError: nothing fits the budget (the message gives the smallest peak found).
+      UsageError: nothing fits the budget (the message gives the smallest peak found), or the run
+        has several processes.
     """
+    if jax.process_count() > 1:  # each process would time its own finalists and might choose another batch
+        raise UsageError(
+            f"--batch-size auto runs in one process; this run has {jax.process_count()}: search once with "
+            "python -m train.memory --fit and pass the chosen --batch-size and --policy to every process"
+        )
     base = cfg.model_config(vocab_size)
 
     def model_config(spec: str):

@@ -73,7 +73,7 @@ TABLE = {
         ("memory", "--fit --memory-budget 0.5", "--fit needs --memory-budget as a size"),
         ("memory", "--global-batch 8", "--global-batch applies only with --fit"),
         ("memory", "--fit --memory-budget 1KiB --policy none", "nothing fits the budget 1.00 KiB"),
-        ("memory", "--fit --memory-budget 1GiB --policy auto", "--fit with --policy auto alone"),
+        ("memory", "--fit --memory-budget 1GiB --policy auto", "--fit with only --policy auto: add the built-ins"),
         ("memory", "--policy every_k:k=0", "k must be >="),
         ("memory", "--policy nested:block=3", "nested"),
         ("bench", "--policy nosuch", "unknown policy 'nosuch'"),
