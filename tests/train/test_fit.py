@@ -11,20 +11,25 @@ import re
 
 import pytest
 
+import jremat
+from jremat import _fit as jremat_fit
 from jremat.train import fit as fit_lib
 from jremat.train import memory, ptb
 from jremat.train.memory import MemoryConfig
 
+FIXED_RATES = jremat.TimeModel(flops_per_s=2.0**34, bytes_per_s=2.0**33)
 FIT = ["--preset", "tiny", "--fit", "--memory-budget", "1MiB", "--finalists", "1"]
 TWO = ["--policy", "none", "--policy", "full"]
 
 
 def fit_json(capsys, *extra) -> dict:
-    assert memory.main([*FIT, "--json", *(extra or ["--policy", "full"])]) == 0
+    assert memory.main([*FIT, "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_path):
+def test_memory_fit_prints_a_winner_that_fits_plots_the_front_and_repeats_its_digest(capsys, tmp_path, monkeypatch):
+    # The measured rates round to powers of two, which a loaded test machine can tip; fix them.
+    monkeypatch.setattr(jremat_fit, "calibrate_time_model", lambda dtype="float32": FIXED_RATES)
     out = fit_json(capsys, *TWO, "--plot", str(tmp_path / "front.png"))
     assert out["budget_bytes"] == 2**20
     assert out["winner"]["peak_bytes"] <= 2**20
@@ -33,12 +38,11 @@ def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_pa
     by_policy = {r["policy"]: r["batch_size"] for r in out["rows"]}
     assert by_policy["full"] > by_policy["none"]
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+    # One finalist: nothing in the decision is timed, so a second search must say the same.
+    assert fit_json(capsys, *TWO)["digest"] == out["digest"]
 
 
-def test_two_searches_give_the_same_digest(capsys):
-    assert fit_json(capsys)["digest"] == fit_json(capsys)["digest"]
-
-
+@pytest.mark.slow
 def test_a_global_batch_is_split_into_micro_batches(capsys):
     out = fit_json(capsys, "--policy", "full", "--global-batch", "64")
     for r in out["rows"]:
