@@ -57,6 +57,14 @@ def fast_analysis_compile(lowered):
     return lowered.compile()
 
 
+def cost_analysis(compiled) -> dict:
+    """``compiled.cost_analysis()`` as one dict (older JAX returns a list of one; ``{}`` if none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
 def hlo_fingerprint(compiled) -> str:
     """A short hash of ``compiled``'s optimized HLO without its metadata (source locations, op
     names) and module name: two programs with the same fingerprint compute the same thing the same way,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat._budget import Budget, as_budget
-from jremat._compile import fast_analysis_compile, hlo_fingerprint
+from jremat._compile import cost_analysis, fast_analysis_compile, hlo_fingerprint
 from jremat._flops import jaxpr_flops
 from jremat._memory import compiled_memory_report, format_bytes
 
@@ -281,11 +281,9 @@ def _compile(fit_step: FitStep):
     report = compiled_memory_report(compiled)
     if not report.available:
         raise FitError(f"this backend reports no compiled memory figures: {'; '.join(report.notes)}")
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    xla_flops = float((cost or {}).get("flops", 0.0))
-    xla_bytes = float((cost or {}).get("bytes accessed", 0.0))
+    cost = cost_analysis(compiled)
+    xla_flops = float(cost.get("flops", 0.0))
+    xla_bytes = float(cost.get("bytes accessed", 0.0))
     if flops and xla_flops:
         xla_bytes *= max(1.0, flops / xla_flops)  # XLA counts a loop body once; the trace counts every iteration
     return int(report.peak_bytes), flops or xla_flops, xla_bytes, hlo_fingerprint(compiled)

@@ -219,7 +219,14 @@ def eval_step_fn(graphdef) -> Callable:
     return eval_step
 
 
-def adam_train_step(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None, *, lr: float = 1e-3):
+def adam_train_step(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    lr: float = 1e-3,
+    tx: optax.GradientTransformation | None = None,
+):
     """The Adam train step of ``GPT(model_cfg)`` and its abstract arguments; nothing is allocated.
 
     ``step(params, opt_state, tokens, targets, key) -> (params, opt_state, loss)``, unjitted: a
@@ -232,13 +239,15 @@ def adam_train_step(model_cfg: ModelConfig, batch_size: int, seq_len: int | None
       batch_size: sequences per batch.
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
       lr: Adam's learning rate.
+      tx: another optimizer instead of Adam (e.g. ``train.ptb``'s clipped AdamW under
+        ``optax.MultiSteps``); ``lr`` is then unused.
 
     Returns:
       ``(step, graphdef, tx, args)`` where ``args`` are :class:`jax.ShapeDtypeStruct` pytrees.
     """
     seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))))
-    tx = optax.adam(lr)
+    tx = optax.adam(lr) if tx is None else tx
     opt_state = jax.eval_shape(tx.init, params)
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)

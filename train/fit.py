@@ -13,15 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
 import jremat
 from jremat import registry
 from jremat._compile import fast_analysis_compile
-from jremat.models import GPT, ModelConfig
+from jremat.models import ModelConfig
 from jremat.models.planning import plan_for_budget
+from jremat.models.programs import adam_train_step
 from jremat.train.step import OptimizerConfig, make_train_step
 
 #: The built-in policies searched by default, in tie order.
@@ -57,12 +54,9 @@ class GPTStepBuilder:
 
     def step(self, cfg: ModelConfig, batch_size: int, micro_batches: int) -> jremat.FitStep:
         """The jitted train step of ``cfg`` and its abstract arguments."""
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
         tx = dataclasses.replace(self.optimizer, accum=micro_batches).build()
-        opt_state = jax.eval_shape(tx.init, params)
-        tokens = jax.ShapeDtypeStruct((batch_size, self.seq_len), jnp.int32)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        return jremat.FitStep(make_train_step(graphdef, tx), (params, opt_state, tokens, tokens, key), carry=(0, 1))
+        _, graphdef, tx, args = adam_train_step(cfg, batch_size, self.seq_len, tx=tx)
+        return jremat.FitStep(make_train_step(graphdef, tx), args, carry=(0, 1))
 
     def peak_bytes(self, cfg: ModelConfig, batch_size: int, micro_batches: int) -> int:
         """The compiled peak of ``cfg``'s train step (cached): the auto planner's measurement."""

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
-from jremat._compile import hlo_fingerprint
+from jremat._compile import cost_analysis, hlo_fingerprint
 from jremat._memory import PEAK_FROM_SUM
 from jremat.models import GPT, ModelConfig
 from jremat.models.programs import adam_train_step
@@ -110,10 +110,7 @@ class Measured:
 
 def compiled_flops(compiled) -> float:
     """FLOPs XLA's cost analysis gives for a compiled program (0.0 if it gives none)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
+    return float(cost_analysis(compiled).get("flops", 0.0))
 
 
 def bench_peak(report: MemoryReport) -> int:
