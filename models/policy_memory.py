@@ -30,7 +30,6 @@ from jremat.models.config import ModelConfig, whole_step_head_chunks
 from jremat.models.gpt import GPT
 from jremat.models.planning import plan_for_budget
 from jremat.models.programs import (
-    analytic_peak_bytes,
     attention_forward_passes,
     block_program,
     loss_program,
@@ -38,6 +37,8 @@ from jremat.models.programs import (
     step_memory_report,
     step_program,
     step_residuals,
+    traced_step_bytes,
+    working_set_bytes,
 )
 
 
@@ -73,7 +74,11 @@ class PolicyMemory:
       step_flops: cost-model FLOPs of the gradient step under this policy.
       recompute_flops: FLOPs added by recomputation (vs ``none``).
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
-      analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes`.
+      analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes` (traced bytes at full
+        depth + :attr:`working_set_bytes`), or ``None`` when not compiled.
+      working_set_bytes: :func:`models.programs.working_set_bytes`: the transient working set of
+        the backward pass at its peak (the head's or one block's), measured on a two-layer copy;
+        ``None`` when not compiled.
       notes: caveats (backend, truthfulness checks).
       attention_forward_passes: fused attention forward kernels per layer in the training step,
         averaged over the layers (:func:`models.programs.attention_forward_passes`): 1 = the
@@ -103,7 +108,8 @@ class PolicyMemory:
     step_flops: float
     recompute_flops: float
     recompute_flops_fraction: float
-    analytic_peak_bytes: int
+    analytic_peak_bytes: int | None
+    working_set_bytes: int | None = None
     notes: tuple[str, ...] = ()
     attention_forward_passes: float = 0.0
     live_peak_bytes: int | None = None
@@ -141,8 +147,8 @@ def policy_memory(
 ) -> PolicyMemory:
     """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
 
-    Nothing is executed. ``compile=False`` skips XLA (only traced figures and the analytic
-    estimate are filled; byte fields are ``None``).
+    Nothing is executed. ``compile=False`` skips XLA (only traced figures are filled; compiled
+    byte fields and the analytic estimate, which compiles a two-layer copy, are ``None``).
 
     Args:
       model_cfg: the model, with the policy to measure in ``remat_policy``.
@@ -191,6 +197,8 @@ def policy_memory(
             f"the backward pass runs the fused attention forward kernel again ({passes:g} passes per layer); {fix}"
         )
     get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
+    traced_bytes = traced_step_bytes(model_cfg, batch_size, seq_len, residuals=whole)
+    working_set = working_set_bytes(model_cfg, batch_size, seq_len) if get("peak_bytes") is not None else None
     return PolicyMemory(
         policy=registry.normalize_spec(model_cfg.remat_policy),
         n_layers=model_cfg.n_layers,
@@ -210,7 +218,8 @@ def policy_memory(
         step_flops=flops,
         recompute_flops=recompute,
         recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
-        analytic_peak_bytes=analytic_peak_bytes(model_cfg, batch_size, seq_len, residuals=whole),
+        analytic_peak_bytes=None if working_set is None else traced_bytes + working_set,
+        working_set_bytes=working_set,
         notes=tuple(notes),
         attention_forward_passes=passes,
         timeline=step_timeline,

@@ -6,8 +6,9 @@ Nothing here allocates: parameters and tokens are :class:`jax.ShapeDtypeStruct` 
   (one transformer block as the model runs it);
 * :func:`train_step_fn`, :func:`eval_step_fn` (unjitted; ``train.step`` jits them) and
   :func:`adam_train_step` (the Adam train step with its abstract arguments);
-* :func:`step_residuals`, :func:`step_flops` and :func:`analytic_peak_bytes`: traced figures of
-  the gradient step; :func:`step_memory_report`: its compiled figures.
+* :func:`step_residuals`, :func:`step_flops` and :func:`traced_step_bytes`: traced figures of
+  the gradient step; :func:`step_memory_report`: its compiled figures; :func:`analytic_peak_bytes`:
+  its peak from the traced bytes at full depth and the working set of a two-layer copy.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flax import nnx
 
 import jremat
 from jremat import ResidualsReport
+from jremat._remat import parse_layer_policies
 from jremat.models.config import ModelConfig
 from jremat.models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 
@@ -149,28 +151,42 @@ def step_flops(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = No
     return jremat.program_flops(grad_fn, *args)
 
 
-def analytic_peak_bytes(
+def shallow_config(model_cfg: ModelConfig) -> ModelConfig:
+    """The same model with at most two layers per layer group: what :func:`analytic_peak_bytes` compiles.
+
+    Every group of :attr:`ModelConfig.remat_layer_policies` (and the layers no group covers)
+    keeps ``min(count, 2)`` layers, so each group's layer loop and the head stay as they are.
+    Two kinds of stack are kept whole: nested checkpointing (``nested:...``), whose groups are
+    the structure, and unrolled layers (``scan_layers=False``), which XLA schedules as one
+    straight-line program whose buffers do not grow with depth as the traced residuals do.
+    """
+    remat = model_cfg.remat_config()
+    if remat.nest is not None or not model_cfg.scan_layers:
+        return model_cfg
+    groups = parse_layer_policies(model_cfg.remat_layer_policies)
+    used, kept, parts = 0, 0, []
+    for count, spec in groups:
+        count = model_cfg.n_layers - used if count is None else count
+        used += count
+        if min(count, 2):
+            parts.append(f"{min(count, 2)}:{spec}")
+            kept += min(count, 2)
+    kept += min(model_cfg.n_layers - used, 2)
+    return model_cfg.replace(n_layers=kept, remat_layer_policies=",".join(parts))
+
+
+def traced_step_bytes(
     model_cfg: ModelConfig,
     batch_size: int,
     seq_len: int | None = None,
     *,
     residuals: ResidualsReport | None = None,
 ) -> int:
-    """Peak memory of the gradient step estimated from shapes and traced residuals; no compile.
+    """Bytes of the gradient step that grow with depth, from shapes and the traced residuals; no compile.
 
-    Model: the peak falls at the start of the backward pass, when every residual of the
-    forward pass is alive together with the loss-side buffers. So peak = parameters + tokens
-    (arguments) + parameter gradients (outputs, same size as parameters) + the residuals the
-    forward pass computes (:attr:`jremat.ResidualsReport.computed_bytes`: every
-    non-constant residual that is not an argument) + the head's backward working set: the f32
-    gradient of the logits plus the logits-sized buffer that feeds the two head matmuls (its
-    cast to the compute dtype), ``(4 + itemsize(dtype)) x batch x seq x vocab`` bytes (divided
-    by ``remat_head_chunks`` when the head is rematerialized in chunks).
-
-    It assumes the step is compiled as :func:`jremat.jit` compiles it (on XLA:CPU, without
-    loop-invariant code motion; see :func:`jremat.compiler_options`). It leaves out the transient
-    working set of one block's backward pass, so it underestimates when that, not the head,
-    sets the peak (small vocabularies with long sequences; see docs/RESULTS.md).
+    Parameters and tokens (arguments) + parameter gradients (outputs, same size as the
+    parameters) + every residual the forward pass computes
+    (:attr:`jremat.ResidualsReport.computed_bytes`: non-constant residuals that are not arguments).
 
     Args:
       model_cfg: the model, with its policy.
@@ -184,9 +200,63 @@ def analytic_peak_bytes(
     token_bytes = 2 * batch_size * seq_len * 4 + 8
     if residuals is None:
         residuals = step_residuals(model_cfg, batch_size, seq_len)
-    bytes_per_logit = 4 + jnp.dtype(model_cfg.dtype).itemsize
-    head_work = bytes_per_logit * batch_size * seq_len * model_cfg.vocab_size // max(1, model_cfg.remat_head_chunks)
-    return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes + head_work)
+    return int(param_bytes + token_bytes + param_bytes + residuals.computed_bytes)
+
+
+def working_set_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> int:
+    """The step's transient working set: the compiled peak of :func:`shallow_config` beyond its
+    :func:`traced_step_bytes`.
+
+    It is what the backward pass holds besides the residuals at its peak: one block's backward
+    (recomputed activations, the ``[b, a, s, s]`` buffers of explicit attention, regenerated
+    dropout bits, gradient buffers) or the head's (the logits gradient and its copies), whichever
+    is larger; it does not grow with depth. Negative when the compiler keeps less than the
+    traced residuals (a residual it recomputes inside a fusion). Compile-only, cached with
+    :func:`step_memory_report`.
+
+    Raises:
+      RuntimeError: if the backend reports no compiled memory figures.
+    """
+    seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
+    shallow = shallow_config(model_cfg)
+    report = step_memory_report(shallow, batch_size, seq_len)
+    if not report.available:
+        raise RuntimeError("; ".join(report.notes) or "the backend reports no compiled memory figures")
+    return report.peak_bytes - traced_step_bytes(shallow, batch_size, seq_len)
+
+
+def analytic_peak_bytes(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    residuals: ResidualsReport | None = None,
+) -> int:
+    """Peak memory of the gradient step: the full depth's traced bytes plus the working set of a shallow copy.
+
+    Model: at the backward pass's peak every residual of the forward pass is alive, with the
+    parameters, tokens and parameter gradients (:func:`traced_step_bytes`, counted at full depth
+    from shapes), plus one transient working set, the largest of the head's backward and one
+    block's backward (:func:`working_set_bytes`, compiled on :func:`shallow_config`: at most two
+    scanned layers per group, so a deep scanned stack is never compiled). Where the shallow copy
+    is the model itself (at most two layers per group, nested or unrolled stacks) the estimate
+    is the compiled peak.
+
+    It assumes the step is compiled as :func:`jremat.jit` compiles it (see
+    :func:`jremat.compiler_options`) and that every scanned layer keeps what the traced
+    residuals say (one slice of the scan's stacked residuals per layer).
+
+    Args:
+      model_cfg: the model, with its policy.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
+      residuals: the step's residuals if already traced (saves a trace).
+
+    Raises:
+      RuntimeError: if the backend reports no compiled memory figures.
+    """
+    traced = traced_step_bytes(model_cfg, batch_size, seq_len, residuals=residuals)
+    return traced + working_set_bytes(model_cfg, batch_size, seq_len)
 
 
 def train_step_fn(graphdef, tx: optax.GradientTransformation) -> Callable:
@@ -281,5 +351,8 @@ __all__ = [
     "step_memory_report",
     "step_program",
     "step_residuals",
+    "shallow_config",
     "train_step_fn",
+    "traced_step_bytes",
+    "working_set_bytes",
 ]

@@ -268,7 +268,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     fused = any(r.attention_forward_passes for r in rows)
     header = (
         f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
-        f"{'saved/none':>10} {'recompute':>9} {'analytic':>11} {'anal.err':>8}"
+        f"{'saved/none':>10} {'recompute':>9} {'work set':>11} {'analytic':>11} {'anal.err':>8}"
         + (f" {'attn fwd':>8}" if fused else "")
         + (f" {'live peak':>11}" if live else "")
     )
@@ -276,12 +276,13 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     for r in rows:
         pr = ratio(r.peak_bytes, base.peak_bytes)
         sr = ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
-        err = ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes else None
+        err = ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes and r.analytic_peak_bytes else None
         lines.append(
             f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
             f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
             f"{f'{sr:.3f}' if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
-            f"{format_bytes(r.analytic_peak_bytes):>11} {f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
+            f"{format_bytes(r.working_set_bytes):>11} {format_bytes(r.analytic_peak_bytes):>11} "
+            f"{f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
             + (f" {r.attention_forward_passes:>8g}" if fused else "")
             + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
         )
@@ -290,6 +291,8 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
         f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
         f"peak from: {first.peak_source}; recompute = extra FLOPs vs none / step FLOPs under none "
         f"({base.step_flops:.3g})"
+        + "; work set = the backward pass's transient buffers at its peak, compiled on a two-layer copy; "
+        "analytic = traced residuals, parameters and gradients at full depth + work set"
         + ("; attn fwd = fused attention forward passes per layer (1: not recomputed)" if fused else "")
     )
     seen = set()

@@ -14,8 +14,10 @@ from jremat.models.programs import (
     loss_program,
     step_flops,
     step_memory_report,
+    shallow_config,
     step_program,
     step_residuals,
+    traced_step_bytes,
 )
 
 BATCH = 2
@@ -51,7 +53,7 @@ def test_traced_figures_follow_the_policy(tiny):
     none, full = tiny.replace(remat_policy="none"), tiny.replace(remat_policy="full")
     assert step_residuals(full, BATCH).saved_bytes < step_residuals(none, BATCH).saved_bytes
     assert step_flops(full, BATCH) > step_flops(none, BATCH)
-    assert analytic_peak_bytes(full, BATCH) < analytic_peak_bytes(none, BATCH)
+    assert traced_step_bytes(full, BATCH) < traced_step_bytes(none, BATCH)
 
 
 def test_adam_step_memory_counts_donated_state(tiny):
@@ -78,3 +80,40 @@ def test_step_memory_report_compiles_once_per_config_and_engine(tiny, monkeypatc
     finally:
         jax.config.update("jax_remat3", before)
         programs._step_memory_report.cache_clear()  # drop the fake reports
+
+
+@pytest.mark.parametrize(
+    "changes, layers, groups",
+    [
+        ({}, 2, ""),
+        ({"remat_layer_policies": "1:full,3:dots"}, 5, "1:full,2:dots"),  # 8 uncovered layers keep 2
+        ({"remat_layer_policies": "3:full,rest:none"}, 4, "2:full,2:none"),
+        ({"remat_policy": "nested:block=3,layer=full"}, 12, ""),  # nested groups are the structure
+        ({"scan_layers": False}, 12, ""),  # unrolled: kept whole
+    ],
+)
+def test_shallow_config_keeps_two_layers_per_group(changes, layers, groups):
+    shallow = shallow_config(preset("tiny", n_layers=12, **changes))
+    assert (shallow.n_layers, shallow.remat_layer_policies) == (layers, groups)
+
+
+# A block's backward, not the head, sets the peak here: explicit attention's [b, a, s, s] buffers
+# with a 64-token vocabulary. Four scanned layers, estimated from a two-layer copy.
+WORKING_SET_CASES = [
+    ("explicit", "full"),
+    ("blockwise", "selective"),
+    pytest.param("explicit", "selective", marks=pytest.mark.slow),
+    pytest.param("explicit", "none", marks=pytest.mark.slow),
+    pytest.param("blockwise", "full", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("attention, policy", WORKING_SET_CASES)
+def test_analytic_peak_counts_one_blocks_backward_working_set(attention, policy):
+    cfg = preset("tiny", n_layers=4, max_seq_len=256, remat_policy=policy, attention=attention, attention_block_size=64)
+    cfg = cfg.replace(remat_head_chunks=4 if policy != "none" else 0)
+    peak = step_memory_report(cfg, 2, 256).peak_bytes
+    estimate = analytic_peak_bytes(cfg, 2, 256)
+    assert abs(estimate - peak) <= 0.10 * peak
+    if attention == "explicit":  # without the working set the estimate would miss by far more than 10%
+        assert traced_step_bytes(cfg, 2, 256) < 0.8 * peak

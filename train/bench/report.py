@@ -298,8 +298,8 @@ MISS_NOTES = {
         "gives the bytes per layer."
     ),
     "Analytic peak": (
-        "The estimate (`models.programs.analytic_peak_bytes`) leaves out one block's transient backward working set; "
-        "when that, not the head, sets the peak, it underestimates."
+        "The estimate (`models.programs.analytic_peak_bytes`) adds a two-layer copy's compiled working set to the "
+        "traced bytes at full depth; a miss means the layers do not each keep what their traced residuals say."
     ),
     "Max batch": (
         "Under `full` the peak is mostly parameters, gradients and both Adam moments, which do not shrink with the "
