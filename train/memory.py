@@ -276,7 +276,11 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     for r in rows:
         pr = ratio(r.peak_bytes, base.peak_bytes)
         sr = ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
-        err = ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes) if r.peak_bytes and r.analytic_peak_bytes else None
+        err = (
+            ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes)
+            if r.peak_bytes and r.analytic_peak_bytes
+            else None
+        )
         lines.append(
             f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
             f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
