@@ -58,6 +58,7 @@ CSV_COLUMNS = (
     "saved_bytes_per_layer",
     "saved_per_sbh",
     "megatron_per_sbh",
+    "working_set_bytes",
     "analytic_peak_bytes",
     "analytic_error",
     "budget_bytes",
@@ -297,6 +298,7 @@ def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                 peak_reduction_vs_none=1 - r.peak_bytes / base.peak_bytes,
                 flops=r.step_flops,
                 flops_bound=r.step_flops / base.step_flops,
+                working_set_bytes=r.working_set_bytes,
                 analytic_peak_bytes=r.analytic_peak_bytes,
                 analytic_error=err,
             )

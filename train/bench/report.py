@@ -391,7 +391,16 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
             "",
         ]
         lines += _table(
-            ("policy", "saved / layer", "/ sbh", "Megatron / sbh", "compiled peak", "analytic peak", "error"),
+            (
+                "policy",
+                "saved / layer",
+                "/ sbh",
+                "Megatron / sbh",
+                "compiled peak",
+                "work set",
+                "analytic peak",
+                "error",
+            ),
             [
                 (
                     r["policy"],
@@ -399,6 +408,7 @@ def _section_tables(parts: dict[str, list[dict]], plots: Sequence[str], plot_dir
                     f"{r['saved_per_sbh']:.2f}",
                     f"{r['megatron_per_sbh']:.1f}" if r["megatron_per_sbh"] != "" else "",
                     format_bytes(r["peak_bytes"]),
+                    format_bytes(r["working_set_bytes"]),
                     format_bytes(r["analytic_peak_bytes"]),
                     f"{100 * r['analytic_error']:+.1f}%",
                 )
