@@ -210,9 +210,7 @@ def working_set_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int | No
     It is what the backward pass holds besides the residuals at its peak: one block's backward
     (recomputed activations, the ``[b, a, s, s]`` buffers of explicit attention, regenerated
     dropout bits, gradient buffers) or the head's (the logits gradient and its copies), whichever
-    is larger; it does not grow with depth. Negative when the compiler keeps less than the
-    traced residuals (a residual it recomputes inside a fusion). Compile-only, cached with
-    :func:`step_memory_report`.
+    is larger; it does not grow with depth. Compile-only, cached with :func:`step_memory_report`.
 
     Raises:
       RuntimeError: if the backend reports no compiled memory figures.
