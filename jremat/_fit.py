@@ -332,6 +332,58 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def largest_fitting(
+    peak: Callable[[int], int | None], budget: int, *, limit: int, max_probes: int | None = None
+) -> tuple[int, bool]:
+    """The largest ``n`` in ``1..limit`` with ``peak(n) <= budget``, in few calls of ``peak`` (each a compile).
+
+    A compiled peak grows close to linearly in the batch, so each step probes where the line
+    through the largest fitting ``n`` and the nearest probe crosses the budget (2 after 1), at
+    most 4x the largest fitting ``n`` until one does not fit; then within the bracket, with every
+    third step a bisection. It ends when ``n`` fits and ``n + 1`` does not, or at ``limit``.
+
+    Args:
+      peak: bytes at ``n``; ``None`` counts as not fitting.
+      budget: the bytes allowed.
+      limit: the largest ``n`` tried.
+      max_probes: stop after this many calls of ``peak`` (``None``: no cap).
+
+    Returns:
+      ``(n, verified)``: ``n = 0`` if even 1 does not fit; ``verified`` is ``False`` when
+      ``max_probes`` ran out before the boundary was found (``n`` fits and is a lower bound).
+    """
+    peaks: dict[int, float] = {}
+
+    def fits(n):
+        value = peak(n)
+        peaks[n] = value if value is not None else budget + 1
+        return peaks[n] <= budget
+
+    if not fits(1):
+        return 0, True
+    lo, hi, line_steps = 1, None, 0
+    while lo < limit and (hi is None or hi > lo + 1):
+        if max_probes is not None and len(peaks) >= max_probes:
+            return lo, False
+        second = hi if hi is not None else max((n for n in peaks if n < lo), default=None)
+        guess = None
+        if second is not None and peaks[second] != peaks[lo]:
+            slope = (peaks[second] - peaks[lo]) / (second - lo)
+            guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
+        if hi is None:  # at most 4x per step: a line through small batches overshoots
+            guess = 2 * lo if guess is None else min(max(guess, lo + 1), 4 * lo)
+        elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
+            guess, line_steps = (lo + hi) // 2, 0
+        else:
+            guess, line_steps = min(max(guess, lo + 1), hi - 1), line_steps + 1
+        guess = min(guess, limit)
+        if fits(guess):
+            lo = guess
+        else:
+            hi = guess
+    return lo, True
+
+
 class _Search:
     def __init__(self, build: StepBuilder, progress: Callable[[str], None] | None):
         self.build = build
@@ -373,42 +425,9 @@ class _Search:
         return out
 
     def largest_batch(self, policy: str, budget: int, max_batch_size: int) -> FitProbe | None:
-        """The probe of the largest batch whose peak fits.
-
-        A compiled peak grows close to linearly in the batch, so each step probes where the line
-        through the largest fitting batch and the nearest probe crosses the budget (batch 2 after
-        batch 1), at most 4x the largest fitting batch until a batch does not fit; then within the
-        bracket, with every third step a bisection. It ends when batch ``b`` fits and ``b + 1``
-        does not, or at ``max_batch_size``.
-        """
-        peaks: dict[int, int] = {}
-
-        def fits(b):
-            peak = self.probe(policy, b, 1).peak_bytes
-            peaks[b] = peak if peak is not None else budget + 1
-            return peaks[b] <= budget
-
-        if not fits(1):
-            return None
-        lo, hi, line_steps = 1, None, 0
-        while lo < max_batch_size and (hi is None or hi > lo + 1):
-            second = hi if hi is not None else max((b for b in peaks if b < lo), default=None)
-            guess = None
-            if second is not None and peaks[second] != peaks[lo]:
-                slope = (peaks[second] - peaks[lo]) / (second - lo)
-                guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
-            if hi is None:  # at most 4x per step: a line through small batches overshoots
-                guess = 2 * lo if guess is None else min(max(guess, lo + 1), 4 * lo)
-            elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
-                guess, line_steps = (lo + hi) // 2, 0
-            else:
-                guess, line_steps = min(max(guess, lo + 1), hi - 1), line_steps + 1
-            guess = min(guess, max_batch_size)
-            if fits(guess):
-                lo = guess
-            else:
-                hi = guess
-        return self.probes[(policy, lo, 1)]
+        """The probe of the largest batch whose peak fits (:func:`largest_fitting`), or ``None``."""
+        batch, _ = largest_fitting(lambda b: self.probe(policy, b, 1).peak_bytes, budget, limit=max_batch_size)
+        return self.probes[(policy, batch, 1)] if batch else None
 
     def fewest_micro_batches(self, policy: str, budget: int, global_batch: int) -> FitProbe | None:
         """The probe of the fewest micro-batches (among the divisors of the global batch) that fits."""

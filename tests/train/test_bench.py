@@ -6,6 +6,7 @@ import jax
 import pytest
 from flax import nnx
 
+from jremat._fit import largest_fitting
 from jremat.models import GPT, PRESETS
 from jremat.train.bench import cli as bench
 from jremat.train.bench import flops, harness, parts, peers, plots, report
@@ -247,17 +248,20 @@ def test_time_ratios_pair_rounds_so_load_drift_cancels():
     assert bench.time_ratios(times, "none")["none"] == (1.0, 1.0, 1.0)
 
 
-def test_max_batch_bisects_when_the_affine_prediction_is_off():
-    # peak rises 1 per sequence up to 8, then only 0.4: the prediction from batches 1 and 8 says
-    # 8, the answer is 9; walking down one batch at a time from 16 would run out of compiles
+def test_max_batch_search_finds_the_boundary_when_the_slope_changes():
+    # peak rises 1 per sequence up to 8, then only 0.4: a line through batches 1 and 2 says 8,
+    # the answer is 9; the bench's search stops at parts.MAXBATCH_PROBES compiles
     calls = []
 
     def peak(batch):
         calls.append(batch)
         return 10 + (batch - 1 if batch <= 8 else 7 + 0.4 * (batch - 8))
 
-    assert parts.max_batch(peak, budget=17.5) == (9, True)
-    assert len(set(calls)) == len(calls) <= 8
+    assert largest_fitting(peak, 17.5, limit=parts.MAXBATCH_LIMIT, max_probes=parts.MAXBATCH_PROBES) == (9, True)
+    assert len(set(calls)) == len(calls) <= parts.MAXBATCH_PROBES
+    calls.clear()
+    assert largest_fitting(peak, 10**6, limit=10**6, max_probes=3) == (8, False)  # a lower bound
+    assert len(calls) == 3
 
 
 def test_needle_scopes_cover_blocks_head_and_whole_step():

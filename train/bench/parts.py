@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from jremat._fit import largest_fitting
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.policy_memory import policy_memory
 from jremat.train.bench import flops, harness, peers
@@ -26,6 +27,10 @@ from jremat.train.bench.harness import (
     measured_ratios,
     memory_fields,
 )
+
+#: The max-batch search: compiles per policy at most, and the largest batch tried.
+MAXBATCH_PROBES = 8
+MAXBATCH_LIMIT = 1 << 16
 
 CSV_COLUMNS = (
     "part",
@@ -306,44 +311,6 @@ def part_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     return rows
 
 
-def max_batch(peak: Callable[[int], int], budget: int, *, max_compiles: int = 8) -> tuple[int, bool]:
-    """Largest batch ``b`` with ``peak(b) <= budget``; ``peak`` is a compile, so few are made.
-
-    Peak is close to affine in the batch size, so the answer is predicted from batch 1 and 8 and
-    then checked: the search ends when ``b`` fits and ``b + 1`` does not. Falls back to bisection
-    when the prediction is off.
-
-    Returns:
-      ``(batch, verified)``; ``verified`` is False if ``max_compiles`` ran out before the
-      boundary was bracketed (``batch`` then fits and is a lower bound). ``(0, True)`` if even
-      batch 1 does not fit.
-    """
-    peaks: dict[int, int] = {}
-
-    def fits(batch):
-        if batch not in peaks:
-            peaks[batch] = peak(batch)
-        return peaks[batch] <= budget
-
-    if not fits(1):
-        return 0, True
-    lo, hi = (8, None) if fits(8) else (1, 8)
-    slope = max(1.0, (peaks[8] - peaks[1]) / 7)
-    guess = max(1, int(1 + (budget - peaks[1]) // slope))
-    guided = 2  # the prediction and its neighbour; after that, bisect
-    while len(peaks) < max_compiles and not (hi is not None and hi == lo + 1):
-        if hi is None:
-            candidate = guess if guided > 0 and guess > lo else 2 * lo
-        else:
-            candidate = guess if guided > 0 and lo < guess < hi else (lo + hi) // 2
-        guided -= 1
-        if fits(candidate):
-            lo, guess = candidate, candidate + 1
-        else:
-            hi, guess = candidate, candidate - 1
-    return lo, hi is not None and hi == lo + 1
-
-
 def part_maxbatch(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Largest batch per policy (whole step) whose compiled Adam-step peak fits the budget."""
     budget = int(config.maxbatch_budget_gib * GIB)
@@ -352,7 +319,12 @@ def part_maxbatch(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     for spec in MAXBATCH_POLICIES:
         cfg = config.whole_step(config.megatron_config(spec), spec)
         t0 = time.perf_counter()
-        batch, verified = max_batch(lambda b, cfg=cfg: bench_peak(harness.step_memory(cfg, b, seq).memory), budget)
+        batch, verified = largest_fitting(
+            lambda b, cfg=cfg: bench_peak(harness.step_memory(cfg, b, seq).memory),
+            budget,
+            limit=MAXBATCH_LIMIT,
+            max_probes=MAXBATCH_PROBES,
+        )
         log(f"[maxbatch] {spec}: {batch}{'' if verified else ' (lower bound)'} ({time.perf_counter() - t0:.1f} s)")
         fields = memory_fields(harness.step_memory(cfg, batch, seq).memory) if batch else {}
         rows.append(
