@@ -33,6 +33,7 @@ from jremat.models.programs import (
     attention_forward_passes,
     block_program,
     loss_program,
+    shallow_config,
     step_flops,
     step_memory_report,
     step_program,
@@ -77,8 +78,9 @@ class PolicyMemory:
       analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes` (traced bytes at full
         depth + :attr:`working_set_bytes`), or ``None`` when not compiled.
       working_set_bytes: :func:`models.programs.working_set_bytes`: the transient working set of
-        the backward pass at its peak (the head's or one block's), measured on a two-layer copy;
-        ``None`` when not compiled.
+        the backward pass at its peak (the head's or one block's), measured on
+        :func:`models.programs.shallow_config` (at most two layers per layer group; nested and
+        unrolled stacks whole); ``None`` when not compiled.
       notes: caveats (backend, truthfulness checks).
       attention_forward_passes: fused attention forward kernels per layer in the training step,
         averaged over the layers (:func:`models.programs.attention_forward_passes`): 1 = the
@@ -148,7 +150,7 @@ def policy_memory(
     """Memory report of the gradient step of ``GPT(model_cfg)`` under ``model_cfg.remat_policy``.
 
     Nothing is executed. ``compile=False`` skips XLA (only traced figures are filled; compiled
-    byte fields and the analytic estimate, which compiles a two-layer copy, are ``None``).
+    byte fields and the analytic estimate, which compiles a shallow copy of the model, are ``None``).
 
     Args:
       model_cfg: the model, with the policy to measure in ``remat_policy``.
@@ -198,7 +200,12 @@ def policy_memory(
         )
     get = (lambda name: getattr(report, name)) if report is not None and report.available else (lambda name: None)
     traced_bytes = traced_step_bytes(model_cfg, batch_size, seq_len, residuals=whole)
-    working_set = working_set_bytes(model_cfg, batch_size, seq_len) if get("peak_bytes") is not None else None
+    if get("peak_bytes") is None:
+        working_set = None
+    elif shallow_config(model_cfg) == model_cfg:  # the shallow copy is this very step: no second compile
+        working_set = report.peak_bytes - traced_bytes
+    else:
+        working_set = working_set_bytes(model_cfg, batch_size, seq_len)
     return PolicyMemory(
         policy=registry.normalize_spec(model_cfg.remat_policy),
         n_layers=model_cfg.n_layers,
@@ -369,7 +376,8 @@ def compare_policies(
 def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
     """One line for a trainer's start-up log: peak estimate and saved bytes per layer vs ``none``.
 
-    Compiles the gradient step twice (the policy and ``none``); nothing runs.
+    Compiles the gradient step of the policy and of ``none`` (and, for stacks deeper than two
+    layers per group, their shallow copies for the analytic estimate); nothing runs.
     """
     rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
     row = rows[0]

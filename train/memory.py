@@ -295,7 +295,8 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
         f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
         f"peak from: {first.peak_source}; recompute = extra FLOPs vs none / step FLOPs under none "
         f"({base.step_flops:.3g})"
-        + "; work set = the backward pass's transient buffers at its peak, compiled on a two-layer copy; "
+        + "; work set = the backward pass's transient buffers at its peak, compiled on a copy with at most "
+        "two layers per layer group (nested or unrolled stacks: the whole model); "
         "analytic = traced residuals, parameters and gradients at full depth + work set"
         + ("; attn fwd = fused attention forward passes per layer (1: not recomputed)" if fused else "")
     )

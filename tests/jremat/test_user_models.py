@@ -31,7 +31,7 @@ def example_specs(tag):
 EXAMPLE_SPECS = example_specs(user_models.HIDDEN)
 WMT_SPECS = example_specs("wmt_mlp")
 #: Models whose decorated blocks hold attention (selective applies there, found by structure).
-MODELS_WITH_ATTENTION = {"wmt"}
+MODELS_WITH_ATTENTION = {"wmt", "nnx_attention"}
 
 
 def test_every_builtin_policy_is_covered():
@@ -89,10 +89,11 @@ def reference(model):
 _EVERY_POLICY_IN_CI = {"plain", "nnx_call_time_rngs"}
 _POLICIES_IN_CI = {"full", "names", "offload", "selective"}
 _WMT_POLICIES_IN_CI = {"names"}
+_NNX_ATTENTION_POLICIES_IN_CI = {"full", "selective"}
 
 
 def _marks(model, policy):
-    in_ci = _WMT_POLICIES_IN_CI if model == "wmt" else _POLICIES_IN_CI
+    in_ci = {"wmt": _WMT_POLICIES_IN_CI, "nnx_attention": _NNX_ATTENTION_POLICIES_IN_CI}.get(model, _POLICIES_IN_CI)
     return () if model in _EVERY_POLICY_IN_CI or policy in in_ci else pytest.mark.slow
 
 

@@ -206,6 +206,20 @@ class NnxCallTimeRngsBlock(nnx.Module):
         return x + self.down(self.drop(h, rngs=rngs))
 
 
+class NnxAttentionBlock(nnx.Module):
+    """Flax's ``nnx.MultiHeadAttention`` with attention dropout from ``nnx.Rngs`` given at call time."""
+
+    def __init__(self, width, rngs):
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=2, in_features=width, qkv_features=width, decode=False, dropout_rate=0.3, rngs=rngs
+        )
+        self.up = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x, *, rngs):
+        h = checkpoint_name(x + self.attn(x, rngs=rngs, deterministic=False), HIDDEN)
+        return h + self.up(jax.nn.gelu(h))
+
+
 class NnxSharedBlock(nnx.Module):
     """A block that uses a projection shared with every other block (tied weights)."""
 
@@ -258,6 +272,22 @@ def nnx_call_time_rngs_case(spec, *, batch=2, width=WIDTH) -> Case:
     def call(model, x, key):
         for b in model.blocks:
             x = b(x, rngs=model.rngs)
+        return x
+
+    return _nnx_case(spec, Model, call, width, batch)
+
+
+def nnx_attention_case(spec, *, batch=2, width=WIDTH) -> Case:
+    cls = decorate(spec, NnxAttentionBlock)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.blocks = nnx.List([cls(width, nnx.Rngs(i)) for i in range(N_BLOCKS)])
+            self.rngs = nnx.Rngs(dropout=5)
+
+    def call(model, x, key):
+        for b in model.blocks:
+            x = b(x[None], rngs=model.rngs)[0]  # one sequence of `batch` tokens
         return x
 
     return _nnx_case(spec, Model, call, width, batch)
@@ -393,6 +423,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "linen_batchnorm": lambda spec: linen_case(spec, block_cls=LinenBatchNormBlock),
     "nnx": nnx_case,
     "nnx_call_time_rngs": nnx_call_time_rngs_case,
+    "nnx_attention": nnx_attention_case,
     "nnx_shared": nnx_shared_case,
     "wmt": wmt_case,
 }

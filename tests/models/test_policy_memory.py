@@ -28,3 +28,9 @@ def test_config_for_spec_plans_auto_and_passes_other_specs_through():
     assert same.remat_policy == "full" and plan is None
     planned, plan = config_for_spec(cfg, "auto", 2, memory_budget="1")
     assert plan is not None and planned == plan.config and plan.candidate.remat_layers == 0
+
+
+def test_without_a_compile_there_is_no_analytic_estimate():
+    row = policy_memory(preset("tiny", remat_policy="full"), batch_size=2, compile=False)
+    assert row.peak_bytes is None and row.analytic_peak_bytes is None and row.working_set_bytes is None
+    assert row.saved_bytes_per_layer > 0  # the traced figures are there

@@ -88,6 +88,12 @@ def test_step_memory_report_compiles_once_per_config_and_engine(tiny, monkeypatc
         ({}, 2, ""),
         ({"remat_layer_policies": "1:full,3:dots"}, 5, "1:full,2:dots"),  # 8 uncovered layers keep 2
         ({"remat_layer_policies": "3:full,rest:none"}, 4, "2:full,2:none"),
+        (
+            {"remat_layer_policies": "2:every_k:k=2,skip_cheap=true,rest:none"},
+            4,
+            "2:every_k:k=2,skip_cheap=true,2:none",
+        ),
+        ({"remat_layer_policies": "12:full"}, 2, "2:full"),  # the groups cover the stack exactly
         ({"remat_policy": "nested:block=3,layer=full"}, 12, ""),  # nested groups are the structure
         ({"scan_layers": False}, 12, ""),  # unrolled: kept whole
     ],
@@ -95,6 +101,7 @@ def test_step_memory_report_compiles_once_per_config_and_engine(tiny, monkeypatc
 def test_shallow_config_keeps_two_layers_per_group(changes, layers, groups):
     shallow = shallow_config(preset("tiny", n_layers=12, **changes))
     assert (shallow.n_layers, shallow.remat_layer_policies) == (layers, groups)
+    assert shallow_config(preset("tiny", n_layers=1)).n_layers == 1
 
 
 # A block's backward, not the head, sets the peak here: explicit attention's [b, a, s, s] buffers
@@ -109,11 +116,20 @@ WORKING_SET_CASES = [
 
 
 @pytest.mark.parametrize("attention, policy", WORKING_SET_CASES)
-def test_analytic_peak_counts_one_blocks_backward_working_set(attention, policy):
+def test_analytic_peak_counts_one_blocks_backward_working_set(attention, policy, monkeypatch):
     cfg = preset("tiny", n_layers=4, max_seq_len=256, remat_policy=policy, attention=attention, attention_block_size=64)
     cfg = cfg.replace(remat_head_chunks=4 if policy != "none" else 0)
-    peak = step_memory_report(cfg, 2, 256).peak_bytes
+    compiled_depths = []
+    compile_step = programs._step_memory_report
+
+    def recording(model_cfg, *rest):
+        compiled_depths.append(model_cfg.n_layers)
+        return compile_step(model_cfg, *rest)
+
+    monkeypatch.setattr(programs, "_step_memory_report", recording)
     estimate = analytic_peak_bytes(cfg, 2, 256)
+    assert compiled_depths == [2]  # the estimate compiles the two-layer copy, never the model itself
+    peak = step_memory_report(cfg, 2, 256).peak_bytes
     assert abs(estimate - peak) <= 0.10 * peak
     if attention == "explicit":  # without the working set the estimate would miss by far more than 10%
         assert traced_step_bytes(cfg, 2, 256) < 0.8 * peak

@@ -46,9 +46,7 @@ def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced
     none, auto = json.loads(capsys.readouterr().out)
     budget = int(auto["policy"].split("auto:budget=")[1].split(" ")[0])
     assert auto["peak_bytes"] <= budget < none["peak_bytes"]
-    # The auto row reuses the planner's compile of its plan; both rows' analytic estimates reuse
-    # their row's compile (a two-layer model is its own shallow copy).
-    assert traced_reports.cache_info().hits == 3
+    assert traced_reports.cache_info().hits == 1  # the auto row: the planner's compile of its plan
 
 
 def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XLA's figures

@@ -298,8 +298,9 @@ MISS_NOTES = {
         "gives the bytes per layer."
     ),
     "Analytic peak": (
-        "The estimate (`models.programs.analytic_peak_bytes`) adds a two-layer copy's compiled working set to the "
-        "traced bytes at full depth; a miss means the layers do not each keep what their traced residuals say."
+        "The estimate (`models.programs.analytic_peak_bytes`) adds a shallow copy's compiled working set to the "
+        "traced bytes at full depth; a miss means, e.g., that the layers do not each keep what their traced residuals "
+        "say, or that the compiler schedules the deep stack differently from the shallow copy."
     ),
     "Max batch": (
         "Under `full` the peak is mostly parameters, gradients and both Adam moments, which do not shrink with the "
