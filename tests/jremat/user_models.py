@@ -207,7 +207,10 @@ class NnxCallTimeRngsBlock(nnx.Module):
 
 
 class NnxAttentionBlock(nnx.Module):
-    """Flax's ``nnx.MultiHeadAttention`` with attention dropout from ``nnx.Rngs`` given at call time."""
+    """Flax's ``nnx.MultiHeadAttention`` with attention dropout from ``nnx.Rngs`` given at call time.
+
+    The input ``[batch, width]`` is attended as one sequence of ``batch`` tokens.
+    """
 
     def __init__(self, width, rngs):
         self.attn = nnx.MultiHeadAttention(
@@ -261,8 +264,9 @@ def nnx_case(spec, *, batch=2, width=WIDTH) -> Case:
     return _nnx_case(spec, make, call, width, batch)
 
 
-def nnx_call_time_rngs_case(spec, *, batch=2, width=WIDTH) -> Case:
-    cls = decorate(spec, NnxCallTimeRngsBlock)
+def nnx_call_time_rngs_case(spec, *, block_cls=None, batch=2, width=WIDTH) -> Case:
+    """``block_cls`` blocks (default :class:`NnxCallTimeRngsBlock`) called with the model's ``nnx.Rngs``."""
+    cls = decorate(spec, block_cls or NnxCallTimeRngsBlock)
 
     class Model(nnx.Module):
         def __init__(self):
@@ -272,22 +276,6 @@ def nnx_call_time_rngs_case(spec, *, batch=2, width=WIDTH) -> Case:
     def call(model, x, key):
         for b in model.blocks:
             x = b(x, rngs=model.rngs)
-        return x
-
-    return _nnx_case(spec, Model, call, width, batch)
-
-
-def nnx_attention_case(spec, *, batch=2, width=WIDTH) -> Case:
-    cls = decorate(spec, NnxAttentionBlock)
-
-    class Model(nnx.Module):
-        def __init__(self):
-            self.blocks = nnx.List([cls(width, nnx.Rngs(i)) for i in range(N_BLOCKS)])
-            self.rngs = nnx.Rngs(dropout=5)
-
-    def call(model, x, key):
-        for b in model.blocks:
-            x = b(x[None], rngs=model.rngs)[0]  # one sequence of `batch` tokens
         return x
 
     return _nnx_case(spec, Model, call, width, batch)
@@ -423,7 +411,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "linen_batchnorm": lambda spec: linen_case(spec, block_cls=LinenBatchNormBlock),
     "nnx": nnx_case,
     "nnx_call_time_rngs": nnx_call_time_rngs_case,
-    "nnx_attention": nnx_attention_case,
+    "nnx_attention": lambda spec: nnx_call_time_rngs_case(spec, block_cls=NnxAttentionBlock),
     "nnx_shared": nnx_shared_case,
     "wmt": wmt_case,
 }
