@@ -26,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.extend.random import threefry_2x32
 
-from jremat import names
+from jremat import _engine, names
 
 #: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
 FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
@@ -66,9 +65,10 @@ def blockwise_attention(
 ) -> jax.Array:
     """Softmax self-attention computed block by block, with a memory-efficient custom gradient.
 
-    Equal to :func:`reference_attention` up to float rounding, dropout masks included. It is
-    reverse-mode only (a ``custom_vjp``): ``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` through
-    it raise JAX's error for custom_vjp functions. The
+    Equal to :func:`reference_attention` up to float rounding, dropout masks included. It has
+    first-order reverse-mode derivatives only (a ``custom_vjp``): ``jax.jvp`` and ``jax.jacfwd``
+    through it raise JAX's error for custom_vjp functions, and differentiating its gradient
+    (``jax.hessian``, grad of grad) raises ``NotImplementedError``. The
     backward pass keeps ``q``, ``k``, ``v``, the output and a float32 log-sum-exp of shape
     ``[batch, heads, seq]`` (plus the dropout key); it recomputes everything else block by block.
 
@@ -91,9 +91,11 @@ def blockwise_attention(
       ``[batch, seq, heads, value_dim]`` in ``q``'s dtype.
 
     Raises:
-      ValueError: if the shapes or dtypes do not match, ``block_size`` is not a positive integer,
-        ``dropout_rate`` is outside ``[0, 1)``, or the dropout key is not a single threefry2x32
-        key with ``jax_threefry_partitionable`` on.
+      ValueError: if the shapes or dtypes do not match, a dimension is empty, the inputs are
+        float64 (x64 on), ``block_size`` is not a positive integer, ``dropout_rate`` is outside
+        ``[0, 1)``, ``causal``, ``scale`` or ``dropout_rate`` is traced, or the dropout key is not
+        a single threefry2x32 key with ``jax_threefry_partitionable`` on.
+      NotImplementedError: when its gradient is differentiated.
     """
     _check_inputs(q, k, v)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
@@ -111,7 +113,7 @@ def blockwise_attention(
                 "split the batch into several calls"
             )
     cfg = _Config(
-        causal=bool(causal),
+        causal=_static_bool(causal, "causal"),
         block=min(int(block_size), seq),
         seq=seq,
         scale=_scale(scale, q.shape[-1]),
@@ -156,7 +158,8 @@ def reference_attention(
     _check_inputs(q, k, v)
     rate = _check_rate(dropout_rate)
     seq = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * _scale(scale, q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # may be traced here
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -309,18 +312,53 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(f"the sequence must not be empty, got q {q.shape}")
     if v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must match q in batch, seq and heads, got q {q.shape} and v {v.shape}")
+    empty = [
+        name for name, size in zip(("batch", "heads", "head_dim"), (q.shape[0], q.shape[2], q.shape[3])) if not size
+    ]
+    if empty or not v.shape[3]:
+        raise ValueError(
+            f"q, k and v must have a nonzero batch, heads, head_dim and value_dim, got q {q.shape} and v {v.shape}"
+        )
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k and v must have one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if jax.dtypes.canonicalize_dtype(q.dtype).itemsize > 4:  # float64 only where x64 is on
+        raise ValueError(
+            f"attention computes its scores and softmax in float32; got {q.dtype} inputs, which would "
+            "lose precision silently: pass float32, bfloat16 or float16"
+        )
+
+
+def _static_float(value, what: str) -> float:
+    """``value`` as a Python float; a traced value or a non-number is a ``ValueError``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating, np.ndarray, jax.Array)
+    ):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (jax.errors.ConcretizationTypeError, TypeError) as err:
+        raise ValueError(
+            f"{what} must be a static Python number (it fixes the kernel's program), got a traced or "
+            f"non-scalar value {getattr(value, 'aval', value)}; pass it as a constant, not as a jit argument"
+        ) from err
 
 
 def _check_rate(rate) -> float:
+    rate = _static_float(rate, "dropout rate")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    return float(rate)
+    return rate
+
+
+def _static_bool(value, what: str) -> bool:
+    try:
+        return bool(value)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError) as err:
+        raise ValueError(f"{what} must be a static Python bool, got a traced value; pass it as a constant") from err
 
 
 def _scale(scale, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    return 1.0 / math.sqrt(head_dim) if scale is None else _static_float(scale, "scale")
 
 
 def _threefry_key_data(key) -> jax.Array:
@@ -330,9 +368,16 @@ def _threefry_key_data(key) -> jax.Array:
             "attention dropout regenerates masks block by block, which needs jax_threefry_partitionable=True "
             "(the default); it is off"
         )
+    if not hasattr(key, "dtype"):
+        raise ValueError(f"dropout_key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__} {key!r}")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.dtype != jnp.uint32:
             raise ValueError(f"dropout_key must be a PRNG key (jax.random.key), got an array of dtype {key.dtype}")
+        if key.shape != (2,):
+            raise ValueError(
+                f"a raw uint32 dropout_key must be one threefry key of shape (2,) (jax.random.PRNGKey), "
+                f"got shape {key.shape}; pass jax.random.key(seed)"
+            )
         key = jax.random.wrap_key_data(key)  # a legacy raw key: the default implementation's
     impl = str(jax.random.key_impl(key))
     if impl != "threefry2x32":
@@ -599,8 +644,8 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
     out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
-    out = checkpoint_name(out, names.ATTN_CONTEXT)
-    lse = checkpoint_name(lse, names.ATTN_LSE)
+    out = _engine.name_tag(out, names.ATTN_CONTEXT)
+    lse = _engine.name_tag(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)
 
 
@@ -616,9 +661,31 @@ def _with_gradient_fwd(cfg: _Config, q, k, v, out, lse, key_data):
 
 def _with_gradient_bwd(cfg: _Config, residuals, d_out):
     q, k, v, out, lse, key_data = residuals
-    dq, dk, dv = _backward_blocks(cfg, q, k, v, out, lse, key_data, d_out)
+    dq, dk, dv = _first_order_backward(cfg, q, k, v, out, lse, key_data, d_out)
     # out and lse are functions of q, k and v, whose gradient is all above.
     return dq, dk, dv, None, None, None
 
 
 _with_gradient.defvjp(_with_gradient_fwd, _with_gradient_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_backward(cfg: _Config, q, k, v, out, lse, key_data, d_out):
+    return _backward_blocks(cfg, q, k, v, out, lse, key_data, d_out)
+
+
+@_first_order_backward.defjvp
+def _differentiating_the_backward_pass(cfg: _Config, primals, tangents):
+    # Differentiating the gradient (jax.hessian, grad of grad, jvp of grad) would treat the saved
+    # output and log-sum-exp as constants, since the forward loop runs on gradient-stopped inputs,
+    # and give wrong second derivatives; refuse instead.
+    raise NotImplementedError(HIGHER_ORDER_MESSAGE)
+
+
+#: The error that differentiating :func:`blockwise_attention`'s gradient raises.
+HIGHER_ORDER_MESSAGE = (
+    "blockwise_attention has first-order reverse-mode derivatives only (jax.grad, jax.vjp, "
+    "jax.value_and_grad); differentiating its gradient (jax.hessian, jax.grad of jax.grad, "
+    "jax.jvp of jax.grad) is not supported: use reference_attention or "
+    "jax.nn.dot_product_attention for higher-order derivatives"
+)

@@ -400,6 +400,10 @@ def test_memory_grows_linearly_and_stays_under_the_explicit_paths():
         (dict(dropout_rate=0.1, dropout_key=jax.random.key(0, impl="rbg")), "needs a threefry2x32 key.*'rbg'"),
         (dict(dropout_rate=0.1, dropout_key=jax.random.split(jax.random.key(0))), "a single key"),
         (dict(dropout_rate=0.1, dropout_key=jnp.zeros(2, jnp.float32)), "must be a PRNG key"),
+        (dict(dropout_rate=0.1, dropout_key=7), "must be a PRNG key"),
+        (dict(dropout_rate=0.1, dropout_key=jnp.zeros(3, jnp.uint32)), r"of shape \(2,\)"),
+        (dict(dropout_rate="0.1", dropout_key=jax.random.key(0)), "dropout rate must be a number"),
+        (dict(scale="2"), "scale must be a number"),
     ],
 )
 def test_rejects_bad_arguments(kwargs, match):
@@ -420,6 +424,69 @@ def test_rejects_mismatched_shapes_and_dtypes():
         attention.blockwise_attention(q[:, :0], k[:, :0], v[:, :0])
     with pytest.raises(ValueError, match="one floating dtype"):
         attention.blockwise_attention(q, k, v.astype(jnp.bfloat16))
+    for sliced in (np.s_[:0], np.s_[:, :, :0], np.s_[..., :0]):  # batch, heads, head_dim
+        with pytest.raises(ValueError, match="nonzero batch, heads, head_dim"):
+            attention.blockwise_attention(q[sliced], k[sliced], v[sliced])
+
+
+def test_float64_inputs_are_refused_where_x64_is_on():
+    q, k, v = (np.asarray(x, np.float64) for x in qkv(16))
+    assert attention.blockwise_attention(q, k, v, block_size=8).dtype == jnp.float32  # x64 off: canonicalized
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="float64 inputs, which would lose precision"):
+            attention.blockwise_attention(*(jnp.asarray(x) for x in (q, k, v)), block_size=8)
+
+
+@pytest.mark.parametrize("argument", ["scale", "dropout_rate", "causal"])
+def test_traced_static_arguments_are_refused(argument):
+    q, k, v = qkv(16)
+    value = {"scale": 0.5, "dropout_rate": 0.1, "causal": True}[argument]
+
+    def attend(x):
+        kwargs = {argument: x, "dropout_key": jax.random.key(0)}
+        return attention.blockwise_attention(q, k, v, block_size=8, **kwargs)
+
+    attend(value)  # a constant is fine
+    with pytest.raises(ValueError, match=f"{argument.replace('_', ' ')} must be a static"):
+        jax.jit(attend)(value)
+
+
+def test_differentiating_the_gradient_raises_instead_of_a_wrong_answer(remat_engine):
+    """The forward loop runs on gradient-stopped inputs, so a second derivative would miss the
+    saved output's and lse's dependence on q: every higher-order path raises."""
+    q, k, v = qkv(8, batch=1, heads=1, head_dim=2)
+
+    def loss(q):
+        return jnp.sum(jnp.sin(attention.blockwise_attention(q, k, v, block_size=4)))
+
+    def reference_loss(q):
+        return jnp.sum(jnp.sin(attention.reference_attention(q, k, v)))
+
+    assert rel_err(jax.grad(loss)(q), jax.grad(reference_loss)(q)) <= 1e-5  # first order: exact
+    second_orders = {
+        "hessian": lambda: jax.hessian(loss)(q),
+        "grad of grad": lambda: jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(q),
+        "jvp of grad": lambda: jax.jvp(jax.grad(loss), (q,), (jnp.ones_like(q),)),
+    }
+    for run in second_orders.values():
+        with pytest.raises(NotImplementedError, match="first-order reverse-mode derivatives only"):
+            run()
+    jax.hessian(reference_loss)(q)  # the oracle has a Hessian: the refusal is blockwise's own
+
+
+def test_vmap_batches_the_kernel_and_its_name_tags(remat_engine):
+    q, k, v = (jnp.stack([x, x * 0.5]) for x in qkv(16))
+    attend = functools.partial(attention.blockwise_attention, block_size=8)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(attend(q, k, v)))
+
+    outs = jax.vmap(attend)(q, k, v)
+    grads = jax.jit(jax.vmap(jax.grad(loss)))(q, k, v)
+    for qi, ki, vi, out, grad in zip(q, k, v, outs, grads):
+        assert rel_err(out, attention.reference_attention(qi, ki, vi)) <= 1e-5
+        ref = jax.grad(lambda x, ki=ki, vi=vi: jnp.sum(jnp.sin(attention.reference_attention(x, ki, vi))))(qi)
+        assert rel_err(grad, ref) <= 1e-5
 
 
 def test_rejects_dropout_without_partitionable_threefry():
