@@ -13,9 +13,10 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _program
+from jremat import _engine, _jax_compat, _liveness, _program
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -222,7 +223,30 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
     # jit merely forwards become the same variable (no double counting).
     inlined = _program.inline_calls(closed, leaves)
     jaxpr = inlined.jaxpr
-    return jaxpr, jaxpr.outvars[len(jaxpr.outvars) - n_res :], leaves, in_tree
+    res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
+    read = _residuals_the_backward_reads(out_shape)
+    return jaxpr, [v for v, r in zip(res_vars, read) if r], leaves, in_tree
+
+
+def _residuals_the_backward_reads(out_shape) -> list[bool]:
+    """Which residuals of ``jax.vjp``'s pullback its backward pass reads once dead code is gone.
+
+    Under the classic engine every residual is read. Under remat3 a saved value's recomputation
+    stays in the pullback as an input that a ``custom_jvp_call`` ignores, and the residuals only
+    it reads are removed by XLA: they are not kept.
+    """
+    primal_shape, pullback_shape = out_shape
+    res_shapes = jax.tree.leaves(pullback_shape)
+    cts = jax.tree.leaves(primal_shape)
+    if _engine.active_engine() != _engine.REMAT3 or not all(jnp.issubdtype(c.dtype, jnp.inexact) for c in cts):
+        return [True] * len(res_shapes)
+    pullback_tree = jax.tree.structure(pullback_shape)
+
+    def backward(res, ct):
+        return jax.tree.unflatten(pullback_tree, res)(jax.tree.unflatten(jax.tree.structure(primal_shape), ct))
+
+    backward_jaxpr = jax.make_jaxpr(backward)(res_shapes, cts)
+    return _liveness.used_inputs(backward_jaxpr)[: len(res_shapes)]
 
 
 def _leaf_paths(args, kwargs) -> list[str]:

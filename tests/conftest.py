@@ -49,7 +49,8 @@ def expect_does_not_apply(policy: str):
 
 
 @contextlib.contextmanager
-def _engine(name: str):
+def run_under_engine(name: str):
+    """A context manager: JAX's ``"classic"`` or ``"remat3"`` remat engine inside, the flag restored after."""
     before = jax.config.jax_remat3
     jax.config.update("jax_remat3", name == "remat3")
     try:
@@ -61,7 +62,7 @@ def _engine(name: str):
 @pytest.fixture(params=["classic", "remat3"])
 def remat_engine(request):
     """Run the test under one of JAX's remat engines (``jax_remat3`` off or on), then restore the flag."""
-    with _engine(request.param) as name:
+    with run_under_engine(request.param) as name:
         yield name
 
 
@@ -69,7 +70,7 @@ def remat_engine(request):
 def classic_engine():
     """Run the test under JAX's classic remat engine whatever ``JAX_REMAT3`` says (a test of
     classic-only structure: ``remat2`` equations, JAX's classic errors), then restore the flag."""
-    with _engine("classic") as name:
+    with run_under_engine("classic") as name:
         yield name
 
 
