@@ -56,6 +56,25 @@ SHAPE_ONLY_PRIMITIVES = frozenset(
     }
 )
 
+#: JAX's elementwise primitives: each output element is a function of the input elements at the
+#: same position (operands of one shape; a scalar literal broadcasts). Loops, scans, conditionals,
+#: calls, custom calls and every slicing, gathering, sorting or combining op are not among them.
+ELEMENTWISE_PRIMITIVES = frozenset(
+    {
+        # unary
+        "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i0e", "bessel_i1e", "cbrt",
+        "ceil", "clz", "conj", "cos", "cosh", "digamma", "erf", "erf_inv", "erfc", "exp", "exp2",
+        "expm1", "floor", "imag", "integer_pow", "is_finite", "lgamma", "log", "log1p", "logistic",
+        "neg", "not", "population_count", "real", "round", "rsqrt", "sign", "sin", "sinh", "sqrt",
+        "square", "tan", "tanh",
+        # binary and ternary
+        "add", "add_any", "and", "atan2", "clamp", "complex", "div", "eq", "ge", "gt", "igamma",
+        "igamma_grad_a", "igammac", "le", "lt", "max", "min", "mul", "mulhi", "ne", "nextafter", "or",
+        "polygamma", "pow", "random_gamma_grad", "regularized_incomplete_beta", "rem", "select_n",
+        "shift_left", "shift_right_arithmetic", "shift_right_logical", "sub", "xor", "zeta",
+    }
+)  # fmt: skip
+
 #: Call-like primitives whose body is inlined before classification.
 INLINED_CALL_PRIMITIVES = _engine.INLINED_CALL_PRIMITIVES
 #: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._engine.inline_calls`).
@@ -162,20 +181,12 @@ class Op:
 
     @property
     def is_elementwise(self) -> bool:
-        """True for counted ops that are neither matmuls nor calls nor reductions."""
-        return (
-            self.counted
-            and not self.is_matmul
-            and self.primitive
-            not in (
-                "remat2",
-                "checkpoint",
-                "custom_jvp_call",
-                "custom_vjp_call",
-                "custom_vjp_call_jaxpr",
-            )
-            and not self.primitive.startswith("reduce_")
-        )
+        """True for counted ops whose primitive is elementwise (:data:`ELEMENTWISE_PRIMITIVES`).
+
+        Matmuls, reductions, calls, loops (``while``, ``scan``), conditionals, custom calls and
+        slicing or combining ops (``split``, ``concatenate``, ``gather``, ...) are not.
+        """
+        return self.counted and self.primitive in ELEMENTWISE_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ found (never a policy that silently saves nothing).
   ``save_anything_except_these_names`` is a stub that saves everything in JAX 0.10.2, so this
   is a :class:`jremat.PlanPolicy`: it tags every computed value of the traced program except
   the excluded ones *and every value that holds the same data* (connected to an excluded name
-  through shape-only ops such as reshape, transpose or convert, in either direction), and
+  through shape-only ops such as reshape, transpose or convert, in either direction; the other
+  parts of a ``split`` are different data and stay saved, the split's operand is not), and
   every unnamed value that exists only to compute excluded ones (the matmul before a bias add,
   the scores before their mask) or is an elementwise function of excluded values alone, so
   that no stand-in of the same size is saved in place of an excluded value.
@@ -84,105 +85,147 @@ class SaveNames(CallbackPolicy):
         return _checked(fn, self, [(self.save, "names", "save")], prevent_cse)
 
 
-def same_data_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
-    """Equation indices holding the same data as ``seeds``: connected through shape-only ops.
-
-    Starting from the equations ``seeds``, follow shape-only equations (reshape, transpose,
-    convert, name tags, ...) backwards to the producer of their input and forwards to their
-    consumers, in both directions, until no new equation is reached.
-
-    Args:
-      program: the traced program.
-      seeds: equation indices to start from.
-
-    Returns:
-      The seeds together with every equation reached.
-    """
+def _wiring(program: Program) -> tuple[list, dict, dict]:
+    """``(equations, producer, consumers)``: the equation index that makes each value and the
+    indices of the equations that read it."""
     eqns = program.closed_jaxpr.jaxpr.eqns
-    producer = {}
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     consumers: dict = {}
     for i, eqn in enumerate(eqns):
-        for v in eqn.outvars:
-            producer[v] = i
         for v in eqn.invars:
             if not isinstance(v, jcore.Literal):
                 consumers.setdefault(v, []).append(i)
+    return eqns, producer, consumers
+
+
+def _shape_only_pairs(eqn) -> list[tuple]:
+    """``(input, output)`` pairs of a shape-only equation that hold the same data: positional
+    when it has as many inputs as outputs (``optimization_barrier``), else every pair."""
+    ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    if len(ins) == len(eqn.outvars):
+        return list(zip(ins, eqn.outvars))
+    return [(a, b) for a in ins for b in eqn.outvars]
+
+
+def same_data_closure(program: Program, seeds: Iterable) -> frozenset:
+    """Values holding the same data as the values ``seeds``: connected through shape-only ops.
+
+    From each value, follow shape-only equations (reshape, transpose, convert, name tags, ...)
+    backwards to their input and forwards to their output, until no new value is reached. Only
+    the one value a shape-only equation maps to is followed: the other outputs of an equation
+    with several (the other parts of a ``split``) are different data and are not reached.
+
+    Args:
+      program: the traced program.
+      seeds: values (jaxpr variables) to start from.
+
+    Returns:
+      The seeds together with every value reached.
+    """
+    eqns, producer, consumers = _wiring(program)
     shape_only = lambda i: eqns[i].primitive.name in SHAPE_ONLY_PRIMITIVES
     reached = set(seeds)
     stack = list(reached)
     while stack:
-        i = stack.pop()
+        v = stack.pop()
         neighbours = []
-        if shape_only(i):  # its input is the same data
-            neighbours += [producer[v] for v in eqns[i].invars if not isinstance(v, jcore.Literal) and v in producer]
-        for v in eqns[i].outvars:  # shape-only consumers of its output are the same data
-            neighbours += [j for j in consumers.get(v, ()) if shape_only(j)]
-        for j in neighbours:
-            if j not in reached:
-                reached.add(j)
-                stack.append(j)
+        if v in producer and shape_only(producer[v]):  # its input is the same data
+            neighbours += [a for a, b in _shape_only_pairs(eqns[producer[v]]) if b is v]
+        for j in consumers.get(v, ()):  # so is a shape-only consumer's output
+            if shape_only(j):
+                neighbours += [b for a, b in _shape_only_pairs(eqns[j]) if a is v]
+        for w in neighbours:
+            if w not in reached:
+                reached.add(w)
+                stack.append(w)
     return frozenset(reached)
 
 
-def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset[int]:
-    """Equations that would stand in for the excluded equations ``seeds`` if saved.
+#: Primitives whose outputs are parts of their first operand: the operand holds their data.
+PARTS_PRIMITIVES = frozenset({"split"})
 
-    Grows :func:`same_data_closure` until nothing changes by adding (1) every unnamed equation
-    all of whose outputs are used only by excluded equations (it exists only to compute them:
-    the matmul before a bias add, the scores before their mask), never crossing a value tagged
-    with a name that is not excluded; and (2) every elementwise equation whose floating-point
-    inputs are all excluded (a scaled or masked copy of an excluded value).
+
+def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset:
+    """Values that are, or would stand in for, the excluded values if saved.
+
+    Starts from the values tagged by the ``name`` equations ``seeds`` and grows
+    :func:`same_data_closure` until nothing changes by adding (1) every unnamed value used only
+    by equations all of whose outputs are excluded (it exists only to compute them: the matmul
+    before a bias add, the scores before their mask), never crossing a value tagged with a name
+    that is not excluded; and (2) every output of an elementwise equation
+    (:attr:`jremat.Op.is_elementwise`) whose floating-point inputs are all excluded (a scaled or
+    masked copy of an excluded value). A loop, scan, call or any other structured op is not
+    such a copy.
+
+    An equation that splits a value into parts (``split``) keeps its other parts: they are
+    different data. Its operand holds the excluded part, so it is excluded too, along with the
+    values it is an elementwise function of alone (the bias add after a fused projection and
+    the matmul before it); but it is not excluded data itself, so what computes it (the input
+    of the fused projection) does not count as existing only to compute excluded values.
 
     Args:
       program: the traced program.
-      seeds: equation indices to exclude.
+      seeds: indices of ``name`` equations whose tagged values are excluded.
 
     Returns:
-      The excluded equation indices.
+      The excluded values (jaxpr variables).
     """
-    eqns = program.closed_jaxpr.jaxpr.eqns
+    eqns, _, consumers = _wiring(program)
     ops = program.ops
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    consumers: dict = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jcore.Literal):
-                consumers.setdefault(v, []).append(i)
-    program_outputs = {v for v in program.closed_jaxpr.jaxpr.outvars if not isinstance(v, jcore.Literal)}
-    is_data = {
-        v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in program.closed_jaxpr.jaxpr.invars
-    }
+    jaxpr = program.closed_jaxpr.jaxpr
+    program_outputs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    named = {v for eqn in eqns if eqn.primitive.name == "name" for v in (*eqn.invars, *eqn.outvars)}
+    is_data = {v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in jaxpr.invars}
     for eqn in eqns:
         depends = any(is_data.get(v, False) for v in eqn.invars if not isinstance(v, jcore.Literal))
         for v in eqn.outvars:
             is_data[v] = depends
-    seeds = frozenset(seeds)
-    excluded = set(same_data_closure(program, seeds))
+    seed_values = [v for i in seeds for v in (*eqns[i].invars, *eqns[i].outvars) if not isinstance(v, jcore.Literal)]
+    excluded = set(same_data_closure(program, seed_values))  # excluded data
+    holders: set = set()  # values holding excluded data among other data (a split's operand)
+
+    def droppable(v) -> bool:  # unnamed, read by some equation, not a result of the program
+        return v not in named and v not in program_outputs and bool(consumers.get(v))
+
     changed = True
     while changed:
         changed = False
         for i, eqn in enumerate(eqns):
-            if i in excluded or not eqn.outvars:
-                continue
             op = ops[i]
-            named_elsewhere = op.tensor_name is not None and i not in seeds and op.primitive != "name"
-            only_feeds_excluded = (
-                not named_elsewhere
-                and op.tensor_name is None
-                and all(v not in program_outputs for v in eqn.outvars)
-                and all(consumers.get(v) and all(j in excluded for j in consumers[v]) for v in eqn.outvars)
-            )
+            new: set = set()
+            for v in eqn.outvars:
+                if v in excluded or v in holders or not droppable(v):
+                    continue
+                # (1) used only by equations whose outputs are all excluded
+                if all(eqns[j].outvars and all(w in excluded for w in eqns[j].outvars) for j in consumers[v]):
+                    new.add(v)
             data_inputs = [v for v in eqn.invars if not isinstance(v, jcore.Literal) and is_data.get(v, False)]
-            copy_of_excluded = (
-                op.is_elementwise
-                and op.tensor_name is None
-                and bool(data_inputs)
-                and all(v in producer and producer[v] in excluded for v in data_inputs)
-            )
-            if only_feeds_excluded or copy_of_excluded:
-                excluded |= same_data_closure(program, [i])
+            if op.is_elementwise and data_inputs and not any(v in named for v in eqn.outvars):
+                # (2) an elementwise copy of excluded values
+                if all(v in excluded for v in data_inputs):
+                    new |= {v for v in eqn.outvars if v not in excluded}
+            if new:
+                excluded |= same_data_closure(program, new)
                 changed = True
-    return frozenset(excluded)
+            held = set()
+            # A split with an excluded part: its operand holds the excluded data.
+            if eqn.primitive.name in PARTS_PRIMITIVES and any(v in excluded or v in holders for v in eqn.outvars):
+                held |= {eqn.invars[0]} if droppable(eqn.invars[0]) else set()
+            # Values read only by elementwise functions giving holders (the matmul before a bias add).
+            for v in eqn.outvars:
+                if v in holders or v in excluded or not droppable(v):
+                    continue
+                if all(
+                    (ops[j].is_elementwise or eqns[j].primitive.name in SHAPE_ONLY_PRIMITIVES)
+                    and all(w in holders or w in excluded for w in eqns[j].outvars)
+                    for j in consumers[v]
+                ):
+                    held.add(v)
+            held -= holders | excluded
+            if held:
+                holders |= same_data_closure(program, held) - excluded
+                changed = True
+    return frozenset(excluded | holders)
 
 
 class SaveAllExcept(PlanPolicy):
@@ -194,12 +237,23 @@ class SaveAllExcept(PlanPolicy):
     def plan(self, program: Program) -> Plan:
         found = {op.tensor_name for op in program.ops if op.primitive == "name"}
         check_found(self.exclude, found, policy="names_except", key="exclude")
-        excluded = stand_in_closure(program, (op.index for op in program.ops_named(self.exclude)))
-        return Plan(
-            save=frozenset(
-                op.index for op in program.ops if op.counted and not op.rng_derived and op.index not in excluded
-            )
-        )
+        seeds = (op.index for op in program.ops if op.primitive == "name" and op.tensor_name in self.exclude)
+        excluded = stand_in_closure(program, seeds)
+        eqns, _, consumers = _wiring(program)
+        save = set()
+        for op in program.ops:
+            if not op.counted or op.rng_derived:
+                continue
+            outs = eqns[op.index].outvars
+            if not any(v in excluded for v in outs):
+                save.add(op.index)
+                continue
+            # A plan saves whole equations: the parts of a split that are not excluded are saved
+            # through the shape-only equations that read them (their reshape, their name tag).
+            for v in outs:
+                if v not in excluded:
+                    save |= {j for j in consumers.get(v, ()) if eqns[j].primitive.name in SHAPE_ONLY_PRIMITIVES}
+        return Plan(save=frozenset(save))
 
 
 class OffloadNames(CallbackPolicy):

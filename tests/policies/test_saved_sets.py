@@ -9,6 +9,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
+from jremat.attention import blockwise_attention, count_forward_passes
 from jremat.models import preset
 from jremat.models.gpt import Block, make_block_fn
 from tests.conftest import saved_residuals
@@ -103,6 +104,93 @@ def test_names_except_differs_from_saving_everything():
     ours, _ = saved_op_indices(jremat.checkpoint(named_fn, "names_except:exclude=k"), x)
     everything, _ = saved_op_indices(jremat.checkpoint(named_fn, "every_k:k=1"), x)
     assert len(everything) == 3 and len(ours) == 2
+
+
+QKV_B, QKV_S, QKV_H, QKV_HD = 1, 8, 2, 4
+QKV_D = QKV_H * QKV_HD
+
+
+def _heads(t, name):
+    return checkpoint_name(t.reshape(QKV_B, QKV_S, QKV_H, QKV_HD), name)
+
+
+def fused_qkv_attention(w, x):
+    """One projection split into q, k and v (``jnp.split``), then the fused attention kernel."""
+    q, k, v = (_heads(t, n) for t, n in zip(jnp.split(jnp.tanh(x) @ w, 3, axis=-1), ("q", "k", "v")))
+    return jnp.sum(jnp.sin(blockwise_attention(q, k, v, block_size=4)))
+
+
+def separate_qkv_attention(w, x):
+    """Three projections (slices of one weight), then the fused attention kernel."""
+    h = jnp.tanh(x)
+    q, k, v = (_heads(h @ w[:, i * QKV_D : (i + 1) * QKV_D], n) for i, n in enumerate(("q", "k", "v")))
+    return jnp.sum(jnp.sin(blockwise_attention(q, k, v, block_size=4)))
+
+
+QKV_ARGS = (
+    jax.random.normal(jax.random.key(0), (QKV_D, 3 * QKV_D)),
+    jax.random.normal(jax.random.key(1), (QKV_B, QKV_S, QKV_D)),
+)
+
+
+def kernel_forward_passes(fn, spec):
+    layer = jremat.checkpoint(fn, spec)
+    return count_forward_passes(jax.make_jaxpr(jax.value_and_grad(layer))(*QKV_ARGS))
+
+
+def test_names_except_keeps_the_other_parts_of_a_split():
+    """Excluding q of a fused q/k/v projection keeps k, v, the kernel's results and the projection's
+    input; only q and the projection's output (which holds q) are left out."""
+    prog = program_of(fused_qkv_attention, *QKV_ARGS)
+    saved, _ = saved_op_indices(jremat.checkpoint(fused_qkv_attention, "names_except:exclude=q"), *QKV_ARGS)
+    saved_names = {prog.ops[i].tensor_name for i in saved}
+    assert {"k", "v"} <= saved_names and "q" not in saved_names
+    assert not any(prog.ops[i].primitive in ("split", "dot_general") for i in saved)
+    assert any(prog.ops[i].primitive == "tanh" for i in saved)  # the projection's input
+    assert kernel_forward_passes(fused_qkv_attention, "names_except:exclude=q") == 1
+
+
+def test_names_except_of_the_kernel_inputs_runs_the_kernel_once():
+    """The kernel's loop is no elementwise copy of its inputs: excluding all of q, k and v leaves
+    attn_context and attn_lse saved."""
+    assert kernel_forward_passes(separate_qkv_attention, "names_except:exclude=q+k+v") == 1
+    assert kernel_forward_passes(fused_qkv_attention, "names_except:exclude=q+k+v") == 1
+
+
+@pytest.mark.parametrize("fn", [fused_qkv_attention, separate_qkv_attention])
+@pytest.mark.parametrize("name", ["attn_context", "attn_lse"])
+def test_names_except_of_a_kernel_result_runs_the_kernel_again(fn, name):
+    """Excluding one of the kernel's own results does recompute it: the counts above can fail."""
+    assert kernel_forward_passes(fn, f"names_except:exclude={name}") == 2
+
+
+def fused_qkv_with_bias(params, x):
+    """A fused q/k/v projection with a bias (matmul, bias add, split), then plain attention."""
+    w, b = params
+    h = jnp.tanh(x) @ w + b[None, None, :]
+    q, k, v = (_heads(t, n) for t, n in zip(jnp.split(h, 3, axis=-1), ("q", "k", "v")))
+    probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k))
+    return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", probs, v))
+
+
+def test_names_except_saves_no_fused_projection_holding_an_excluded_part():
+    """Neither the split's operand nor the matmul before its bias add stands in for q (each holds
+    q's data); k and v are still saved."""
+    args = (QKV_ARGS[0], jnp.ones(3 * QKV_D)), QKV_ARGS[1]
+    prog = program_of(fused_qkv_with_bias, *args)
+    saved, _ = saved_op_indices(jremat.checkpoint(fused_qkv_with_bias, "names_except:exclude=q"), *args)
+    fused_shape = (QKV_B, QKV_S, 3 * QKV_D)
+    assert not [i for i in saved if fused_shape in prog.ops[i].out_shapes]
+    assert {"k", "v"} <= {prog.ops[i].tensor_name for i in saved}
+
+    # Leaving out only the split (with q's data), the bias add's output is kept to recompute q:
+    # the check can fail.
+    class AllButSplit(jremat.PlanPolicy):
+        def plan(self, program):
+            return jremat.Plan(save=frozenset(op.index for op in program.compute_ops if op.primitive != "split"))
+
+    but_split, _ = saved_op_indices(AllButSplit().checkpoint(fused_qkv_with_bias), *args)
+    assert [i for i in but_split if fused_shape in prog.ops[i].out_shapes]
 
 
 def block_residuals(spec, *, dtype="float32", batch=2, seq=8, **overrides):
