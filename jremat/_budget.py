@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 _UNITS = {
@@ -17,6 +18,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+#: The largest budget accepted, in bytes: what a signed 64-bit byte count holds.
+_MAX_BYTES = 2**63 - 1
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -55,7 +58,7 @@ def parse_budget(text: str) -> Budget:
 
     Raises:
       ValueError: if it is not a positive size with a known unit, a fraction in ``(0, 1]`` or a
-        whole number of bytes.
+        whole number of bytes, or if it is too large for a byte count (``1e400``).
     """
     match = _BUDGET_RE.match(str(text))
     units = "B, KB, MB, GB, KiB, MiB, GiB, TiB"
@@ -73,6 +76,8 @@ def parse_budget(text: str) -> Budget:
     if not unit and number <= 1.0:
         return Budget(bytes=None, fraction=number, text=str(text).strip())
     size = number * _UNITS[unit]
+    if not math.isfinite(size) or size > _MAX_BYTES:
+        raise ValueError(f"memory budget {text!r} is too large (at most 2**63 - 1 bytes); expected {form}")
     if size != int(size):
         raise ValueError(f"memory budget {text!r} is not a whole number of bytes; expected {form}")
     return Budget(bytes=int(size), fraction=None, text=str(text).strip())

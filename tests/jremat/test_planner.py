@@ -31,7 +31,15 @@ def test_parse_budget(text, expected):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("lots", "is not a size like 6GiB"), ("6 parsecs", "unknown unit 'parsecs'"), ("0", "must be positive")],
+    [
+        ("lots", "is not a size like 6GiB"),
+        ("6 parsecs", "unknown unit 'parsecs'"),
+        ("0", "must be positive"),
+        ("1e400", "'1e400' is too large"),
+        ("1e400GiB", "'1e400GiB' is too large"),
+        ("1e300GiB", "'1e300GiB' is too large"),
+        ("1e30", "'1e30' is too large"),
+    ],
 )
 def test_parse_budget_rejects_bad_input(text, message):
     with pytest.raises(ValueError, match=message):

@@ -77,6 +77,12 @@ TABLE = {
         ("memory", "--policy every_k:k=0", "k must be >="),
         ("memory", "--policy nested:block=3", "nested"),
         ("bench", "--policy nosuch", "unknown policy 'nosuch'"),
+        ("ptb", "--policy auto --memory-budget 1e400", "memory budget '1e400' is too large"),
+        ("ptb", "--policy auto:budget=1e400", "memory budget '1e400' is too large"),
+        ("ptb", "--batch-size auto --memory-budget 1e400", "memory budget '1e400' is too large"),
+        ("memory", "--policy auto --memory-budget 1e400", "memory budget '1e400' is too large"),
+        ("memory", "--fit --memory-budget 1e400GiB", "memory budget '1e400GiB' is too large"),
+        ("bench", "--policy auto:budget=1e400", "memory budget '1e400' is too large"),
     ],
     "paths": [
         ("ptb", "--ckpt-dir {tmp}/file/ck", "is not writable"),
