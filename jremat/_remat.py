@@ -7,7 +7,7 @@ unrolled) with the policy applied per layer.
 
 Nesting (√n checkpointing of groups of layers) is a property of the stack, not of a policy:
 :attr:`RematConfig.nest`. The spec ``nested:block=M,layer=SPEC`` is its spelling wherever a
-policy spec is given for a stack (``--remat-policy``, ``ModelConfig.remat_policy``);
+policy spec is given for a stack (the train CLIs' ``--policy``, ``ModelConfig.remat_policy``);
 :class:`RematConfig` turns it into ``policy=SPEC, nest=M`` on construction, the one place it is
 read.
 """

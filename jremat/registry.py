@@ -7,7 +7,7 @@ docs) comes from this registry.
 Most entries build a :class:`Policy` of one function. An entry registered with ``stack=True``
 (``nested``) instead describes how a whole layer stack is checkpointed: its factory returns
 :class:`jremat.RematConfig` field values, which only a ``RematConfig`` (or ``run_layers``, or
-``--remat-policy``) accepts (:func:`stack_fields`); :func:`resolve` refuses it.
+the train CLIs' ``--policy``) accepts (:func:`stack_fields`); :func:`resolve` refuses it.
 
 Tests and benches that add policies use :func:`scoped`, which restores the registry on exit::
 
@@ -312,8 +312,8 @@ def resolve(spec: str | Policy, **overrides: Any) -> Policy:
 def stack_error(name: str) -> str:
     """The message for a layer-stack entry (``nested``) used as the policy of one function."""
     return (
-        f"policy {name!r} checkpoints a stack of layers; use it as the layer stack's policy "
-        "(jremat.RematConfig / run_layers, --remat-policy), not on a single function"
+        f"policy {name!r} checkpoints a stack of layers; use it as a layer stack's policy "
+        "(jremat.RematConfig / run_layers, or --policy of the train CLIs), not on a single function"
     )
 
 

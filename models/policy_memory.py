@@ -256,10 +256,12 @@ def explain_step(
     """
     loss, args = loss_program(model_cfg, batch_size, seq_len)
     baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    remat = model_cfg.remat_config()  # a nested: spec is the stack's: its layers run remat.policy
     return explain_applied(
         loss,
         *args,
-        policy=model_cfg.remat_policy,
+        policy=remat.policy,
+        _label=registry.normalize_spec(model_cfg.remat_policy) if remat.nest is not None else None,
         baseline=baseline,
         compile=False,
         param_argnums=(0,),
@@ -327,10 +329,11 @@ def compare_policies(
       ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
 
     Raises:
-      ValueError: on an unknown policy spec (the message lists the registered ones).
+      ValueError: on an unknown policy spec (the message lists the registered ones), or one that
+        does not fit the model's layer stack (``nested:block=3`` on 2 layers).
     """
-    for spec in policies:
-        registry.resolve(spec)
+    for spec in policies:  # as the model's layer stack takes it: a nested: spec is a stack policy
+        base_cfg.replace(remat_policy=spec).remat_config().validate_layers(base_cfg.n_layers)
     none_cfg = base_cfg.replace(remat_policy="none", **({"remat_head_chunks": 0} if whole_step else {}))
     baseline_flops = step_flops(none_cfg, batch_size, seq_len)
     rows = {}

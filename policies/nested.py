@@ -11,7 +11,7 @@ spec's own commas as ``;``: ``nested:block=2,layer=every_k:k=2;skip_cheap=true``
 
 It is a layer-stack entry (``stack=True``), not a policy of one function: it stands for
 ``jremat.RematConfig(policy=LAYER, nest=BLOCK)`` and is accepted where a stack's policy is given
-(``RematConfig``, ``run_layers``, ``--remat-policy``), not by ``jremat.checkpoint`` nor inside
+(``RematConfig``, ``run_layers``, the train CLIs' ``--policy``), not by ``jremat.checkpoint`` nor inside
 ``layer_policies`` groups.
 """
 

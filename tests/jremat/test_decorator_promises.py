@@ -289,8 +289,11 @@ def test_out_of_range_plan_indices_are_rejected():
 
 
 def test_a_stack_level_policy_fails_at_decoration_time():
-    with pytest.raises(ValueError, match="checkpoints a stack of layers"):
+    with pytest.raises(ValueError, match="checkpoints a stack of layers") as err:
         jremat.policy("nested")
+    # names what exists: RematConfig / run_layers and the CLIs' --policy (there is no --remat-policy)
+    assert "jremat.RematConfig / run_layers, or --policy of the train CLIs" in str(err.value)
+    assert "--remat-policy" not in str(err.value)
     with pytest.raises(ValueError, match="checkpoints a stack of layers"):
         jremat.checkpoint(jnp.sin, "nested")
 

@@ -3,7 +3,7 @@
 import pytest
 
 from jremat.models import preset
-from jremat.models.policy_memory import config_for_spec, policy_memory, summary_vs_none
+from jremat.models.policy_memory import compare_policies, config_for_spec, policy_memory, summary_vs_none
 
 
 def test_summary_vs_none_for_trainers():
@@ -34,3 +34,15 @@ def test_without_a_compile_there_is_no_analytic_estimate():
     row = policy_memory(preset("tiny", remat_policy="full"), batch_size=2, compile=False)
     assert row.peak_bytes is None and row.analytic_peak_bytes is None and row.working_set_bytes is None
     assert row.saved_bytes_per_layer > 0  # the traced figures are there
+
+
+def test_nested_specs_are_the_stacks_policy_in_the_report(traced_reports):
+    # nested:* is applied by the model's layer stack (RematConfig), not by one function: it gets a row
+    cfg = preset("tiny", n_layers=2)
+    rows, base = compare_policies(cfg, 2, ["none", "nested:block=2", "nested:block=auto"], explain=True)
+    assert [r.policy for r in rows] == ["none", "nested:block=2", "nested:block=auto"]
+    assert rows[1].explanation.policy == "nested:block=2" and rows[1].explanation.checkpoints > 0
+    assert rows[1].residual_total_bytes < base.residual_total_bytes
+    assert summary_vs_none(cfg.replace(remat_policy="nested:block=2"), 2).startswith("memory (nested:block=2): ")
+    with pytest.raises(ValueError, match="block=3 does not divide the 2 layers"):
+        compare_policies(cfg, 2, ["nested:block=3"], compile=False)

@@ -49,6 +49,14 @@ def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced
     assert traced_reports.cache_info().hits == 1  # the auto row: the planner's compile of its plan
 
 
+def test_nested_policies_get_rows(capsys, traced_reports):  # the layer stack applies them
+    argv = TINY + ["--policy", "none", "--policy", "nested:block=2", "--policy", "nested:block=auto", "--json"]
+    assert tm.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["none", "nested:block=2", "nested:block=auto"]
+    assert rows[1]["recompute_flops_fraction"] > 0
+
+
 def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XLA's figures
     plot = tmp_path / "mem.png"
     assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
