@@ -109,12 +109,21 @@ def block_program(model_cfg: ModelConfig, batch_size: int, seq_len: int | None =
 
     Returns:
       ``(block_fn, (block_params, x, key))`` with ``block_fn = models.gpt.make_block_fn(...)``
-      under the config's policy and granularity.
+      under the config's policy and granularity. As in the model's layer stack
+      (:func:`jremat.run_layers`), the tag names the policy lists are checked over the whole
+      block, not per sublayer (:func:`jremat.names.deferred_name_checks`): with granularity
+      ``sublayer``, ``names:save=q+k+v`` is valid although the MLP sublayer tags none of them.
     """
     seq_len = model_cfg.max_seq_len if seq_len is None else seq_len
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Block(model_cfg, rngs=nnx.Rngs(0))))
     remat = model_cfg.remat_config()
-    fn = make_block_fn(graphdef, remat, remat.resolved_policy())
+    block_fn = make_block_fn(graphdef, remat, remat.resolved_policy())
+
+    @functools.wraps(block_fn)
+    def fn(params, x, key):
+        with jremat.names.deferred_name_checks():
+            return block_fn(params, x, key)
+
     x = jax.ShapeDtypeStruct((batch_size, seq_len, model_cfg.d_model), jnp.dtype(model_cfg.dtype))
     return fn, (params, x, key_shape())
 

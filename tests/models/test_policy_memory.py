@@ -46,3 +46,16 @@ def test_nested_specs_are_the_stacks_policy_in_the_report(traced_reports):
     assert summary_vs_none(cfg.replace(remat_policy="nested:block=2"), 2).startswith("memory (nested:block=2): ")
     with pytest.raises(ValueError, match="block=3 does not divide the 2 layers"):
         compare_policies(cfg, 2, ["nested:block=3"], compile=False)
+
+
+def test_sublayer_names_are_checked_over_the_whole_block():
+    # each sublayer tags only its own names (q, k, v: attention); the block as a whole tags them all
+    cfg = preset("tiny", remat_granularity="sublayer", remat_policy="names:save=q+k+v")
+    row = policy_memory(cfg, batch_size=2, compile=False)
+    assert (
+        0
+        < row.saved_bytes_per_layer
+        < policy_memory(cfg.replace(remat_policy="none"), 2, compile=False).saved_bytes_per_layer
+    )
+    with pytest.raises(ValueError, match="'not_a_tag', which the checkpointed function does not tag"):
+        policy_memory(cfg.replace(remat_policy="names:save=not_a_tag"), batch_size=2, compile=False)

@@ -57,6 +57,14 @@ def test_nested_policies_get_rows(capsys, traced_reports):  # the layer stack ap
     assert rows[1]["recompute_flops_fraction"] > 0
 
 
+def test_sublayer_granularity_takes_names_of_either_sublayer(capsys, traced_reports):
+    argv = TINY + ["--granularity", "sublayer", "--policy", "none", "--policy", "names:save=q+k+v", "--json"]
+    assert tm.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["none", "names:save=q+k+v"]
+    assert rows[1]["saved_bytes_per_layer"] < rows[0]["saved_bytes_per_layer"]
+
+
 def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XLA's figures
     plot = tmp_path / "mem.png"
     assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
