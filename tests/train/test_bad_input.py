@@ -83,6 +83,17 @@ TABLE = {
         ("memory", "--policy auto --memory-budget 1e400", "memory budget '1e400' is too large"),
         ("memory", "--fit --memory-budget 1e400GiB", "memory budget '1e400GiB' is too large"),
         ("bench", "--policy auto:budget=1e400", "memory budget '1e400' is too large"),
+        (
+            "bench",
+            "--parts megatron,time --policy none --policy nested:block=3",
+            "--policy 'nested:block=3' does not apply to the head-dominated (tiny) model of part time: "
+            "nested: block=3 does not divide the 2 layers",
+        ),
+        (
+            "bench",
+            "--parts time --policy none --policy names:save=attn_context+attn_lse",
+            "--policy 'names:save=attn_context+attn_lse' does not apply to the head-dominated (tiny) model",
+        ),
     ],
     "paths": [
         ("ptb", "--ckpt-dir {tmp}/file/ck", "is not writable"),

@@ -205,11 +205,31 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
         ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--policy", "full", "--quick"]
     )
     assert code == 0 and seen == [("none", "full")]
-    assert (out / "bench.csv").exists() and (out / "time.png").exists()
+    assert (out / "bench.csv").exists() and (out / "time.png").exists() and not (out / bench.PARTIAL_CSV).exists()
     text = md.read_text()
     assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text
     assert "an older report" not in text and text.endswith(kept) and text.count(report.KEPT_MARKER) == 1
     assert "met    Time, block-dominated: full <= 1.35x none" in capsys.readouterr().out
+
+
+def test_a_run_that_fails_midway_leaves_the_last_csv_and_report(tmp_path, monkeypatch, capsys):
+    def done_part(config, policies):
+        return [r for r in fake_rows() if r["part"] == "time"]
+
+    def failing_part(config, policies):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setitem(bench.PART_FUNCTIONS, "time", done_part)
+    monkeypatch.setitem(bench.PART_FUNCTIONS, "peers", failing_part)
+    out, md = tmp_path / "results", tmp_path / "RESULTS.md"
+    out.mkdir()
+    (out / "bench.csv").write_text("the last complete run\n")
+    md.write_text("# the last report\n")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench.main(["--parts", "time,peers", "--out", str(out), "--report", str(md), "--policy", "none", "--quick"])
+    assert (out / "bench.csv").read_text() == "the last complete run\n" and md.read_text() == "# the last report\n"
+    assert len(report.read_csv(out / bench.PARTIAL_CSV)) == len(done_part(None, None))  # the finished part's rows
+    assert "[peers] failed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from jremat.train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
 from jremat.train.bench.harness import bench_peak, measure, time_ratios
-from jremat.train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS
+from jremat.train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS, check_policies
 from jremat.train.bench.plots import write_plots
 from jremat.train.bench.report import check_targets, kept_text, results_markdown, write_csv, write_text_atomically
 from jremat.train.cli import UsageError, run_main
@@ -71,27 +71,49 @@ READING_GUIDE = """\
 """
 
 
+#: The rows of the parts done so far, in ``--out``; moved onto ``bench.csv`` when every part is done.
+PARTIAL_CSV = "bench.partial.csv"
+
+
 def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[str]]:
     """Run the configured parts; write the CSV and plots into ``config.out`` and the report.
+
+    Every ``--policy`` is checked against the parts' models first (:func:`check_policies`). The
+    rows of the parts done so far go to :data:`PARTIAL_CSV`; ``bench.csv``, the plots and the
+    report are replaced only when every part is done, so a run that fails midway leaves the
+    last complete run's files as they were.
 
     Returns:
       ``(rows, plot file names, notes)``.
 
     Raises:
-      UsageError: if ``config.out`` cannot be created.
+      UsageError: if ``config.out`` cannot be created, or a policy does not apply to a part's model.
     """
     policies, notes = list(config.policy), []
+    check_policies(config)
     try:
         os.makedirs(config.out, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot create --out {config.out!r}: {err}") from None
     rows: list[dict] = []
     started = time.perf_counter()
+    csv_path = os.path.join(config.out, "bench.csv")
+    partial = os.path.join(config.out, PARTIAL_CSV)
     for part in config.parts:
         t0 = time.perf_counter()
-        rows += PART_FUNCTIONS[part](config, policies)
+        try:
+            rows += PART_FUNCTIONS[part](config, policies)
+        except BaseException:
+            print(
+                f"[{part}] failed; {csv_path} and the report are unchanged"
+                + (f"; the finished parts' rows are in {partial}" if rows else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        write_csv(rows, os.path.join(config.out, "bench.csv"))  # keep what is done if a later part fails
+        write_csv(rows, partial)  # keep what is done if a later part fails, beside the last complete run
+    os.replace(partial, csv_path)  # the whole run's rows replace the last run's in one step
     plots = write_plots(rows, config.out)
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")

@@ -14,6 +14,7 @@ import jax
 from jremat._fit import largest_fitting
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.policy_memory import policy_memory
+from jremat.models.programs import loss_program
 from jremat.train.bench import flops, harness, peers
 from jremat.train.bench.config import MAXBATCH_POLICIES, MEGATRON_POLICIES, BenchConfig
 from jremat.train.bench.harness import (
@@ -27,6 +28,7 @@ from jremat.train.bench.harness import (
     measured_ratios,
     memory_fields,
 )
+from jremat.train.cli import UsageError
 
 #: The max-batch search: compiles per policy at most, and the largest batch tried.
 MAXBATCH_PROBES = 8
@@ -411,7 +413,7 @@ def part_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     def peak(model_cfg: ModelConfig) -> int:
         return bench_peak(harness.step_memory(model_cfg, batch).memory)
 
-    specs = [p for p in policies if p in MEGATRON_POLICIES] or list(policies)
+    specs = auto_part_specs(policies)
     builtins = {spec: cfg.replace(remat_policy=spec) for spec in dict.fromkeys(["none", "full", *specs])}
     peaks = {spec: peak(c) for spec, c in builtins.items()}
     budgets = [int(peaks["full"] + f * (peaks["none"] - peaks["full"])) for f in config.auto_budget_fractions]
@@ -502,6 +504,48 @@ def part_fit(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
                 )
             )
     return rows
+
+
+def auto_part_specs(policies: Sequence[str]) -> list[str]:
+    """The ``--policy`` specs the ``auto`` part times its plans against (beside ``none`` and ``full``)."""
+    return [p for p in policies if p in MEGATRON_POLICIES] or list(policies)
+
+
+def policy_models(config: BenchConfig) -> list[tuple[str, str, str, ModelConfig]]:
+    """``(part, model, spec, model config)`` of every ``--policy`` on every model of the requested
+    parts that runs it (``time``: both of its models, whole step; ``auto``: its model)."""
+    out = []
+    if "time" in config.parts:
+        for model, cfg in (
+            (f"head-dominated ({config.time_preset})", config.time_model()),
+            ("block-dominated", config.block_model()),
+        ):
+            out += [
+                ("time", model, spec, lambda cfg=cfg, spec=spec: config.whole_step(cfg, spec)) for spec in config.policy
+            ]
+    if "auto" in config.parts:
+        cfg = config.time_model()
+        out += [
+            ("auto", config.time_preset, spec, lambda spec=spec: cfg.replace(remat_policy=spec))
+            for spec in auto_part_specs(config.policy)
+        ]
+    return out
+
+
+def check_policies(config: BenchConfig) -> None:
+    """Check every ``--policy`` against every model of the requested parts that runs it, before any
+    part runs: the model is built and its loss traced at batch 1 (nothing is compiled).
+
+    Raises:
+      UsageError: for a policy that does not apply to such a model (``nested:block=3`` on 2 layers,
+        ``names:save=`` a tag the model's attention does not have).
+    """
+    for part, model, spec, build in policy_models(config):
+        try:
+            loss, args = loss_program(build(), 1)
+            jax.make_jaxpr(loss)(*args)
+        except ValueError as err:
+            raise UsageError(f"--policy {spec!r} does not apply to the {model} model of part {part}: {err}") from None
 
 
 #: Part name -> part function, in run order.
