@@ -1,6 +1,8 @@
 """python -m train.bench: parts dispatched through the table, the report from fake measurements, one real tiny compile."""
 
 import csv
+import os
+import stat
 
 import jax
 import pytest
@@ -201,10 +203,14 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     kept = f"{report.KEPT_MARKER}\n\n## A run on another machine\n\n| a | table |\n"
     md.write_text("# an older report\n\nits tables\n\n" + kept)
+    md.chmod(0o644)
+    umask = os.umask(0o022)
     code = bench.main(
         ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--policy", "full", "--quick"]
     )
+    os.umask(umask)
     assert code == 0 and seen == [("none", "full")]
+    assert stat.S_IMODE(md.stat().st_mode) == 0o644 and stat.S_IMODE((out / "bench.csv").stat().st_mode) == 0o644
     assert (out / "bench.csv").exists() and (out / "time.png").exists() and not (out / bench.PARTIAL_CSV).exists()
     text = md.read_text()
     assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text

@@ -113,7 +113,8 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
             raise
         print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         write_csv(rows, partial)  # keep what is done if a later part fails, beside the last complete run
-    os.replace(partial, csv_path)  # the whole run's rows replace the last run's in one step
+    write_csv(rows, csv_path)  # the whole run's rows replace the last run's in one step
+    os.remove(partial)
     plots = write_plots(rows, config.out)
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")

@@ -7,7 +7,6 @@ import datetime
 import io
 import os
 import platform
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,18 +15,7 @@ import jax
 from jremat import format_bytes
 from jremat.train.bench.harness import GIB
 from jremat.train.bench.parts import CSV_COLUMNS
-
-
-def write_text_atomically(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step: an interrupted write leaves the old file whole."""
-    folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=f".{os.path.basename(path)}.", delete=False) as f:
-        f.write(text)
-    try:
-        os.replace(f.name, path)
-    except BaseException:
-        os.unlink(f.name)
-        raise
+from jremat.train.files import write_text_atomically
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:
