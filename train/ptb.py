@@ -444,7 +444,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
         log(f"resumed from {ckpts.path} at step {start_step}")
 
     metrics = (
-        MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None)
+        MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None, log=log)
         if cfg.metrics_file and primary
         else None
     )
