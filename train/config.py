@@ -127,8 +127,7 @@ class TrainConfig:
             )
         else:
             require_int("batch_size", self.batch_size)
-        require_int("seq_len", self.seq_len)
-        model_flags.check(self, self.seq_len)
+        model_flags.check(self, self.seq_len)  # --max-seq-len, then --seq-len (its default is --max-seq-len)
         require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         if self.steps is not None:
             require_int("steps", self.steps)

@@ -118,13 +118,6 @@ class MemoryConfig:
             if problem:
                 raise UsageError(f"{flag} {path!r}: {problem}")
         require_choice("preset", self.preset, tuple(PRESETS))
-        if self.remat_head_chunks is not None:
-            require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
-            require(
-                not self.remat_head_chunks or self.resolved_seq_len % self.remat_head_chunks == 0,
-                f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
-                f"{self.resolved_seq_len}",
-            )
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
@@ -161,6 +154,13 @@ class MemoryConfig:
                 "a head count that divides d_model",
             )
         model_flags.check(self, self.seq_len)
+        if self.remat_head_chunks is not None:  # derived from the model flags: checked after them
+            require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
+            require(
+                not self.remat_head_chunks or self.resolved_seq_len % self.remat_head_chunks == 0,
+                f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
+                f"{self.resolved_seq_len}",
+            )
         model_flags.check_backend(self.attention, self.resolved_head_dim)
         for module in self.policy_module:
             try:

@@ -39,13 +39,16 @@ def check(config, seq_len: int | None) -> None:
     """Check the shared flags and that ``seq_len`` fits the learned positions.
 
     Raises:
-      UsageError: for an unknown attention, a block size or position count that is not a
-        positive integer, or a sequence longer than the positions.
+      UsageError: for an unknown attention, a block size, position count or ``seq_len`` that is
+        not a positive integer, or a sequence longer than the positions. ``--max-seq-len`` is
+        checked before ``seq_len``, which may be derived from it.
     """
     require_choice("attention", config.attention, ATTENTIONS)
     require_int("attention_block_size", config.attention_block_size)
     if config.max_seq_len is not None:
         require_int("max_seq_len", config.max_seq_len)
+    if seq_len is not None:
+        require_int("seq_len", seq_len)
     limit = positions(config)
     require(
         seq_len is None or seq_len <= limit,

@@ -35,6 +35,9 @@ TABLE = {
         ("ptb", "--keep-checkpoints 0", "--keep-checkpoints must be a positive integer, got 0"),
         ("ptb", "--epochs 1", "give --steps or --epochs, not both"),
         ("memory", "--layers 0", "--layers must be a positive integer"),
+        ("ptb", "--max-seq-len 0", "--max-seq-len must be a positive integer, got 0"),  # not --seq-len (its default)
+        ("memory", "--remat-head-chunks 3 --max-seq-len -5", "--max-seq-len must be a positive integer, got -5"),
+        ("memory", "--remat-head-chunks 3", "--remat-head-chunks 3 does not divide the sequence length 16"),
         ("memory", "--layers 1000000000000", "the model is too large: its parameters alone take"),
         ("memory", "--heads 3", "--heads 3 does not divide d_model"),
         ("bench", "--time-steps -2", "--time-steps"),
