@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
+import math
 import numbers
 import re
 from collections.abc import Callable
@@ -265,6 +266,8 @@ def _convert(policy: str, key: str, param: Param, raw: Any) -> Any:
             value = float(raw)
         except ValueError:
             raise ValueError(f"{where} must be a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{where} must be a finite number, got {raw!r}")
     elif param.kind == "bool":
         lowered = raw.lower()
         if lowered not in ("true", "false", "1", "0", "yes", "no"):
