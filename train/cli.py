@@ -290,6 +290,23 @@ def require_number(name: str, value, *, minimum: float = 0.0, inclusive: bool = 
     require(ok, f"{flag_name(name)} must be {wanted}, got {value!r}")
 
 
+def require_one_budget(specs: Sequence[str], memory_budget: str | None) -> None:
+    """``--memory-budget`` and an ``auto`` spec's own ``budget=`` must not both be given.
+
+    Raises:
+      UsageError: naming both budgets.
+    """
+    if memory_budget is None:
+        return
+    for spec in specs:
+        name, values = registry.parse_spec(spec)
+        if name == "auto" and "budget" in values:
+            raise UsageError(
+                f"--policy {spec!r} sets its own budget and --memory-budget {memory_budget} sets another; "
+                f"give one: --policy auto --memory-budget {memory_budget}, or --policy {spec!r} alone"
+            )
+
+
 def require_choice(name: str, value, choices: Sequence[str]) -> None:
     """``value`` must be one of ``choices``."""
     require(value in choices, f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")

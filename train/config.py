@@ -20,7 +20,15 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
 from jremat.train import model_flags, sharding
-from jremat.train.cli import UsageError, option, require, require_choice, require_int, require_number
+from jremat.train.cli import (
+    UsageError,
+    option,
+    require,
+    require_choice,
+    require_int,
+    require_number,
+    require_one_budget,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +184,7 @@ class TrainConfig:
                 registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,
                 f"--memory-budget applies only to --policy auto or --batch-size auto, not to --policy {spec!r}",
             )
+            require_one_budget([spec], self.memory_budget)
             try:
                 budget = parse_budget(self.memory_budget)
             except ValueError as err:

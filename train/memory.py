@@ -32,7 +32,15 @@ from jremat.models.config import DTYPES, whole_step_head_chunks
 from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
 from jremat.train import cli, interrupts, model_flags, timeline_plot
 from jremat.train import fit as fit_lib
-from jremat.train.cli import UsageError, apply_policy_keys, option, require, require_choice, require_int
+from jremat.train.cli import (
+    UsageError,
+    apply_policy_keys,
+    option,
+    require,
+    require_choice,
+    require_int,
+    require_one_budget,
+)
 from jremat.train.usage import program_name
 
 #: Parameters larger than this are refused up front: the report is of one device's step, and no
@@ -169,6 +177,13 @@ class MemoryConfig:
                 raise UsageError(f"bad --policy-module: {err}") from None
         object.__setattr__(self, "policy", apply_policy_keys(self.policy, self.policy_keys))
         object.__setattr__(self, "policy_keys", ())
+        if self.memory_budget is not None and not self.live_child:  # a live child gets the parent's flags
+            require(
+                self.fit or any(registry.parse_spec(s)[0] == "auto" for s in self.policy),
+                "--memory-budget applies only to --policy auto or --fit, not to --policy "
+                + ", ".join(repr(s) for s in self.policy),
+            )
+            require_one_budget(self.policy, self.memory_budget)
         model_bytes = self.model_config("none").parameter_bytes()
         require(
             model_bytes <= MAX_PARAMETER_BYTES,
