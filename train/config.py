@@ -226,6 +226,14 @@ class TrainConfig:
         if self.dropout is not None:
             changes.update(attn_dropout=self.dropout, resid_dropout=self.dropout)
         shape = {k: v for k, v in changes.items() if k in ("vocab_size", "dtype", "attn_dropout", "resid_dropout")}
+        attn_dropout = shape.get("attn_dropout", PRESETS[self.preset].attn_dropout)
+        if self.resume and self.attention in ("xla", "cudnn") and attn_dropout > 0:  # --dropout 0 is no way out
+            raise UsageError(
+                f"attention {self.attention!r} (jax.nn.dot_product_attention) has no attention dropout, but "
+                f"attn_dropout is {attn_dropout}; a resumed run keeps the checkpoint's dropout: resume with the "
+                "original run's --attention and --dropout, or use --attention blockwise, which drops out inside "
+                "the kernel"
+            )
         try:  # the attention first, so that its errors are not reported as the policy's
             model_preset(self.preset, **shape, **model_flags.model_overrides(self))
         except ValueError as err:

@@ -1,9 +1,10 @@
 """The flags every CLI that builds the model shares: attention and the number of learned positions.
 
 Each config dataclass declares them with the factories below (one field each) and turns them into
-:class:`~jremat.models.ModelConfig` overrides with :func:`model_overrides`, so ``train.ptb``,
-``train.memory`` and ``train.bench`` read ``--attention``, ``--attention-block-size`` and
-``--max-seq-len`` the same way.
+:class:`~jremat.models.ModelConfig` overrides with :func:`model_overrides`, so ``train.ptb`` and
+``train.memory`` read ``--attention``, ``--attention-block-size`` and ``--max-seq-len`` the same
+way. ``train.bench`` takes ``--attention`` and ``--attention-block-size`` from here too (and
+:func:`check_backend`); it has no ``--max-seq-len``: each bench model keeps its own positions.
 """
 
 from __future__ import annotations

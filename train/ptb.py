@@ -353,6 +353,10 @@ def train(
     """
     signals = interrupts.Interrupts() if signals is None else signals
     primary = distributed_lib.is_primary()  # process 0 prints, shows progress and writes the metrics file
+    # The machine, then the model flags (attention, dropout, policy), before the checkpoint
+    # directory is made and locked: a refused run leaves nothing behind.
+    model_flags.check_backend(cfg.attention, PRESETS[cfg.preset].head_dim)
+    cfg.model_config(PRESETS[cfg.preset].vocab_size)
     ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
     try:
         return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
@@ -365,7 +369,6 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     from tqdm import tqdm
 
     signals.startup_note = "nothing was trained, nothing to save"
-    model_flags.check_backend(cfg.attention, PRESETS[cfg.preset].head_dim)  # the machine, before the other flags
     if ckpts and ckpts.lock is not None and ckpts.lock.taken_over:
         log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
     latest = ckpts.latest_step() if ckpts else None

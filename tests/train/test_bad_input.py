@@ -65,6 +65,11 @@ TABLE = {
         ("ptb", "--mesh data=3 --batch-size 4", "--batch-size 4 does not split over --mesh data=3"),
         ("ptb", "--policy every_k --k x", "k must be an integer, got 'x'"),
         ("ptb", "--resume", "--resume needs --ckpt-dir"),
+        (  # --dropout 0 would be refused as a changed model: the hint names what works
+            "ptb",
+            "--resume --ckpt-dir {tmp}/dir --attention xla",
+            "a resumed run keeps the checkpoint's dropout: resume with the original run's --attention and --dropout",
+        ),
         ("ptb", "--policy full --memory-budget 1GiB", "--memory-budget applies only to --policy auto"),
         ("ptb", "--policy auto --memory-budget lots", "memory budget 'lots' is not a size like 6GiB"),
         ("ptb", "--batch-size lots", "--batch-size must be a positive whole number or auto, got 'lots'"),

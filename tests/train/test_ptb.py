@@ -160,6 +160,19 @@ def test_resume_without_checkpoint(tmp_path, base_args, capsys):
     assert "no checkpoint found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--attention", "cudnn", "--dropout", "0"], "attention 'cudnn'"),
+        (["--attention", "xla"], "no attention dropout"),
+    ],
+)
+def test_a_refused_model_flag_makes_no_checkpoint_directory(tmp_path, base_args, capsys, flags, message):
+    new = tmp_path / "new"
+    assert ptb.main(base_args + ["--ckpt-dir", str(new), *flags]) == ptb.EXIT_USAGE
+    assert message in capsys.readouterr().err and not new.exists()  # no folder, no .jremat-run.lock
+
+
 def test_unwritable_ckpt_dir(tmp_path, base_args, capsys):
     (tmp_path / "file").write_text("x")
     assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "file" / "ck")]) == ptb.EXIT_USAGE
