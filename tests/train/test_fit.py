@@ -27,7 +27,7 @@ def fit_json(capsys, *extra) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_memory_fit_prints_a_winner_that_fits_plots_the_front_and_repeats_its_digest(capsys, tmp_path, monkeypatch):
+def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_path, monkeypatch):
     # The measured rates round to powers of two, which a loaded test machine can tip; fix them.
     monkeypatch.setattr(jremat_fit, "calibrate_time_model", lambda dtype="float32": FIXED_RATES)
     out = fit_json(capsys, *TWO, "--plot", str(tmp_path / "front.png"))
@@ -38,8 +38,14 @@ def test_memory_fit_prints_a_winner_that_fits_plots_the_front_and_repeats_its_di
     by_policy = {r["policy"]: r["batch_size"] for r in out["rows"]}
     assert by_policy["full"] > by_policy["none"]
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.fullmatch(r"[0-9a-f]{12}", out["digest"])  # its repeatability: tests/jremat/test_fit.py
+
+
+@pytest.mark.slow
+def test_memory_fit_repeats_its_digest(capsys, monkeypatch):
     # One finalist: nothing in the decision is timed, so a second search must say the same.
-    assert fit_json(capsys, *TWO)["digest"] == out["digest"]
+    monkeypatch.setattr(jremat_fit, "calibrate_time_model", lambda dtype="float32": FIXED_RATES)
+    assert fit_json(capsys, *TWO)["digest"] == fit_json(capsys, *TWO)["digest"]
 
 
 @pytest.mark.slow
@@ -75,6 +81,7 @@ def test_auto_plans_are_tried_only_above_nones_largest_batch():
     assert fit_lib.auto_plans(100, searched) == [(fit_lib.auto_label(100), 12, 1)]
 
 
+@pytest.mark.slow  # a whole search, then training: the search itself is tested above and in tests/jremat
 def test_ptb_trains_with_the_batch_the_search_chose(ptb_offline_dir, capsys, tmp_path):
     metrics = tmp_path / "m.jsonl"
     argv = [
