@@ -189,7 +189,7 @@ class MemoryConfig:
             model_bytes <= MAX_PARAMETER_BYTES,
             f"the model is too large: its parameters alone take {format_bytes(model_bytes)}, more than "
             f"{format_bytes(MAX_PARAMETER_BYTES)}, and this report is for one device (the largest hold under "
-            "300 GiB); choose fewer --layers or a smaller --d-model / --d-ff",
+            "300 GiB); choose fewer --layers or a smaller --d-model / --d-ff / --max-seq-len",
         )
 
     def model_config(self, policy: str) -> ModelConfig:

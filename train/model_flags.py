@@ -9,9 +9,13 @@ way. ``train.bench`` takes ``--attention`` and ``--attention-block-size`` from h
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from jremat.models import PRESETS
+import jax
+
+from jremat import format_bytes
+from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import ATTENTIONS, check_attention_backend
 from jremat.train.cli import UsageError, option, require, require_choice, require_int
 
@@ -77,3 +81,41 @@ def check_backend(attention: str, head_dim: int) -> None:
         check_attention_backend(attention, head_dim)
     except ValueError as err:
         raise UsageError(f"--attention: {err}") from None
+
+
+#: Copies of the parameters a training step keeps at least: parameters, gradients, Adam's two moments.
+TRAINING_STATE_COPIES = 4
+
+
+def device_memory_bytes(device=None) -> int | None:
+    """Memory of one device: the allocator's limit on an accelerator, the machine's physical
+    memory on a CPU, ``None`` where neither is known."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_training_state_fits(model_cfg: ModelConfig, device=None) -> None:
+    """Check that one device holds the parameters, gradients and optimizer state of a training
+    step (:data:`TRAINING_STATE_COPIES` copies of the parameters); activations come on top.
+
+    Raises:
+      UsageError: naming the sizes and what makes the model smaller.
+    """
+    have = device_memory_bytes(device)
+    param_bytes = model_cfg.parameter_bytes()
+    need = TRAINING_STATE_COPIES * param_bytes
+    require(
+        have is None or need <= have,
+        f"the model does not fit this device: its parameters take {format_bytes(param_bytes)} and training "
+        f"keeps {TRAINING_STATE_COPIES} copies (parameters, gradients, Adam's two moments), "
+        f"{format_bytes(need)}, more than the device's {format_bytes(have or 0)}; "
+        "choose a smaller --max-seq-len or --preset",
+    )

@@ -356,7 +356,9 @@ def train(
     # The machine, then the model flags (attention, dropout, policy), before the checkpoint
     # directory is made and locked: a refused run leaves nothing behind.
     model_flags.check_backend(cfg.attention, PRESETS[cfg.preset].head_dim)
-    cfg.model_config(PRESETS[cfg.preset].vocab_size)
+    model_cfg = cfg.model_config(PRESETS[cfg.preset].vocab_size)
+    if cfg.mesh is None:  # a mesh may shard the parameters
+        model_flags.check_training_state_fits(model_cfg)
     ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
     try:
         return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)

@@ -39,6 +39,7 @@ TABLE = {
         ("memory", "--remat-head-chunks 3 --max-seq-len -5", "--max-seq-len must be a positive integer, got -5"),
         ("memory", "--remat-head-chunks 3", "--remat-head-chunks 3 does not divide the sequence length 16"),
         ("memory", "--layers 1000000000000", "the model is too large: its parameters alone take"),
+        ("ptb", "--seq-len 16 --max-seq-len 2147483648", "the model does not fit this device: its parameters take"),
         ("memory", "--heads 3", "--heads 3 does not divide d_model"),
         ("bench", "--time-steps -2", "--time-steps"),
         ("launch", "--processes 0 -- python -c pass", "--processes must be"),
