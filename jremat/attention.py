@@ -299,6 +299,9 @@ def _subjaxprs(eqn):
 
 
 def _check_inputs(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array [batch, seq, heads, head_dim], got {type(x).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"q, k and v must be [batch, seq, heads, head_dim], got shapes {q.shape}, {k.shape}, {v.shape}"

@@ -420,6 +420,8 @@ def test_rejects_mismatched_shapes_and_dtypes():
         attention.blockwise_attention(q, k, v[:, :, :1])
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
         attention.blockwise_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="q must be an array"):
+        attention.blockwise_attention(q.tolist(), k, v)
     with pytest.raises(ValueError, match="must not be empty"):
         attention.blockwise_attention(q[:, :0], k[:, :0], v[:, :0])
     with pytest.raises(ValueError, match="one floating dtype"):
