@@ -211,7 +211,7 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
     os.umask(umask)
     assert code == 0 and seen == [("none", "full")]
     assert stat.S_IMODE(md.stat().st_mode) == 0o644 and stat.S_IMODE((out / "bench.csv").stat().st_mode) == 0o644
-    assert (out / "bench.csv").exists() and (out / "time.png").exists() and not (out / bench.PARTIAL_CSV).exists()
+    assert (out / "bench.csv").exists() and (out / "time.png").exists() and not list(out.glob("bench.partial-*.csv"))
     text = md.read_text()
     assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text
     assert "an older report" not in text and text.endswith(kept) and text.count(report.KEPT_MARKER) == 1
@@ -234,8 +234,14 @@ def test_a_run_that_fails_midway_leaves_the_last_csv_and_report(tmp_path, monkey
     with pytest.raises(RuntimeError, match="out of memory"):
         bench.main(["--parts", "time,peers", "--out", str(out), "--report", str(md), "--policy", "none", "--quick"])
     assert (out / "bench.csv").read_text() == "the last complete run\n" and md.read_text() == "# the last report\n"
-    assert len(report.read_csv(out / bench.PARTIAL_CSV)) == len(done_part(None, None))  # the finished part's rows
+    (partial,) = out.glob("bench.partial-*.csv")
+    assert len(report.read_csv(partial)) == len(done_part(None, None))  # the finished part's rows
     assert "[peers] failed" in capsys.readouterr().err
+    # A later run that succeeds replaces bench.csv and leaves the failed run's rows where they were.
+    assert bench.main(["--parts", "time", "--out", str(out), "--policy", "none", "--quick"]) == 0
+    assert list(out.glob("bench.partial-*.csv")) == [partial] and len(report.read_csv(partial)) == len(
+        done_part(None, None)
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ What the parts measure: :mod:`jremat.train.bench`.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -71,15 +72,16 @@ READING_GUIDE = """\
 """
 
 
-#: The rows of the parts done so far, in ``--out``; moved onto ``bench.csv`` when every part is done.
-PARTIAL_CSV = "bench.partial.csv"
+#: The rows of the parts one run has done so far, in ``--out`` (its start time and a random tag fill ``{}``);
+#: removed when every part is done, kept when a part fails. No run touches another run's.
+PARTIAL_CSV = "bench.partial-{}.csv"
 
 
 def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[str]]:
     """Run the configured parts; write the CSV and plots into ``config.out`` and the report.
 
     Every ``--policy`` is checked against the parts' models first (:func:`check_policies`). The
-    rows of the parts done so far go to :data:`PARTIAL_CSV`; ``bench.csv``, the plots and the
+    rows of the parts done so far go to this run's :data:`PARTIAL_CSV`; ``bench.csv``, the plots and the
     report are replaced only when every part is done, so a run that fails midway leaves the
     last complete run's files as they were.
 
@@ -98,7 +100,7 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
     rows: list[dict] = []
     started = time.perf_counter()
     csv_path = os.path.join(config.out, "bench.csv")
-    partial = os.path.join(config.out, PARTIAL_CSV)
+    partial = os.path.join(config.out, PARTIAL_CSV.format(f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"))
     for part in config.parts:
         t0 = time.perf_counter()
         try:
@@ -114,7 +116,7 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
         print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         write_csv(rows, partial)  # keep what is done if a later part fails, beside the last complete run
     write_csv(rows, csv_path)  # the whole run's rows replace the last run's in one step
-    os.remove(partial)
+    os.remove(partial)  # this run's own: an earlier failed run's partial rows stay
     plots = write_plots(rows, config.out)
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
