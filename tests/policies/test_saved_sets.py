@@ -70,6 +70,21 @@ def test_skip_cheap_saves_no_elementwise_output_and_keeps_matmuls():
     assert any(prog.ops[i].is_elementwise for i in everything)
 
 
+def test_skip_cheap_prices_a_loop_by_its_body():
+    """A scan is no elementwise op: a scan of matmuls costs as much per byte as its matmuls, and
+    skip_cheap keeps it; its elementwise consumers stay unsaved."""
+
+    def scanned(x, ws):
+        y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)
+        return jnp.sum(jnp.sin(y) ** 2)
+
+    args = (jnp.ones((64, 64)), jnp.ones((8, 64, 64)) * 0.01)
+    prog = program_of(scanned, *args)
+    saved, _ = saved_op_indices(jremat.checkpoint(scanned, "skip_cheap"), *args)
+    assert [prog.ops[i].primitive for i in saved] == ["scan"]
+    assert not prog.ops[min(saved)].is_elementwise
+
+
 def named_fn(x):
     """a, b, c named; b is a reshape of an unnamed sine (its producer)."""
     a = checkpoint_name(jnp.sin(x), "q")
