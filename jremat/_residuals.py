@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from jremat import _engine, _jax_compat, _liveness, _program
@@ -237,15 +238,19 @@ def _residuals_the_backward_reads(out_shape) -> list[bool]:
     """
     primal_shape, pullback_shape = out_shape
     res_shapes = jax.tree.leaves(pullback_shape)
-    cts = jax.tree.leaves(primal_shape)
-    if _engine.active_engine() != _engine.REMAT3 or not all(jnp.issubdtype(c.dtype, jnp.inexact) for c in cts):
+    if _engine.active_engine() != _engine.REMAT3:
         return [True] * len(res_shapes)
-    pullback_tree = jax.tree.structure(pullback_shape)
+    pullback_tree, primal_tree = jax.tree.structure(pullback_shape), jax.tree.structure(primal_shape)
+    primals = jax.tree.leaves(primal_shape)
+    inexact = [jnp.issubdtype(p.dtype, jnp.inexact) for p in primals]
 
-    def backward(res, ct):
-        return jax.tree.unflatten(pullback_tree, res)(jax.tree.unflatten(jax.tree.structure(primal_shape), ct))
+    def backward(res, float_cts):
+        # Integer and boolean outputs take float0 cotangents, which are constants here.
+        it = iter(float_cts)
+        cts = [next(it) if f else np.zeros(p.shape, jax.dtypes.float0) for p, f in zip(primals, inexact)]
+        return jax.tree.unflatten(pullback_tree, res)(jax.tree.unflatten(primal_tree, cts))
 
-    backward_jaxpr = jax.make_jaxpr(backward)(res_shapes, cts)
+    backward_jaxpr = jax.make_jaxpr(backward)(res_shapes, [p for p, f in zip(primals, inexact) if f])
     return _liveness.used_inputs(backward_jaxpr)[: len(res_shapes)]
 
 

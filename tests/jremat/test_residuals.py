@@ -122,12 +122,16 @@ def _blockwise_layer_stack(policy):
     return loss, args
 
 
-@pytest.mark.parametrize("policy", ["selective", "names:save=attn_context+attn_lse"])
-def test_residuals_only_a_dead_recomputation_reads_are_not_counted(policy):
+@pytest.mark.parametrize(
+    "policy, int_output",
+    [("selective", False), ("selective", True), ("names:save=attn_context+attn_lse", False)],
+)
+def test_residuals_only_a_dead_recomputation_reads_are_not_counted(policy, int_output):
     """Under remat3 a saved value's recomputation stays in the backward program, dead; the
     residuals only it reads (here the kernel's blocked output and lse) are not kept by XLA, and
-    the report counts what the classic engine's does."""
-    fn, args = _blockwise_layer_stack(policy)
+    the report counts what the classic engine's does (also beside an integer output)."""
+    loss, args = _blockwise_layer_stack(policy)
+    fn = (lambda *a: (loss(*a), jnp.argmax(a[0]))) if int_output else loss
     computed = {}
     for engine in ("classic", "remat3"):
         with run_under_engine(engine):
