@@ -98,6 +98,7 @@ def blockwise_attention(
       NotImplementedError: when its gradient is differentiated.
     """
     _check_inputs(q, k, v)
+    _check_not_float64(q)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     rate = _check_rate(dropout_rate)
@@ -132,7 +133,8 @@ def reference_attention(
     dropout_key: jax.Array | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """Explicit softmax attention: full ``[batch, heads, seq, seq]`` scores, float32 softmax,
+    """Explicit softmax attention: full ``[batch, heads, seq, seq]`` scores, float32 softmax (float64
+    for float64 inputs),
     inverted dropout on the probabilities, probabilities times values.
 
     The oracle for :func:`blockwise_attention`, with the same arguments and the same dropout mask:
@@ -153,20 +155,22 @@ def reference_attention(
       ``[batch, seq, heads, value_dim]`` in ``q``'s dtype.
 
     Raises:
-      ValueError: if the shapes or dtypes do not match or ``dropout_rate`` is outside ``[0, 1)``.
+      ValueError: if the shapes or dtypes do not match, a dimension is empty or ``dropout_rate`` is
+        outside ``[0, 1)``.
     """
     _check_inputs(q, k, v)
     rate = _check_rate(dropout_rate)
     seq = q.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # may be traced here
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    acc = jnp.float64 if jax.dtypes.canonicalize_dtype(q.dtype) == jnp.float64 else jnp.float32
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=acc) * scale
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((seq, seq), dtype=bool)), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     if dropout_key is not None and rate > 0.0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - rate, probs.shape)
         probs = jnp.where(keep, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=acc)
     return out.astype(q.dtype)
 
 
@@ -324,11 +328,6 @@ def _check_inputs(q, k, v) -> None:
         )
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k and v must have one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if jax.dtypes.canonicalize_dtype(q.dtype).itemsize > 4:  # float64 only where x64 is on
-        raise ValueError(
-            f"attention computes its scores and softmax in float32; got {q.dtype} inputs, which would "
-            "lose precision silently: pass float32, bfloat16 or float16"
-        )
 
 
 def _static_float(value, what: str) -> float:
@@ -344,6 +343,14 @@ def _static_float(value, what: str) -> float:
             f"{what} must be a static Python number (it fixes the kernel's program), got a traced or "
             f"non-scalar value {getattr(value, 'aval', value)}; pass it as a constant, not as a jit argument"
         ) from err
+
+
+def _check_not_float64(q) -> None:
+    if jax.dtypes.canonicalize_dtype(q.dtype).itemsize > 4:  # float64 only where x64 is on
+        raise ValueError(
+            f"blockwise attention computes its scores and softmax in float32; got {q.dtype} inputs, which "
+            "would lose precision silently: pass float32, bfloat16 or float16 (reference_attention takes float64)"
+        )
 
 
 def _check_rate(rate) -> float:

@@ -438,6 +438,14 @@ def test_float64_inputs_are_refused_where_x64_is_on():
     with jax.enable_x64(True):
         with pytest.raises(ValueError, match="float64 inputs, which would lose precision"):
             jax.eval_shape(attend, q, k, v)
+        # The oracle computes in float64 (it is what higher-order derivatives are taken through).
+        exact = np.asarray(attention.reference_attention(q, k, v))
+        assert exact.dtype == np.float64
+        w = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        w = np.where(np.tril(np.ones((16, 16), bool)), w, -np.inf)
+        w = np.exp(w - w.max(-1, keepdims=True))
+        expected = np.einsum("bhqk,bkhd->bqhd", w / w.sum(-1, keepdims=True), v)
+        np.testing.assert_allclose(exact, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("argument", ["scale", "dropout_rate", "causal"])
