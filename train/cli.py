@@ -290,20 +290,31 @@ def require_number(name: str, value, *, minimum: float = 0.0, inclusive: bool = 
     require(ok, f"{flag_name(name)} must be {wanted}, got {value!r}")
 
 
-def require_one_budget(specs: Sequence[str], memory_budget: str | None) -> None:
+def require_one_budget(specs: Sequence[str], memory_budget: str | None, search_flag: str | None = None) -> None:
     """``--memory-budget`` and an ``auto`` spec's own ``budget=`` must not both be given.
 
+    Args:
+      specs: the ``--policy`` specs.
+      memory_budget: the ``--memory-budget`` value, if given.
+      search_flag: the flag that makes ``--memory-budget`` the budget of a search (``--fit``,
+        ``--batch-size auto``), if given: then the spec's ``budget=`` is the one to drop.
+
     Raises:
-      UsageError: naming both budgets.
+      UsageError: naming both budgets and what to give instead.
     """
     if memory_budget is None:
         return
     for spec in specs:
         name, values = registry.parse_spec(spec)
         if name == "auto" and "budget" in values:
+            fix = (
+                f"drop budget= from --policy {spec!r} ({search_flag} searches at --memory-budget)"
+                if search_flag
+                else f"--policy auto --memory-budget {memory_budget}, or --policy {spec!r} alone"
+            )
             raise UsageError(
                 f"--policy {spec!r} sets its own budget and --memory-budget {memory_budget} sets another; "
-                f"give one: --policy auto --memory-budget {memory_budget}, or --policy {spec!r} alone"
+                f"give one: {fix}"
             )
 
 

@@ -184,7 +184,9 @@ class TrainConfig:
                 registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,
                 f"--memory-budget applies only to --policy auto or --batch-size auto, not to --policy {spec!r}",
             )
-            require_one_budget([spec], self.memory_budget)
+            require_one_budget(
+                [spec], self.memory_budget, "--batch-size auto" if self.batch_size == AUTO_BATCH else None
+            )
             try:
                 budget = parse_budget(self.memory_budget)
             except ValueError as err:

@@ -183,7 +183,7 @@ class MemoryConfig:
                 "--memory-budget applies only to --policy auto or --fit, not to --policy "
                 + ", ".join(repr(s) for s in self.policy),
             )
-            require_one_budget(self.policy, self.memory_budget)
+            require_one_budget(self.policy, self.memory_budget, "--fit" if self.fit else None)
         model_bytes = self.model_config("none").parameter_bytes()
         require(
             model_bytes <= MAX_PARAMETER_BYTES,

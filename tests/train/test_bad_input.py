@@ -87,6 +87,16 @@ TABLE = {
         ("memory", "--policy none --memory-budget 0.5", "--memory-budget applies only to --policy auto or --fit"),
         ("memory", "--policy auto:budget=0.3 --memory-budget 0.5", "sets its own budget and --memory-budget 0.5"),
         ("ptb", "--policy auto:budget=0.3 --memory-budget 0.5", "sets its own budget and --memory-budget 0.5"),
+        (
+            "memory",
+            "--fit --policy auto:budget=1GiB --memory-budget 4GiB",
+            "drop budget= from --policy 'auto:budget=1GiB'",
+        ),
+        (
+            "ptb",
+            "--batch-size auto --policy auto:budget=1GiB --memory-budget 4GiB",
+            "drop budget= from --policy 'auto:budget=1GiB' (--batch-size auto searches",
+        ),
         ("ptb", "--policy skip_cheap:min_flops_per_byte=nan", "min_flops_per_byte must be a finite number"),
         ("memory", "--policy nested:block=3", "nested"),
         ("bench", "--policy nosuch", "unknown policy 'nosuch'"),
