@@ -347,13 +347,18 @@ def part_maxbatch(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     return rows
 
 
+def time_models(config: BenchConfig) -> list[tuple[str, ModelConfig, int]]:
+    """``(label, model, batch)`` of the ``time`` part's head- and block-dominated models."""
+    return [
+        (f"head-dominated ({config.time_preset})", config.time_model(), config.time_batch),
+        ("block-dominated", config.block_model(), config.block_batch),
+    ]
+
+
 def part_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Step time, FLOPs bound, peak and compile time of every policy on a head- and a block-dominated model."""
     rows = []
-    for model, cfg, batch in (
-        (f"head-dominated ({config.time_preset})", config.time_model(), config.time_batch),
-        ("block-dominated", config.block_model(), config.block_batch),
-    ):
+    for model, cfg, batch in time_models(config):
         configs = {spec: config.whole_step(cfg, spec) for spec in dict.fromkeys(["none", *policies])}
         log(f"[time] {model}: {len(configs)} policies at batch {batch}")
         rows += _timed_rows("time", model, configs, batch, config)
@@ -511,15 +516,13 @@ def auto_part_specs(policies: Sequence[str]) -> list[str]:
     return [p for p in policies if p in MEGATRON_POLICIES] or list(policies)
 
 
-def policy_models(config: BenchConfig) -> list[tuple[str, str, str, ModelConfig]]:
-    """``(part, model, spec, model config)`` of every ``--policy`` on every model of the requested
-    parts that runs it (``time``: both of its models, whole step; ``auto``: its model)."""
+def policy_models(config: BenchConfig) -> list[tuple[str, str, str, Callable[[], ModelConfig]]]:
+    """``(part, model, spec, build)`` of every ``--policy`` on every model of the requested parts
+    that runs it (``time``: both of its models, whole step; ``auto``: its model); ``build()``
+    gives the model config under the policy."""
     out = []
     if "time" in config.parts:
-        for model, cfg in (
-            (f"head-dominated ({config.time_preset})", config.time_model()),
-            ("block-dominated", config.block_model()),
-        ):
+        for model, cfg, _ in time_models(config):
             out += [
                 ("time", model, spec, lambda cfg=cfg, spec=spec: config.whole_step(cfg, spec)) for spec in config.policy
             ]
