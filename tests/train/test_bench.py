@@ -238,7 +238,8 @@ def test_a_run_that_fails_midway_leaves_the_last_csv_and_report(tmp_path, monkey
     assert len(report.read_csv(partial)) == len(done_part(None, None))  # the finished part's rows
     assert "[peers] failed" in capsys.readouterr().err
     # A later run that succeeds replaces bench.csv and leaves the failed run's rows where they were.
-    assert bench.main(["--parts", "time", "--out", str(out), "--policy", "none", "--quick"]) == 0
+    argv = ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--quick"]
+    assert bench.main(argv) == 0
     assert list(out.glob("bench.partial-*.csv")) == [partial] and len(report.read_csv(partial)) == len(
         done_part(None, None)
     )
