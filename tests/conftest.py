@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import os
+import pathlib
 
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 
@@ -79,6 +80,23 @@ def _registry_restored():
     """Every test leaves the policy registry as it found it, whatever code under test registers."""
     with jremat.registry.scoped():
         yield
+
+
+#: Files a test must never write: the committed benchmark results (train.bench's default outputs).
+_COMMITTED_RESULTS = tuple(os.path.join(REPO, "docs", *parts) for parts in (("RESULTS.md",), ("results", "bench.csv")))
+
+
+def _contents(paths) -> list:
+    return [pathlib.Path(p).read_bytes() if os.path.exists(p) else None for p in paths]
+
+
+@pytest.fixture(autouse=True)
+def _committed_results_untouched():
+    """Every test leaves docs/RESULTS.md and docs/results/bench.csv as they were (a bench run
+    without ``--report`` / ``--out`` would rewrite them)."""
+    before = _contents(_COMMITTED_RESULTS)
+    yield
+    assert _contents(_COMMITTED_RESULTS) == before, "the test rewrote the committed benchmark results"
 
 
 @pytest.fixture
