@@ -699,3 +699,97 @@ HIGHER_ORDER_MESSAGE = (
     "jax.jvp of jax.grad) is not supported: use reference_attention or "
     "jax.nn.dot_product_attention for higher-order derivatives"
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX's Pallas flash attention
+
+#: Key and query block of the Pallas kernel's backward pass (JAX's default), at most the forward block.
+PALLAS_BACKWARD_BLOCK = 32
+
+
+def pallas_block_sizes(block_size: int, seq: int):
+    """The ``BlockSizes`` :func:`pallas_attention` gives JAX's Pallas kernel for a sequence of ``seq``.
+
+    The forward block is ``min(block_size, seq)``; the backward blocks are at most
+    :data:`PALLAS_BACKWARD_BLOCK` and at most the forward block.
+
+    Raises:
+      ValueError: if ``block_size`` or ``seq`` is not a positive integer, the forward block is not
+        a power of two (Triton's tiles are) or ``seq`` is not a multiple of it.
+    """
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+
+    for what, value in (("block_size", block_size), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"pallas attention: {what} must be a positive int, got {value!r}")
+    block = min(int(block_size), int(seq))
+    if block & (block - 1) or seq % block:
+        raise ValueError(
+            f"pallas attention: the kernel's block min(block_size, seq) = min({block_size}, {seq}) = {block} must be "
+            f"a power of two (Triton tiles) that divides the sequence ({seq}); use a power-of-two block size that "
+            "divides the sequence (--attention-block-size), or attention 'blockwise', which takes any length"
+        )
+    backward = min(block, PALLAS_BACKWARD_BLOCK)
+    return BlockSizes(
+        block_q=block,
+        block_k=block,
+        block_q_dkv=backward,
+        block_kv_dkv=backward,
+        block_q_dq=backward,
+        block_kv_dq=backward,
+    )
+
+
+def pallas_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    block_size: int = 128,
+    scale: float | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Softmax self-attention by JAX's Pallas flash-attention kernel
+    (``jax.experimental.pallas.ops.gpu.attention.mha``), with its own fused backward kernels.
+
+    A ``custom_vjp`` whose forward rule keeps the output and a float32 log-sum-exp returned by
+    the forward ``pallas_call`` (named ``mha_forward``), which the caller never sees; the
+    ``selective`` policy keeps both (:func:`pallas_kernel`), so the backward pass does not run
+    the forward kernel again. No attention dropout.
+
+    Args:
+      q: queries, ``[batch, seq, heads, head_dim]``.
+      k: keys, the same shape as ``q``.
+      v: values, the same shape as ``q`` (the kernel takes one head width).
+      causal: whether query ``i`` sees only keys ``j <= i``.
+      block_size: the forward kernel's query and key block (:func:`pallas_block_sizes`).
+      scale: multiplier of ``q @ k``; ``1 / sqrt(head_dim)`` if ``None``.
+      interpret: run the kernel in Pallas's interpreter; ``None`` (default): when JAX's default
+        backend is not a GPU (compiled with Triton on a GPU).
+
+    Returns:
+      ``[batch, seq, heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: if the shapes or dtypes do not match, ``v`` has another head width, or the
+        block does not suit the sequence (:func:`pallas_block_sizes`).
+    """
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    _check_inputs(q, k, v)
+    if v.shape != q.shape:
+        raise ValueError(f"pallas attention needs v of q's shape (one head width), got q {q.shape} and v {v.shape}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return mha(
+        q,
+        k,
+        v,
+        None,
+        sm_scale=_scale(scale, q.shape[-1]),
+        causal=_static_bool(causal, "causal"),
+        block_sizes=pallas_block_sizes(block_size, q.shape[1]),
+        interpret=bool(interpret),
+    )

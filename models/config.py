@@ -8,7 +8,11 @@ import jremat
 
 DTYPES = ("float32", "bfloat16")
 #: How a block computes attention (:attr:`ModelConfig.attention`).
-ATTENTIONS = ("explicit", "xla", "cudnn", "blockwise")
+ATTENTIONS = ("explicit", "xla", "cudnn", "blockwise", "pallas")
+#: Attentions whose kernel has no attention dropout: ``attn_dropout`` must be 0 under them.
+NO_DROPOUT_ATTENTIONS = ("xla", "cudnn", "pallas")
+#: Attentions computed by a fused kernel (no ``[seq, seq]`` tensor kept by any policy).
+FUSED_ATTENTIONS = ("cudnn", "blockwise", "pallas")
 #: Largest head_dim cuDNN's fused attention takes, by GPU generation (Hopper allows 256).
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_MAX_HEAD_DIM_HOPPER = 256
@@ -41,9 +45,13 @@ class ModelConfig:
       attention: how attention is computed: ``explicit`` (einsum, softmax, einsum, every tensor
         tagged), ``xla`` (``jax.nn.dot_product_attention(implementation="xla")``), ``cudnn``
         (``implementation="cudnn"``: NVIDIA GPUs, bfloat16, head_dim a multiple of 8, no attention
-        dropout) or ``blockwise`` (:func:`jremat.attention.blockwise_attention`: no ``[seq, seq]``
-        tensor, residuals are the output and its log-sum-exp). See docs/attention.md.
-      attention_block_size: query and key block length of ``blockwise`` attention.
+        dropout), ``blockwise`` (:func:`jremat.attention.blockwise_attention`: no ``[seq, seq]``
+        tensor, residuals are the output and its log-sum-exp) or ``pallas`` (JAX's Pallas flash
+        attention, ``jax.experimental.pallas.ops.gpu.attention.mha``: compiled on an NVIDIA GPU,
+        interpreted elsewhere; no attention dropout). See docs/attention.md.
+      attention_block_size: query and key block length of ``blockwise`` attention, and of the
+        forward kernel of ``pallas`` attention (a block longer than the sequence is the sequence;
+        the sequence must be a multiple of it).
       remat_layer_policies: different policies for contiguous groups of layers, in layer order,
         ``"COUNT:SPEC,...[,rest:SPEC]"``: ``"2:full,rest:none"`` rematerializes layers 0-1 fully
         and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
@@ -96,9 +104,10 @@ class ModelConfig:
         block = self.attention_block_size
         if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
             raise ValueError(f"attention_block_size must be a positive integer, got {block!r}")
-        if self.attention in ("xla", "cudnn") and self.attn_dropout > 0:
+        if self.attention in NO_DROPOUT_ATTENTIONS and self.attn_dropout > 0:
+            kernel = "JAX's Pallas flash attention" if self.attention == "pallas" else "jax.nn.dot_product_attention"
             raise ValueError(
-                f"attention {self.attention!r} (jax.nn.dot_product_attention) has no attention dropout, but "
+                f"attention {self.attention!r} ({kernel}) has no attention dropout, but "
                 f"attn_dropout is {self.attn_dropout}; set it to 0 (--dropout 0) or use attention 'blockwise', "
                 "which drops out inside the kernel"
             )

@@ -77,6 +77,8 @@ class Attention(nnx.Module):
         else:
             if self.attention == "explicit":
                 context = self._explicit(q, k, v, key, x.dtype)
+            elif self.attention == "pallas":  # the config allows no dropout here
+                context = attention.pallas_attention(q, k, v, causal=True, block_size=self.block_size)
             else:  # "xla" or "cudnn" (the config allows no dropout there)
                 context = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
             context = checkpoint_name(context.reshape(batch, seq, self.n_heads * self.head_dim), names.ATTN_CONTEXT)

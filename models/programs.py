@@ -25,7 +25,7 @@ from flax import nnx
 import jremat
 from jremat import ResidualsReport
 from jremat._remat import parse_layer_policies
-from jremat.models.config import ModelConfig
+from jremat.models.config import FUSED_ATTENTIONS, ModelConfig
 from jremat.models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 
 #: Arguments of :func:`train_step_fn` a training loop donates: the parameters and optimizer state.
@@ -97,7 +97,7 @@ def attention_forward_passes(model_cfg: ModelConfig, batch_size: int, seq_len: i
     traced. Counted on the traced step (:func:`jremat.attention.count_forward_passes`, a kernel in
     the layer scan once per layer); nothing runs.
     """
-    if model_cfg.attention not in ("blockwise", "cudnn"):
+    if model_cfg.attention not in FUSED_ATTENTIONS:
         return 0.0
     loss, args = loss_program(model_cfg, batch_size, seq_len)
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(*args)

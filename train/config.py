@@ -18,7 +18,7 @@ import jremat
 from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES, whole_step_head_chunks
+from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
 from jremat.train import model_flags, sharding
 from jremat.train.cli import (
     UsageError,
@@ -229,9 +229,9 @@ class TrainConfig:
             changes.update(attn_dropout=self.dropout, resid_dropout=self.dropout)
         shape = {k: v for k, v in changes.items() if k in ("vocab_size", "dtype", "attn_dropout", "resid_dropout")}
         attn_dropout = shape.get("attn_dropout", PRESETS[self.preset].attn_dropout)
-        if self.resume and self.attention in ("xla", "cudnn") and attn_dropout > 0:  # --dropout 0 is no way out
+        if self.resume and self.attention in NO_DROPOUT_ATTENTIONS and attn_dropout > 0:  # --dropout 0 is no way out
             raise UsageError(
-                f"attention {self.attention!r} (jax.nn.dot_product_attention) has no attention dropout, but "
+                f"attention {self.attention!r} has no attention dropout, but "
                 f"attn_dropout is {attn_dropout}; a resumed run keeps the checkpoint's dropout: resume with the "
                 "original run's --attention and --dropout, or use --attention blockwise, which drops out inside "
                 "the kernel"

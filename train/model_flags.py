@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from jremat import format_bytes
+from jremat.attention import pallas_block_sizes
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import ATTENTIONS, check_attention_backend
 from jremat.train.cli import UsageError, option, require, require_choice, require_int
@@ -27,7 +28,7 @@ def attention_option() -> Any:
 
 def attention_block_size_option() -> Any:
     """The ``--attention-block-size`` field."""
-    return option(128, "query and key block length of --attention blockwise")
+    return option(128, "query and key block length of --attention blockwise and of the forward kernel of pallas")
 
 
 def max_seq_len_option() -> Any:
@@ -45,7 +46,8 @@ def check(config, seq_len: int | None) -> None:
 
     Raises:
       UsageError: for an unknown attention, a block size, position count or ``seq_len`` that is
-        not a positive integer, or a sequence longer than the positions. ``--max-seq-len`` is
+        not a positive integer, a sequence longer than the positions, or a sequence the
+        ``pallas`` kernel's block does not suit. ``--max-seq-len`` is
         checked before ``seq_len``, which may be derived from it.
     """
     require_choice("attention", config.attention, ATTENTIONS)
@@ -60,6 +62,13 @@ def check(config, seq_len: int | None) -> None:
         f"--seq-len {seq_len} is longer than the model has positions ({limit}); pass --max-seq-len {seq_len} "
         f"(or more) to give preset {config.preset!r} more learned positions, or a --seq-len up to {limit}",
     )
+    if config.attention == "pallas":
+        try:
+            pallas_block_sizes(config.attention_block_size, limit if seq_len is None else seq_len)
+        except ValueError as err:
+            raise UsageError(
+                f"--attention pallas --attention-block-size {config.attention_block_size}: {err}"
+            ) from None
 
 
 def model_overrides(config) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""ModelConfig.attention: blockwise and xla attention give explicit's gradients under every policy,
+"""ModelConfig.attention: blockwise, xla and pallas attention give explicit's gradients under policies,
 fused forward passes per policy, config-time errors, and blockwise memory linear in the sequence."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jremat
+from jremat.attention import pallas_attention, pallas_block_sizes, reference_attention
 from jremat.models import preset
 from jremat.models.config import check_attention_backend
 from jremat.models.programs import attention_forward_passes, step_program
@@ -61,6 +63,54 @@ def test_xla_attention_gives_explicit_gradients():
     loss, grads = loss_and_grads(_cfg("xla", "selective", 0.0))
     assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "spec, scan_layers",
+    [("none", True), ("full", True), ("full", False), ("dots", False)],
+    ids=["none-scan", "full-scan", "full-unrolled", "dots-unrolled"],
+)
+def test_pallas_gives_explicit_gradients(spec, scan_layers):
+    """JAX's Pallas flash attention (interpreted on a CPU), no dropout: explicit's loss and gradients."""
+    ref_loss, ref_grads = loss_and_grads(_cfg("explicit", "none", 0.0))
+    loss, grads = loss_and_grads(_cfg("pallas", spec, 0.0).replace(scan_layers=scan_layers))
+    assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+def test_pallas_attention_matches_the_reference_and_a_wrong_mask_is_caught():
+    """The kernel's gradients equal reference_attention's; the same kernel without the causal mask
+    (a deliberately broken variant) is far off, so the comparison has teeth."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 2, 16)) for i in range(3))
+    weights = jax.random.normal(jax.random.key(3), q.shape)
+
+    def grads(attend):
+        return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * weights), argnums=(0, 1, 2))(q, k, v)
+
+    reference = grads(lambda q, k, v: reference_attention(q, k, v, causal=True))
+    assert max_relative_error(grads(lambda q, k, v: pallas_attention(q, k, v, block_size=8)), reference) <= TOLERANCE
+    unmasked = grads(lambda q, k, v: pallas_attention(q, k, v, causal=False, block_size=8))
+    assert max_relative_error(unmasked, reference) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "block_size, seq, message",
+    [
+        (128, 12, r"min\(128, 12\) = 12 must be a power of two"),
+        (8, 20, r"must be a power of two \(Triton tiles\) that divides the sequence \(20\)"),
+        (0, 16, "block_size must be a positive int, got 0"),
+    ],
+)
+def test_pallas_block_sizes_refuse_what_the_kernel_cannot_tile(block_size, seq, message):
+    with pytest.raises(ValueError, match=message):
+        pallas_block_sizes(block_size, seq)
+
+
+@pytest.mark.parametrize("block_size, seq, forward, backward", [(128, 16, 16, 16), (128, 1024, 128, 32), (8, 16, 8, 8)])
+def test_pallas_block_sizes_suit_tiny_and_gpu_shapes(block_size, seq, forward, backward):
+    sizes = pallas_block_sizes(block_size, seq)
+    assert (sizes.block_q, sizes.block_k) == (forward, forward)
+    assert {sizes.block_q_dkv, sizes.block_kv_dkv, sizes.block_q_dq, sizes.block_kv_dq} == {backward}
 
 
 @pytest.mark.parametrize(
@@ -128,6 +178,11 @@ def test_blockwise_memory_grows_linearly_in_the_sequence():
         (dict(attention="flash"), "attention must be one of explicit, xla, cudnn, blockwise"),
         (dict(attention="blockwise", attention_block_size=0), "attention_block_size must be a positive integer"),
         (dict(attention="xla"), "has no attention dropout, but attn_dropout is 0.1"),
+        (
+            dict(attention="pallas"),
+            r"attention 'pallas' \(JAX's Pallas flash attention\) has no attention dropout, but attn_dropout is 0.1; "
+            r"set it to 0 \(--dropout 0\) or use attention 'blockwise'",
+        ),
         (dict(attention="cudnn", attn_dropout=0.0, resid_dropout=0.0), "needs dtype bfloat16"),
         (
             dict(attention="cudnn", attn_dropout=0.0, dtype="bfloat16", head_dim=12),
@@ -171,5 +226,5 @@ def test_on_this_machine_cudnn_is_refused_and_blockwise_is_not():
     with pytest.raises(ValueError, match="needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"):
         check_attention_backend("cudnn", 64)
     cpu = _FakeDevice("cpu", "cpu")
-    for attention in ("explicit", "xla", "blockwise"):
+    for attention in ("explicit", "xla", "blockwise", "pallas"):
         check_attention_backend(attention, 64, devices=[cpu])

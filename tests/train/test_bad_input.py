@@ -47,6 +47,12 @@ TABLE = {
     "attention": [
         ("ptb", "--attention flash", "argument --attention: invalid choice: 'flash'"),
         ("ptb", "--attention xla", "attention 'xla' (jax.nn.dot_product_attention) has no attention dropout"),
+        ("ptb", "--attention pallas", "attention 'pallas' (JAX's Pallas flash attention) has no attention dropout"),
+        (
+            "ptb",
+            "--attention pallas --dropout 0 --seq-len 12",
+            "--attention pallas --attention-block-size 128: pallas attention: the kernel's block",
+        ),
         ("ptb", "--attention cudnn --dropout 0", "needs an NVIDIA GPU with cuDNN, but JAX runs on cpu"),
         (
             "memory",

@@ -9,7 +9,7 @@ from typing import Any
 
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES
+from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS
 from jremat.train import model_flags
 from jremat.train.cli import UsageError, apply_policy_keys, option, parse, require_int
 from jremat.train.usage import program_name
@@ -236,14 +236,15 @@ class BenchConfig:
             raise UsageError(f"--attention {self.attention} --dtype {self.dtype}: {err}") from None
 
     def attention_changes(self) -> dict[str, Any]:
-        """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn``.
+        """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn`` / ``pallas``.
 
-        ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) has no attention dropout, so with those
+        ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) and JAX's Pallas flash attention
+        (``pallas``) have no attention dropout, so with those
         every bench model's ``attn_dropout`` is 0; residual dropout is kept. ``explicit`` and
         ``blockwise`` keep the model's attention dropout.
         """
         changes: dict[str, Any] = dict(attention=self.attention, attention_block_size=self.attention_block_size)
-        if self.attention in ("xla", "cudnn"):
+        if self.attention in NO_DROPOUT_ATTENTIONS:
             changes["attn_dropout"] = 0.0
         return changes
 

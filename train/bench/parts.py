@@ -13,6 +13,7 @@ import jax
 
 from jremat._fit import largest_fitting
 from jremat.models import PRESETS, ModelConfig
+from jremat.models.config import FUSED_ATTENTIONS
 from jremat.models.policy_memory import policy_memory
 from jremat.models.programs import loss_program
 from jremat.train.bench import flops, harness, peers
@@ -254,12 +255,12 @@ def megatron_formulas(s: int, b: int, h: int, a: int, attention: str = "explicit
 
     ``none``: ``34 + 5*a*s/h``; ``selective``: 34; ``full``: 2 (Korthikanti et al. 2022, table 2).
     The ``5*a*s/h`` term is attention's ``[s, s]`` tensors (scores, softmax, dropout mask), which
-    the fused kernels (``attention`` ``cudnn``, ``blockwise``) never keep, as Megatron's selective
+    the fused kernels (``attention`` ``cudnn``, ``blockwise``, ``pallas``) never keep, as Megatron's selective
     recompute: ``none`` is then 34. Under ``xla`` (``jax.nn.dot_product_attention`` differentiated
     by XLA, no dropout) Megatron gives no figure for ``none``, and it is left out.
     """
     out = {"none": 34 + 5 * a * s / h, "selective": 34.0, "full": 2.0}
-    if attention in ("cudnn", "blockwise"):
+    if attention in FUSED_ATTENTIONS:
         out["none"] = 34.0
     elif attention != "explicit":
         del out["none"]

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jremat import format_bytes
+from jremat.models.config import FUSED_ATTENTIONS
 from jremat.train.bench.harness import GIB
 from jremat.train.bench.parts import CSV_COLUMNS
 from jremat.train.files import write_text_atomically
@@ -161,7 +162,7 @@ def check_targets(rows: Sequence[dict]) -> list[tuple[str, str, bool]]:
     meg = {r["policy"]: r for r in parts.get("megatron", [])}
     if "none" in meg and meg["none"]["megatron_per_sbh"] != "":
         v, f = meg["none"]["saved_per_sbh"], meg["none"]["megatron_per_sbh"]
-        fused = meg["none"].get("attention", "explicit") in ("cudnn", "blockwise")
+        fused = meg["none"].get("attention", "explicit") in FUSED_ATTENTIONS
         formula = "34 (fused attention: no s*s term)" if fused else "(34 + 5*a*s/h)"
         out.append(
             (
