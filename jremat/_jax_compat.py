@@ -359,3 +359,36 @@ __all__ = [
     "source_summarize",
     "source_user_context",
 ]
+
+
+def custom_vjp_forward_and_backward(eqn, invals):
+    """Run a ``custom_vjp_call`` equation's forward rule on ``invals``; return its residuals, its
+    outputs and a function ``(residuals, output cotangents) -> input cotangents`` (its backward rule).
+
+    Uses the equation's ``fwd_jaxpr_thunk``, ``out_trees`` and ``bwd`` parameters (JAX's
+    custom_vjp calling convention: the forward jaxpr returns the residuals that are not inputs,
+    then the outputs; ``out_trees()`` says which residuals are inputs). Returns ``None`` for a
+    call with closed-over constants or symbolic-zero cotangents, which this convention leaves out.
+    """
+    params = eqn.params
+    if params.get("num_consts", 0) or params.get("symbolic_zeros"):
+        return None
+    fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(invals))
+    res_and_outs = jax.core.eval_jaxpr(fwd_jaxpr, fwd_consts, *invals)
+    _, res_tree, input_fwds = params["out_trees"]()
+    n_new = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    new_res, outs = list(res_and_outs[:n_new]), list(res_and_outs[n_new:])
+    new_iter = iter(new_res)
+    residuals = [next(new_iter) if f is None else invals[f] for f in input_fwds]
+    bwd = params["bwd"]
+    in_avals = [jax.typeof(x) for x in invals]
+
+    def backward(res, cts_out):
+        cts_in = bwd.call_wrapped(*res, *cts_out)
+        # A zero cotangent (None or JAX's symbolic zero) becomes explicit zeros.
+        return [
+            ct if isinstance(ct, (jax.Array, jax.core.Tracer)) else jax.numpy.zeros(a.shape, a.dtype)
+            for ct, a in zip(cts_in, in_avals)
+        ]
+
+    return residuals, outs, backward

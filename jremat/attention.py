@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jax.extend.random import threefry_2x32
 
-from jremat import _engine, names
+from jremat import _engine, kernels, names
 
 #: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
 FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
@@ -178,9 +178,10 @@ def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
     """How many attention forward kernels a traced program runs.
 
     Counts each loop of :func:`blockwise_attention`'s forward pass (found by its
-    ``jax.named_scope``, :data:`FORWARD_SCOPE`) and each cuDNN forward kernel of
+    ``jax.named_scope``, :data:`FORWARD_SCOPE`), each cuDNN forward kernel of
     ``jax.nn.dot_product_attention(..., implementation="cudnn")``
-    (:data:`CUDNN_FORWARD_PRIMITIVES`), over the program and every jaxpr nested in it (``jit``,
+    (:data:`CUDNN_FORWARD_PRIMITIVES`) and each Pallas attention forward kernel
+    (:func:`jremat.kernels.is_attention_forward_kernel`: ``mha_forward`` of :func:`pallas_attention`), over the program and every jaxpr nested in it (``jit``,
     ``scan``, ``while``, ``cond``, checkpoints, custom derivatives). A kernel inside a loop body
     counts once, not once per iteration, unless ``loop_iterations``: then a kernel inside a
     ``scan`` (a layer stack) counts once per iteration (a ``while`` loop's trip count is unknown:
@@ -207,12 +208,14 @@ def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
 #: What :func:`forward_kernel` returns for each kind of attention forward kernel.
 BLOCKWISE = "blockwise"
 CUDNN = "cudnn"
+PALLAS = "pallas"
 
 
 def forward_kernel(eqn) -> str | None:
     """Which attention forward kernel equation ``eqn`` is or holds (a call or loop that runs
     one): :data:`BLOCKWISE` (a :func:`blockwise_attention` forward loop), :data:`CUDNN` (a
-    cuDNN forward kernel), or ``None``. The kernels :func:`count_forward_passes` counts."""
+    cuDNN forward kernel), :data:`PALLAS` (a Pallas attention forward kernel,
+    :func:`jremat.kernels.is_attention_forward_kernel`), or ``None``. The kernels :func:`count_forward_passes` counts."""
     return _forward_kernel(eqn, inside_scope=False)
 
 
@@ -220,6 +223,8 @@ def _kernel_kind(eqn, in_scope: bool) -> str | None:
     """The kind of kernel ``eqn`` itself is (not what it holds)."""
     if eqn.primitive.name in CUDNN_FORWARD_PRIMITIVES:
         return CUDNN
+    if kernels.is_attention_forward_kernel(eqn):
+        return PALLAS
     if in_scope and eqn.primitive.name in _LOOP_PRIMITIVES and _computes_floats(eqn):
         return BLOCKWISE  # a loop of the kernel: the loops inside it belong to the same pass
     return None
@@ -233,7 +238,7 @@ def _in_scope(eqn, inside_scope: bool) -> bool:
 def _forward_kernel(eqn, inside_scope: bool) -> str | None:
     in_scope = _in_scope(eqn, inside_scope)
     kind = _kernel_kind(eqn, in_scope)
-    if kind is not None:
+    if kind is not None or eqn.primitive.name == "pallas_call":  # not into another kernel's body
         return kind
     for sub in _subjaxprs(eqn):
         for inner in sub.eqns:

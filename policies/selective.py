@@ -10,7 +10,10 @@ Under a fused attention kernel (:func:`jremat.attention.blockwise_attention`, cu
 ``jax.nn.dot_product_attention``) there is no such tensor, and recomputing the kernel would run
 it again for no memory. There ``selective`` recomputes nothing of the attention and keeps what
 ``none`` keeps (dropout masks aside, which it always regenerates): for ``blockwise`` that is its
-output and log-sum-exp, so the kernel is not run again; JAX's cuDNN kernel names none of its
+output and log-sum-exp, so the kernel is not run again; for a Pallas attention kernel (JAX's
+``mha``, a ``custom_vjp`` whose forward ``pallas_call`` is named like attention) the forward rule
+is run in the checkpointed program (:func:`jremat.kernels.split_attention_kernels`), so the
+output and log-sum-exp it hands its backward rule are kept too; JAX's cuDNN kernel names none of its
 statistics, so no policy can keep them and its backward pass runs the kernel again.
 
 Otherwise the core is found in one of two ways (:func:`find_attention_core` says which):
@@ -40,7 +43,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from jremat import Plan, PlanPolicy, Program, attention, names, register
+from jremat import Plan, PlanPolicy, Program, attention, kernels, names, register
 from jremat._program import nested_jaxprs
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
@@ -237,6 +240,11 @@ def attention_core(program: Program) -> frozenset[int]:
 class Selective(PlanPolicy):
     """Save everything except the attention core; never save dropout masks."""
 
+    def checkpoint(self, fn, *, prevent_cse=True):
+        # A Pallas attention kernel's forward rule runs in the ordinary program, so that its
+        # output and log-sum-exp are values the plan keeps (jremat.kernels).
+        return super().checkpoint(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
+
     def plan(self, program: Program) -> Plan:
         found = find_attention_core(program)
         names.check_requirement(
@@ -265,6 +273,11 @@ class Selective(PlanPolicy):
                 lines.append(
                     "fused attention kernel (blockwise): no [seq, seq] tensor to drop, so its output and statistics "
                     "are kept and the kernel is not run again (selective keeps what none keeps here, dropout masks aside)"
+                )
+            if attention.PALLAS in found.kernels:
+                lines.append(
+                    "fused attention kernel (Pallas): no [seq, seq] tensor to drop; its forward rule runs in the "
+                    "program, so its output and log-sum-exp are kept and the kernel is not run again"
                 )
             if attention.CUDNN in found.kernels:
                 lines.append(

@@ -113,6 +113,33 @@ def test_pallas_block_sizes_suit_tiny_and_gpu_shapes(block_size, seq, forward, b
     assert {sizes.block_q_dkv, sizes.block_kv_dkv, sizes.block_q_dq, sizes.block_kv_dq} == {backward}
 
 
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_selective_runs_the_pallas_kernel_once_per_layer(remat_engine, scan_layers):
+    """selective keeps the output and log-sum-exp the Pallas kernel's forward rule hands its backward
+    rule: one mha_forward per layer, as none; full runs it twice (the count sees a re-run)."""
+    cfg = lambda spec: _cfg("pallas", spec, 0.0).replace(scan_layers=scan_layers)
+    assert [attention_forward_passes(cfg(spec), 2) for spec in ("none", "selective", "full")] == [1, 1, 2]
+
+
+def test_selective_gives_none_gradients_under_pallas(remat_engine):
+    ref_loss, ref_grads = loss_and_grads(_cfg("pallas", "none", 0.0))
+    loss, grads = loss_and_grads(_cfg("pallas", "selective", 0.0))
+    assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+def test_selective_without_the_kernel_split_runs_the_pallas_kernel_again(remat_engine, monkeypatch):
+    """The split of the kernel's custom_vjp is what keeps the log-sum-exp: without it, selective
+    runs the forward kernel again in the backward pass."""
+    monkeypatch.setattr(jremat.kernels, "split_attention_kernels", lambda fn: fn)
+    assert attention_forward_passes(_cfg("pallas", "selective", 0.0), 2) == 2
+
+
+def test_selective_compiled_temp_is_at_most_none_under_pallas(remat_engine):
+    none, selective = (_temp_bytes(_cfg("pallas", spec, 0.0), 2, 16) for spec in ("none", "selective"))
+    assert selective <= none, (selective, none)
+
+
 @pytest.mark.parametrize(
     "spec, passes",
     [
