@@ -32,6 +32,7 @@ import importlib.metadata
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,15 @@ class PolicyEntry:
 
 
 _REGISTRY: dict[str, PolicyEntry] = {}
+# Guards every read and write of _REGISTRY; held only for the dict operation itself, never
+# across an import, so a policy module may register from any thread while built-ins load.
+_REGISTRY_LOCK = threading.Lock()
+# Held while the built-ins and entry points load: a lookup racing the first one waits for the
+# whole registry instead of seeing part of it. Re-entrant, so that a module being loaded may
+# itself look a policy up (it then sees the entries registered so far).
+_LOAD_LOCK = threading.RLock()
 _builtins_loaded = False
+_loading = False
 _SPEC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -108,9 +117,11 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None, sta
         raise ValueError(f"policy name {name!r} must be letters, digits and underscores")
 
     def decorator(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} is already registered")
-        _REGISTRY[name] = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
+        entry = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
+        with _REGISTRY_LOCK:
+            if name in _REGISTRY:
+                raise ValueError(f"policy {name!r} is already registered")
+            _REGISTRY[name] = entry
         return factory
 
     return decorator
@@ -118,7 +129,8 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None, sta
 
 def unregister(name: str) -> None:
     """Remove a registered policy (for interactive use; tests use :func:`scoped`)."""
-    _REGISTRY.pop(name, None)
+    with _REGISTRY_LOCK:
+        _REGISTRY.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -133,23 +145,35 @@ def scoped():
             jremat.register("baseline", doc="...")(Baseline)
             run_bench(["none", "baseline"])
     """
-    _load_builtins()
-    saved = dict(_REGISTRY)
+    saved = entries()
     try:
         yield
     finally:
-        _REGISTRY.clear()
-        _REGISTRY.update(saved)
+        with _REGISTRY_LOCK:
+            _REGISTRY.clear()
+            _REGISTRY.update(saved)
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
+    """Import the built-in policies and the entry points' modules, once, whichever thread asks first.
+
+    Other threads wait until loading has finished; the flag is set only then, so an import
+    that fails is tried again (and raises again) on the next lookup.
+    """
+    global _builtins_loaded, _loading
     if _builtins_loaded:
         return
-    _builtins_loaded = True
-    importlib.import_module(BUILTIN_MODULE)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    with _LOAD_LOCK:
+        if _builtins_loaded or _loading:  # loaded meanwhile, or a lookup from a module this thread is loading
+            return
+        _loading = True
+        try:
+            importlib.import_module(BUILTIN_MODULE)
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                ep.load()
+            _builtins_loaded = True
+        finally:
+            _loading = False
 
 
 def load_module(module_name: str) -> None:
@@ -167,7 +191,8 @@ def load_module(module_name: str) -> None:
 def entries() -> dict[str, PolicyEntry]:
     """All registered policies by name, built-ins included."""
     _load_builtins()
-    return dict(_REGISTRY)
+    with _REGISTRY_LOCK:
+        return dict(_REGISTRY)
 
 
 def available() -> list[str]:
