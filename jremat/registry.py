@@ -200,15 +200,67 @@ def available() -> list[str]:
     return sorted(entries())
 
 
-def describe() -> str:
-    """A multi-line help text: every policy, its keys and what it saves."""
-    lines = []
-    for name, entry in sorted(entries().items()):
-        keys = ", ".join(
-            f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
-            for k, p in entry.params.items()
+def describe(name: str | None = None) -> str:
+    """Help text: every policy (no argument), or one policy in full.
+
+    Args:
+      name: a registered policy's name (``"every_k"``); ``None`` lists every policy, its keys
+        and what it saves, one entry each.
+
+    Returns:
+      For one policy: what it saves, each key with its type, default and meaning, and an example
+      spec (every key at its default; a required key as ``<kind>``, to fill in).
+
+    Raises:
+      TypeError: if ``name`` is not a string.
+      ValueError: if ``name`` is a spec with keys, or names no registered policy; the message
+        lists the valid names.
+    """
+    registered = entries()
+    if name is None:
+        lines = []
+        for entry_name, entry in sorted(registered.items()):
+            keys = ", ".join(
+                f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
+                for k, p in entry.params.items()
+            )
+            lines.append(f"  {entry_name}{':' + keys if keys else ''}\n      {entry.doc}")
+        return "\n".join(lines)
+    if not isinstance(name, str):
+        raise TypeError(f"describe takes a policy name (a string such as 'every_k'), got {type(name).__name__}")
+    bare = name.strip().partition(":")[0]
+    if bare != name.strip() and bare in registered:
+        raise ValueError(f"describe takes a policy name, not a spec: describe({bare!r}) for {name!r}")
+    if name not in registered:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registered))}")
+    return _describe_one(registered[name])
+
+
+def _describe_one(entry: PolicyEntry) -> str:
+    """The full help of one policy (see :func:`describe`)."""
+    lines = [f"{entry.name}: {entry.doc}"]
+    if entry.stack:
+        lines.append(
+            "  a layer stack's option: give it to jremat.RematConfig / run_layers or the train CLIs' --policy, "
+            "not to a single function"
         )
-        lines.append(f"  {name}{':' + keys if keys else ''}\n      {entry.doc}")
+    example = []
+    lines.append("  keys:" if entry.params else "  keys: none (the spec is the name alone)")
+    for key, param in entry.params.items():
+        bound = f", >= {param.min:g}" if param.min is not None else ""
+        if param.default is REQUIRED:
+            lines.append(f"    {key}=<{param.kind}>  required{bound}: {param.help}")
+            example.append(f"{key}=<{param.kind}>")
+            continue
+        try:
+            default = _as_text(entry.name, key, param, param.default)
+        except ValueError:  # a default no spec could give
+            default = repr(param.default)
+        lines.append(f"    {key}=<{param.kind}>  default {default or '(none)'}{bound}: {param.help}")
+        if default:
+            example.append(f"{key}={default}")
+    spec = entry.name + (":" + ",".join(example) if example else "")
+    lines.append(f"  example: {spec}" + ("  (fill in each <...>)" if "<" in spec else ""))
     return "\n".join(lines)
 
 
@@ -412,17 +464,17 @@ def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] |
       params: the policy's :class:`Param` table, whose ``format`` writes custom values.
     """
     params = params or {}
-
-    def fmt(key, v):
-        param = params.get(key)
-        if param is not None and param.format is not None:
-            return param.format(v)
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (tuple, list)):
-            return "+".join(map(str, v))
-        return str(v)
-
     if not values:
         return name
-    return name + ":" + ",".join(f"{k}={fmt(k, v)}" for k, v in values.items())
+    return name + ":" + ",".join(f"{k}={_format_value(params.get(k), v)}" for k, v in values.items())
+
+
+def _format_value(param: Param | None, value: Any) -> str:
+    """A parsed key value written as a spec gives it (``param``'s own ``format`` first)."""
+    if param is not None and param.format is not None:
+        return param.format(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "+".join(map(str, value))
+    return str(value)
