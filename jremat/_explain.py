@@ -311,14 +311,14 @@ def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
         out = jax.eval_shape(flat_fn, *structs)
     except Exception:  # a function that does not trace here is reported by explain_applied
         return None
-    out_avals = [(o.shape, o.dtype) for o in jax.tree.leaves(out)]
+    out_avals = [(tuple(o.shape), str(o.dtype)) for o in jax.tree.leaves(out)]
     for i, arg in enumerate(args):
         leaves = jax.tree.leaves(arg)
         if (
             leaves
             and all(_is_dynamic(leaf) for leaf in leaves)
             and jax.tree.structure(arg) == jax.tree.structure(out)
-            and [(leaf.shape, jnp.dtype(leaf.dtype)) for leaf in leaves] == out_avals
+            and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
         ):
             return i
     return None
