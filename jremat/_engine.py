@@ -41,6 +41,7 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
+from jremat._cache import BoundedCache
 
 #: Call-like primitives whose body is inlined when a program is flattened.
 INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -56,7 +57,7 @@ CLASSIC_CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 NAME_PRIMITIVE = "name"
 
 _MEMORY_SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
-_engine_by_flag: dict = {}
+_engine_by_flag = BoundedCache(maxsize=8)
 
 # Residuals are attributed to the user's line that called the checkpointed function, not to the
 # wrapper below that calls jax.checkpoint.
@@ -76,14 +77,13 @@ def active_engine() -> str:
     Found by tracing ``jax.checkpoint(sin)`` once per value of the ``jax_remat3`` flag and
     looking at the primitive it binds (``remat2`` for the classic engine).
     """
-    flag = _flag_value()
-    engine = _engine_by_flag.get(flag)
-    if engine is None:
+
+    def probe():
         jaxpr = jax.make_jaxpr(jax.checkpoint(jax.numpy.sin))(jax.ShapeDtypeStruct((), jax.numpy.float32))
         names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
-        engine = CLASSIC if names & CLASSIC_CHECKPOINT_PRIMITIVES else REMAT3
-        _engine_by_flag[flag] = engine
-    return engine
+        return CLASSIC if names & CLASSIC_CHECKPOINT_PRIMITIVES else REMAT3
+
+    return _engine_by_flag.get(_flag_value(), probe)
 
 
 def natively_understood(callback: Callable | None) -> bool:
@@ -178,15 +178,14 @@ class TraceCache:
     The key also holds the ``jax_remat3`` flag and JAX's trace context (x64 and the other options
     a trace depends on), so switching either traces afresh. A value whose trace closes over a
     tracer of an outer trace (the function reads a value of an enclosing ``jit`` it was not
-    given) belongs to that trace alone and is not kept.
+    given) belongs to that trace alone and is not kept. Several threads may call one cache.
 
     Args:
       maxsize: values kept; the oldest goes first.
     """
 
     def __init__(self, maxsize: int = 32):
-        self.maxsize = maxsize
-        self._entries: dict = {}
+        self._entries = BoundedCache(maxsize)
 
     def get(self, args: tuple, kwargs: dict, build: Callable[[], tuple[Any, Sequence]]) -> Any:
         """The value for these arguments; on a miss ``build()`` returns ``(value, consts)``, the
@@ -197,14 +196,15 @@ class TraceCache:
             hash(key)
         except TypeError:  # not JAX values: tracing raises JAX's own error
             return build()[0]
-        if key in self._entries:
-            return self._entries[key]
-        value, consts = build()
-        if not any(isinstance(c, jax.core.Tracer) for c in consts):
-            if len(self._entries) >= self.maxsize:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = value
-        return value
+        closes_over_tracer = False
+
+        def build_value():
+            nonlocal closes_over_tracer
+            value, consts = build()
+            closes_over_tracer = any(isinstance(c, jax.core.Tracer) for c in consts)
+            return value
+
+        return self._entries.get(key, build_value, keep=lambda value: not closes_over_tracer)
 
 
 def _split_consts(lowered: tuple) -> tuple[tuple, Sequence]:

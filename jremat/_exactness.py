@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jremat._cache import BoundedCache
+
 #: Causes a mismatch is attributed to (see :class:`jremat.testing.RematMismatch`).
 CAUSE_RANDOM = "a random value drawn differently on recompute"
 CAUSE_STATE = "state not written back"
@@ -74,8 +76,7 @@ def path_text(path) -> str:
     return "".join(_key_text(k) for k in path)
 
 
-_RUNNERS: dict = {}
-_MAX_RUNNERS = 8
+_RUNNERS = BoundedCache(maxsize=8)
 
 
 @dataclasses.dataclass
@@ -160,11 +161,7 @@ class Call:
             hash(key)
         except TypeError:
             return self._runner(fn, graphdef)
-        if key not in _RUNNERS:
-            if len(_RUNNERS) >= _MAX_RUNNERS:
-                _RUNNERS.pop(next(iter(_RUNNERS)))
-            _RUNNERS[key] = self._runner(fn, graphdef)
-        return _RUNNERS[key]
+        return _RUNNERS.get(key, lambda: self._runner(fn, graphdef))
 
     def _runner(self, fn: Callable, graphdef) -> Callable:
         if self.node_pos:

@@ -14,7 +14,11 @@ does. It reports:
   of the gradient, without and with the policy; when the temp did not fall although the policy
   recomputes (XLA merged the recomputation back, or the checkpoint covers the whole
   differentiated function) a line says so and names the likely cause
-  (:func:`jremat.diagnose_remat`).
+  (:func:`jremat.diagnose_remat`);
+* for a block whose output can feed one of its arguments (a residual layer), the compiled temp
+  of :data:`STACK_DEPTH` copies in sequence, each checkpointed, without and with the policy: a
+  single checkpoint around the whole differentiated function cannot save, so this is what the
+  block saves as it is used.
 
 ``print(jremat.explain(f, "full", w, x))`` prints plain text; :meth:`Explanation.to_json` gives
 the same as a dict.
@@ -82,6 +86,13 @@ class Explanation:
         value-and-gradient runs with the policy (:func:`jremat.attention.count_forward_passes`;
         a kernel inside a scan counts once); ``None`` when not measured.
       baseline_attention_forward_passes: the same without remat.
+      stack_depth: :func:`explain` on a block whose output has the structure, shapes and dtypes
+        of one positional argument: how many copies of it ran in sequence, the output of each
+        fed to the next as that argument (``None``: not measured, the block does not chain).
+      stack_argnum: the positional argument the output was fed back as.
+      stack_temp_bytes: XLA's compiled temp bytes of that stack's gradient, each copy
+        checkpointed under the policy: the block's saving as it is used, in a stack.
+      baseline_stack_temp_bytes: the same stack without remat.
     """
 
     policy: str
@@ -98,6 +109,10 @@ class Explanation:
     matched: tuple[str, ...] = ()
     attention_forward_passes: int | None = None
     baseline_attention_forward_passes: int | None = None
+    stack_depth: int | None = None
+    stack_argnum: int | None = None
+    stack_temp_bytes: int | None = None
+    baseline_stack_temp_bytes: int | None = None
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -140,6 +155,12 @@ class Explanation:
             lines.append(
                 f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.temp_bytes)} with the policy"
+            )
+        if self.stack_temp_bytes is not None:
+            lines.append(
+                f"  compiled temp of the gradient of {self.stack_depth} in sequence (output fed back as argument "
+                f"{self.stack_argnum}): {_memory.format_bytes(self.baseline_stack_temp_bytes)} without remat, "
+                f"{_memory.format_bytes(self.stack_temp_bytes)} with the policy on each"
             )
         lines.extend(self.messages)
         return "\n".join(lines)
@@ -232,11 +253,14 @@ def _no_saving_line(
     base_saved: int,
     whole_function: bool,
     scan_layers: bool | None,
+    stack: tuple[int, int, int] | None = None,
 ) -> str | None:
     """One line when compiled temp memory did not fall although the policy recomputes, else ``None``.
 
     Any fall of the residuals counts (:func:`jremat.diagnose_remat` with
-    ``min_saved_drop=0``): the temp must show at least a quarter of it.
+    ``min_saved_drop=0``): the temp must show at least a quarter of it. ``stack`` is
+    ``(depth, temp, baseline temp)`` of the function run ``depth`` times in sequence, each
+    checkpointed (:func:`explain` on a block that chains), which says what the block saves as used.
     """
     if not recomputed:
         return None
@@ -244,12 +268,28 @@ def _no_saving_line(
     if note is None and temp < base_temp:
         return None
     if whole_function:  # the known cause: diagnose_remat's list of XLA causes does not apply first
+        alone = (
+            "a single checkpoint around the whole differentiated function cannot save: the backward pass starts "
+            "right after the forward, so it recomputes all of it at once and every intermediate is alive again "
+            f"(compiled temp {base_temp:,} -> {temp:,} bytes)"
+        )
+        if stack is not None and stack[1] < stack[2]:
+            depth, stack_temp, base_stack_temp = stack
+            return (
+                f"one checkpoint ({label}): {alone}; as a block, {depth} in sequence each checkpointed, the "
+                f"gradient's compiled temp falls {base_stack_temp:,} -> {stack_temp:,} bytes "
+                f"({(base_stack_temp - stack_temp) // depth:,} per block): its saving where it is used in a stack"
+            )
+        in_stack = (
+            f"; {stack[0]} in sequence each checkpointed did not save either ({stack[2]:,} -> {stack[1]:,} bytes)"
+            if stack is not None
+            else ""
+        )
         return (
             f"no saving ({label}): residuals for the backward pass fell {base_saved:,} -> {saved:,} bytes but "
-            f"compiled temp memory did not ({base_temp:,} -> {temp:,} bytes); cause: the one checkpoint wraps "
-            "the whole differentiated function, so the backward pass recomputes all of it at once and every "
-            "intermediate is alive again; apply the policy to smaller pieces (each layer or block: "
-            "@jremat.policy on the block, jremat.run_layers)"
+            f"{alone}{in_stack}; the residuals are the saving where the function is one of several differentiated "
+            "together: checkpoint each block where the model calls it (@jremat.policy on the block, "
+            "jremat.run_layers)"
         )
     if note is None:
         note = (
@@ -258,6 +298,53 @@ def _no_saving_line(
             "forward pass or scheduled it early"
         )
     return f"no saving ({label}): {note}"
+
+
+#: Copies of a block run in sequence to measure its saving in a stack (:func:`explain`).
+STACK_DEPTH = 4
+
+
+def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
+    """The first positional argument whose structure, shapes and dtypes ``fn``'s output has, else ``None``."""
+    flat_fn, structs, _ = _flatten(fn, args, kwargs, ())
+    try:
+        out = jax.eval_shape(flat_fn, *structs)
+    except Exception:  # a function that does not trace here is reported by explain_applied
+        return None
+    out_avals = [(tuple(o.shape), str(o.dtype)) for o in jax.tree.leaves(out)]
+    for i, arg in enumerate(args):
+        leaves = jax.tree.leaves(arg)
+        if (
+            leaves
+            and all(_is_dynamic(leaf) for leaf in leaves)
+            and jax.tree.structure(arg) == jax.tree.structure(out)
+            and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
+        ):
+            return i
+    return None
+
+
+def _stack_temps(remat_fn, fn, argnum: int, args: tuple, kwargs: dict, depth: int) -> tuple[int, int] | None:
+    """Compiled temp bytes of the gradient of ``depth`` calls in sequence, the output fed back as
+    argument ``argnum``: ``(with the policy, without)``; ``None`` where the backend reports none."""
+
+    def chained(block):
+        def stack(*a, **kw):
+            a = list(a)
+            for _ in range(depth):
+                a[argnum] = block(*a, **kw)
+            return a[argnum]
+
+        return stack
+
+    temps = []
+    for block in (remat_fn, fn):
+        flat, structs, _ = _flatten(chained(block), args, kwargs, ())
+        report = _memory.memory_report(_gradient_program(flat, structs), *structs)
+        if not report.available:
+            return None
+        temps.append(report.temp_bytes)
+    return temps[0], temps[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +371,10 @@ def explain(
       policy: a spec string or :class:`jremat.Policy`.
       *args: arguments; arrays or :class:`jax.ShapeDtypeStruct`.
       compile: also compile the gradient (``jax.vjp`` with respect to every float argument)
-        without and with the policy to compare XLA's temp memory; ``False`` only traces.
+        without and with the policy to compare XLA's temp memory; ``False`` only traces. When
+        ``fn``'s output has the structure, shapes and dtypes of a positional argument, the
+        gradient of :data:`STACK_DEPTH` calls in sequence (the output fed back as that argument)
+        is compiled too, each call checkpointed or not: the block's saving in a stack.
       param_argnums: positions of arguments holding parameters (values derived only from
         them are not counted as saved activations; see :func:`jremat.saved_residuals_report`).
       **kwargs: keyword arguments of ``fn``.
@@ -304,6 +394,15 @@ def explain(
         remat_fn = _decorate_with(chosen, static_argnums=static)(fn)
     except ValueError as err:
         return _failed(label, fn, err)
+    stack = None
+    argnum = _chain_argnum(fn, args, kwargs) if compile and not isinstance(chosen, NoRemat) else None
+    if argnum is not None:
+        try:
+            temps = _stack_temps(remat_fn, fn, argnum, args, kwargs, STACK_DEPTH)
+        except ValueError:  # applying the policy failed: explain_applied reports it
+            temps = None
+        if temps is not None:
+            stack = (argnum, *temps)
     return explain_applied(
         remat_fn,
         *args,
@@ -314,6 +413,7 @@ def explain(
         whole_function=True,
         _label=label,
         _name=getattr(fn, "__name__", repr(fn)),
+        _stack=stack,
         **kwargs,
     )
 
@@ -343,6 +443,7 @@ def explain_applied(
     scan_layers: bool | None = None,
     _label: str | None = None,
     _name: str | None = None,
+    _stack: tuple[int, int, int] | None = None,
     **kwargs: Any,
 ) -> Explanation:
     """Explain a function that already runs its checkpoints under ``policy``.
@@ -443,6 +544,7 @@ def explain_applied(
             base_saved,
             whole_function and n_checkpoints == 1,
             scan_layers,
+            None if _stack is None else (STACK_DEPTH, _stack[1], _stack[2]),
         )
         if line:
             messages.append(line)
@@ -461,6 +563,7 @@ def explain_applied(
         matched,
         passes,
         base_passes,
+        *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import jax
@@ -28,17 +29,27 @@ def _best_s(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-@functools.lru_cache(maxsize=8)
+_measure_lock = threading.Lock()
+
+
 def offload_flops_per_byte(dtype: str = "bfloat16", transfer_bytes: int = 64 * 2**20, matmul_size: int = 2048) -> float:
     """FLOP-equivalents of moving one byte to host memory and back, measured on the default device.
 
     Times a round trip of ``transfer_bytes`` to ``pinned_host`` and a ``matmul_size``-square
     matmul in ``dtype``; the ratio prices offloading in the recompute cost model's unit. It does
     not credit the overlap of transfers with compute, so offloading is priced pessimistically.
+    Measured once per argument set; threads asking at once wait for one measurement (two at a
+    time would slow each other's timings).
 
     Raises:
       ValueError: if the device has no ``pinned_host`` memory.
     """
+    with _measure_lock:
+        return _measured_flops_per_byte(dtype, transfer_bytes, matmul_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _measured_flops_per_byte(dtype: str, transfer_bytes: int, matmul_size: int) -> float:
     device = jax.devices()[0]
     if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
         raise ValueError(f"{device} has no pinned_host memory to offload to")

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -233,8 +234,20 @@ def remat3_offload(x, src, dst):
     return _remat3_primitives().offload(jax.typeof(x), src, dst)(x)
 
 
-@functools.cache
-def _remat3_primitives():
+_remat3_primitives_built: list = []  # the one _Remat3Primitives, once built
+_remat3_primitives_lock = threading.Lock()
+
+
+def _remat3_primitives() -> _Remat3Primitives:
+    """jremat's remat3 primitives, built once: every thread must tag and offload with the same classes."""
+    if not _remat3_primitives_built:
+        with _remat3_primitives_lock:
+            if not _remat3_primitives_built:
+                _remat3_primitives_built.append(_build_remat3_primitives())
+    return _remat3_primitives_built[0]
+
+
+def _build_remat3_primitives() -> _Remat3Primitives:
     checkpoint_name_type = private("jax._src.ad_checkpoint", "CheckpointName")
     try:
         from jax.experimental.hijax import VJPHiPrimitive

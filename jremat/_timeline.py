@@ -52,6 +52,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -427,20 +428,34 @@ def checkpoint_name_locations(jaxpr) -> dict:
     return dict(out)
 
 
+_cache_off_lock = threading.Lock()
+_cache_off_users = 0  # timelines compiling now with the persistent cache turned off by jremat
+
+
 @contextlib.contextmanager
 def _persistent_cache_off() -> Iterator[None]:
     # The dump options are not part of JAX's persistent-cache key: a cache hit would skip XLA and
-    # leave the dump folder empty, so this one compile bypasses the cache.
-    if not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    # leave the dump folder empty, so this one compile bypasses the cache. The flag is global:
+    # the first of several concurrent timelines turns it off and the last turns it back on.
+    global _cache_off_users
+    with _cache_off_lock:
+        if _cache_off_users == 0 and not jax.config.jax_enable_compilation_cache:
+            owned = False
+        else:
+            owned = True
+            if _cache_off_users == 0:
+                jax.config.update("jax_enable_compilation_cache", False)
+                compilation_cache.reset_cache()
+            _cache_off_users += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
+        if owned:
+            with _cache_off_lock:
+                _cache_off_users -= 1
+                if _cache_off_users == 0:
+                    jax.config.update("jax_enable_compilation_cache", True)
+                    compilation_cache.reset_cache()
 
 
 def _read_dump(folder: str, suffix: str) -> str:

@@ -32,6 +32,7 @@ import importlib.metadata
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,15 @@ class PolicyEntry:
 
 
 _REGISTRY: dict[str, PolicyEntry] = {}
+# Guards every read and write of _REGISTRY; held only for the dict operation itself, never
+# across an import, so a policy module may register from any thread while built-ins load.
+_REGISTRY_LOCK = threading.Lock()
+# Held while the built-ins and entry points load: a lookup racing the first one waits for the
+# whole registry instead of seeing part of it. Re-entrant, so that a module being loaded may
+# itself look a policy up (it then sees the entries registered so far).
+_LOAD_LOCK = threading.RLock()
 _builtins_loaded = False
+_loading = False
 _SPEC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -108,9 +117,11 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None, sta
         raise ValueError(f"policy name {name!r} must be letters, digits and underscores")
 
     def decorator(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} is already registered")
-        _REGISTRY[name] = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
+        entry = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
+        with _REGISTRY_LOCK:
+            if name in _REGISTRY:
+                raise ValueError(f"policy {name!r} is already registered")
+            _REGISTRY[name] = entry
         return factory
 
     return decorator
@@ -118,7 +129,8 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None, sta
 
 def unregister(name: str) -> None:
     """Remove a registered policy (for interactive use; tests use :func:`scoped`)."""
-    _REGISTRY.pop(name, None)
+    with _REGISTRY_LOCK:
+        _REGISTRY.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -133,23 +145,35 @@ def scoped():
             jremat.register("baseline", doc="...")(Baseline)
             run_bench(["none", "baseline"])
     """
-    _load_builtins()
-    saved = dict(_REGISTRY)
+    saved = entries()
     try:
         yield
     finally:
-        _REGISTRY.clear()
-        _REGISTRY.update(saved)
+        with _REGISTRY_LOCK:
+            _REGISTRY.clear()
+            _REGISTRY.update(saved)
 
 
 def _load_builtins() -> None:
-    global _builtins_loaded
+    """Import the built-in policies and the entry points' modules, once, whichever thread asks first.
+
+    Other threads wait until loading has finished; the flag is set only then, so an import
+    that fails is tried again (and raises again) on the next lookup.
+    """
+    global _builtins_loaded, _loading
     if _builtins_loaded:
         return
-    _builtins_loaded = True
-    importlib.import_module(BUILTIN_MODULE)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
+    with _LOAD_LOCK:
+        if _builtins_loaded or _loading:  # loaded meanwhile, or a lookup from a module this thread is loading
+            return
+        _loading = True
+        try:
+            importlib.import_module(BUILTIN_MODULE)
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                ep.load()
+            _builtins_loaded = True
+        finally:
+            _loading = False
 
 
 def load_module(module_name: str) -> None:
@@ -167,7 +191,8 @@ def load_module(module_name: str) -> None:
 def entries() -> dict[str, PolicyEntry]:
     """All registered policies by name, built-ins included."""
     _load_builtins()
-    return dict(_REGISTRY)
+    with _REGISTRY_LOCK:
+        return dict(_REGISTRY)
 
 
 def available() -> list[str]:
@@ -175,15 +200,67 @@ def available() -> list[str]:
     return sorted(entries())
 
 
-def describe() -> str:
-    """A multi-line help text: every policy, its keys and what it saves."""
-    lines = []
-    for name, entry in sorted(entries().items()):
-        keys = ", ".join(
-            f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
-            for k, p in entry.params.items()
+def describe(name: str | None = None) -> str:
+    """Help text: every policy (no argument), or one policy in full.
+
+    Args:
+      name: a registered policy's name (``"every_k"``); ``None`` lists every policy, its keys
+        and what it saves, one entry each.
+
+    Returns:
+      For one policy: what it saves, each key with its type, default and meaning, and an example
+      spec (every key at its default; a required key as ``<kind>``, to fill in).
+
+    Raises:
+      TypeError: if ``name`` is not a string.
+      ValueError: if ``name`` is a spec with keys, or names no registered policy; the message
+        lists the valid names.
+    """
+    registered = entries()
+    if name is None:
+        lines = []
+        for entry_name, entry in sorted(registered.items()):
+            keys = ", ".join(
+                f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
+                for k, p in entry.params.items()
+            )
+            lines.append(f"  {entry_name}{':' + keys if keys else ''}\n      {entry.doc}")
+        return "\n".join(lines)
+    if not isinstance(name, str):
+        raise TypeError(f"describe takes a policy name (a string such as 'every_k'), got {type(name).__name__}")
+    bare = name.strip().partition(":")[0]
+    if bare != name.strip() and bare in registered:
+        raise ValueError(f"describe takes a policy name, not a spec: describe({bare!r}) for {name!r}")
+    if name not in registered:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registered))}")
+    return _describe_one(registered[name])
+
+
+def _describe_one(entry: PolicyEntry) -> str:
+    """The full help of one policy (see :func:`describe`)."""
+    lines = [f"{entry.name}: {entry.doc}"]
+    if entry.stack:
+        lines.append(
+            "  a layer stack's option: give it to jremat.RematConfig / run_layers or the train CLIs' --policy, "
+            "not to a single function"
         )
-        lines.append(f"  {name}{':' + keys if keys else ''}\n      {entry.doc}")
+    example = []
+    lines.append("  keys:" if entry.params else "  keys: none (the spec is the name alone)")
+    for key, param in entry.params.items():
+        bound = f", >= {param.min:g}" if param.min is not None else ""
+        if param.default is REQUIRED:
+            lines.append(f"    {key}=<{param.kind}>  required{bound}: {param.help}")
+            example.append(f"{key}=<{param.kind}>")
+            continue
+        try:
+            default = _as_text(entry.name, key, param, param.default)
+        except ValueError:  # a default no spec could give
+            default = repr(param.default)
+        lines.append(f"    {key}=<{param.kind}>  default {default or '(none)'}{bound}: {param.help}")
+        if default:
+            example.append(f"{key}={default}")
+    spec = entry.name + (":" + ",".join(example) if example else "")
+    lines.append(f"  example: {spec}" + ("  (fill in each <...>)" if "<" in spec else ""))
     return "\n".join(lines)
 
 
@@ -387,17 +464,17 @@ def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] |
       params: the policy's :class:`Param` table, whose ``format`` writes custom values.
     """
     params = params or {}
-
-    def fmt(key, v):
-        param = params.get(key)
-        if param is not None and param.format is not None:
-            return param.format(v)
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (tuple, list)):
-            return "+".join(map(str, v))
-        return str(v)
-
     if not values:
         return name
-    return name + ":" + ",".join(f"{k}={fmt(k, v)}" for k, v in values.items())
+    return name + ":" + ",".join(f"{k}={_format_value(params.get(k), v)}" for k, v in values.items())
+
+
+def _format_value(param: Param | None, value: Any) -> str:
+    """A parsed key value written as a spec gives it (``param``'s own ``format`` first)."""
+    if param is not None and param.format is not None:
+        return param.format(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "+".join(map(str, value))
+    return str(value)

@@ -65,8 +65,34 @@ def test_no_saving_is_one_line_with_the_cause():
     assert report.saved_bytes == 0 < report.baseline_saved_bytes
     assert report.temp_bytes >= report.baseline_temp_bytes  # XLA kept every intermediate anyway
     (line,) = [m for m in report.messages if m.startswith("no saving")]
-    assert "wraps the whole differentiated function" in line and "\n" not in line
+    assert "a single checkpoint around the whole differentiated function cannot save" in line and "\n" not in line
     assert line in report.text().splitlines()
+    assert report.stack_depth is None  # a loss (a scalar) feeds no argument: no stack to measure
+
+
+def residual_block(w1, w2, x):
+    """One residual MLP block: its output has the shape of its argument x."""
+    h = checkpoint_name(jnp.tanh(x @ w1), "mlp_in")
+    return x + checkpoint_name(jnp.sin(h) @ w2, "mlp_out")
+
+
+def test_a_block_is_explained_as_it_is_used_in_a_stack():
+    """Explained on its own, one checkpoint around the differentiated block cannot save; the report
+    gives the saving of the block as used: copies in sequence, each checkpointed."""
+    report = jremat.explain(residual_block, "full", *ARGS)
+    assert report.temp_bytes >= report.baseline_temp_bytes  # alone: nothing to save
+    assert (report.stack_depth, report.stack_argnum) == (4, 2)
+    assert report.stack_temp_bytes < report.baseline_stack_temp_bytes  # in a stack: it saves
+    assert not [m for m in report.messages if m.startswith("no saving")]
+    (line,) = [m for m in report.messages if m.startswith("one checkpoint (full)")]
+    assert "cannot save" in line and "smaller pieces" not in line
+    saved_per_block = (report.baseline_stack_temp_bytes - report.stack_temp_bytes) // 4
+    assert f"({saved_per_block:,} per block): its saving where it is used in a stack" in line
+    assert "of 4 in sequence (output fed back as argument 2)" in report.text()
+    assert report.to_json()["stack_temp_bytes"] == report.stack_temp_bytes
+    # Without remat there is no checkpoint and no stack to compare.
+    none = jremat.explain(residual_block, "none", *ARGS)
+    assert none.stack_depth is None and none.messages[0].startswith("no checkpoint")
 
 
 def test_per_layer_checkpoints_in_a_scan_save_and_say_nothing_more():

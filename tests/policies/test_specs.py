@@ -77,6 +77,30 @@ def test_describe_lists_every_policy():
         assert f"  {name}" in text
 
 
+def test_describe_one_policy_gives_its_keys_and_an_example_that_resolves():
+    text = jremat.describe("every_k")
+    assert text.startswith("every_k: ")
+    assert "    k=<int>  default 4, >= 1: save one compute op in every k" in text
+    assert "    skip_cheap=<bool>  default false: " in text
+    example = text.splitlines()[-1].removeprefix("  example: ")
+    assert example == "every_k:k=4,skip_cheap=false,min_flops_per_byte=8.0"
+    assert jremat.resolve(example).spec == example
+    assert "keys: none" in jremat.describe("full")
+    assert jremat.describe("names").splitlines()[-1] == "  example: names:save=<names>  (fill in each <...>)"
+    assert "layer stack" in jremat.describe("nested")
+    for name in jremat.available():  # every entry, built-in or not, describes itself
+        assert jremat.describe(name).startswith(f"{name}: ")
+
+
+def test_describe_refuses_what_is_not_a_policy_name():
+    with pytest.raises(ValueError, match=r"unknown policy 'every_kk'; valid policies: .*every_k"):
+        jremat.describe("every_kk")
+    with pytest.raises(ValueError, match=r"not a spec: describe\('every_k'\)"):
+        jremat.describe("every_k:k=2")
+    with pytest.raises(TypeError, match="policy name"):
+        jremat.describe(jremat.resolve("full"))
+
+
 def test_scoped_registry_restores_what_it_found():
     from jremat import registry
 

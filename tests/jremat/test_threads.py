@@ -1,0 +1,162 @@
+"""First use from many threads at once: every lazily built global (the policy registry, its
+built-ins and entry points, the engine probe, the remat3 primitives, trace caches, the lazy
+``jremat.<name>``) is complete for every thread, whichever asks first.
+
+Each run is a fresh Python process, since one that has looked a policy up before has nothing
+left to race on; its threads are released together by a barrier.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import jremat
+from jremat._cache import BoundedCache
+from tests.conftest import REPO
+
+#: One process: ``THREADS`` threads whose first act is a lookup, each reporting what it saw.
+FIRST_USE_SCRIPT = r"""
+import json, sys, threading
+
+import jremat
+
+threads = int(sys.argv[1])
+public = sorted(jremat.__all__)
+barrier = threading.Barrier(threads)
+seen = [None] * threads
+
+
+def first_use(i):
+    barrier.wait()
+    try:
+        role = i % 5
+        if role == 0:
+            jremat.resolve("full")
+            seen[i] = ("names", jremat.available())
+        elif role == 1:
+            jremat.checkpoint(lambda x: x, "full")
+            seen[i] = ("names", jremat.available())
+        elif role == 2:
+            seen[i] = ("names", jremat.available())
+        elif role == 3:
+            import jax
+
+            remat_sin = jremat.checkpoint(lambda x: jax.numpy.sin(jax.numpy.sin(x) * x), "every_k:k=1")
+            seen[i] = ("grad", float(jax.grad(remat_sin)(1.0)))
+        else:
+            getattr(jremat, public[i % len(public)])
+            seen[i] = ("names", list(jremat.registry.entries()))
+    except Exception as err:
+        seen[i] = ("error", f"{type(err).__name__}: {err}")
+
+
+workers = [threading.Thread(target=first_use, args=(i,)) for i in range(threads)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
+print(json.dumps({"seen": seen, "names": jremat.available()}))
+"""
+
+
+def run_first_use(threads: int, processes: int, engine_env: dict[str, str]) -> list[str]:
+    """Start ``processes`` fresh processes of ``threads`` racing threads (a few at a time);
+    return one line per thread that failed or saw a registry other than the final one."""
+    env = {**os.environ, **engine_env}
+    failures = []
+    batch = 4
+    for start in range(0, processes, batch):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", FIRST_USE_SCRIPT, str(threads)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(start, min(start + batch, processes))
+        ]
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                failures.append(f"process exited {proc.returncode}: {err.strip().splitlines()[-1:]}")
+                continue
+            result = json.loads(out.strip().splitlines()[-1])
+            grads = set()
+            for i, (kind, value) in enumerate(result["seen"]):
+                if kind == "error":
+                    failures.append(f"thread {i}: {value}")
+                elif kind == "names" and sorted(value) != result["names"]:
+                    failures.append(f"thread {i} saw policies {sorted(value)}, not {result['names']}")
+                elif kind == "grad":
+                    grads.add(value)
+            if len(grads) > 1:
+                failures.append(f"threads computed different gradients: {sorted(grads)}")
+    return failures
+
+
+ENGINES = {"classic": {"JAX_REMAT3": "0"}, "remat3": {"JAX_REMAT3": "1"}}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_first_lookup_from_many_threads(engine):
+    failures = run_first_use(threads=32, processes=3, engine_env=ENGINES[engine])
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_first_lookup_from_many_threads_many_processes(engine):
+    failures = run_first_use(threads=32, processes=50, engine_env=ENGINES[engine])
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_bounded_cache_one_value_per_key_under_threads():
+    cache = BoundedCache(maxsize=4)
+    threads = 16
+    barrier = threading.Barrier(threads)
+    errors = []
+
+    def fill(i):
+        barrier.wait()
+        try:
+            for step in range(200):
+                cache.get((i + step) % 6, object)
+        except Exception as err:  # eviction racing a lookup
+            errors.append(err)
+
+    workers = [threading.Thread(target=fill, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    assert len(cache) <= 4
+    key = object()
+    first = cache.get(key, lambda: "first")
+    assert cache.get(key, lambda: "second") == first == "first"
+    assert cache.get("kept-out", lambda: "a", keep=lambda v: False) == "a"
+    assert cache.get("kept-out", lambda: "b") == "b"  # a value not kept is built again
+
+
+def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
+    """The loaded flag is set only once loading succeeded: a failing entry point raises on each lookup."""
+    from jremat import registry
+
+    class BrokenEntryPoint:
+        def load(self):
+            raise ImportError("broken plugin")
+
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [BrokenEntryPoint()])
+    for _ in range(2):
+        with pytest.raises(ImportError, match="broken plugin"):
+            jremat.available()
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
+    assert "full" in jremat.available()
+    assert registry._builtins_loaded
