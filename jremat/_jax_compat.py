@@ -398,6 +398,14 @@ def custom_vjp_forward_and_backward(eqn, invals):
 
     def backward(res, cts_out):
         cts_in = bwd.call_wrapped(*res, *cts_out)
+        # Newer JAX returns the flat cotangents beside an auxiliary value: ``(cts, aux)``.
+        if len(cts_in) == 2 and isinstance(cts_in[0], (list, tuple)) and len(cts_in[0]) == len(in_avals):
+            cts_in = cts_in[0]
+        if len(cts_in) != len(in_avals):
+            raise NotImplementedError(
+                f"a custom_vjp backward rule returned {len(cts_in)} cotangents for {len(in_avals)} inputs; "
+                "this JAX version's custom_vjp convention is not supported by jremat's kernel split"
+            )
         # A zero cotangent (None or JAX's symbolic zero) becomes explicit zeros.
         return [
             ct if isinstance(ct, (jax.Array, jax.core.Tracer)) else jax.numpy.zeros(a.shape, a.dtype)
