@@ -5,6 +5,11 @@
 policy adds and :func:`models.programs.analytic_peak_bytes`); :func:`compare_policies` measures
 several against ``none``; :func:`summary_vs_none` is the trainer's start-up line. Nothing runs:
 parameters and tokens are shapes. ``auto`` specs are planned first (:func:`config_for_spec`).
+
+Every figure is compared with one baseline, ``none`` (:func:`baseline_config`): the same step with
+no remat anywhere (policy ``none``, the head and loss whole, not chunked). Recompute is the FLOPs
+a step adds over that baseline as a fraction of the baseline step's FLOPs (:data:`NONE_DEFINITION`,
+:data:`RECOMPUTE_DEFINITION`: the wording the reports print).
 """
 
 from __future__ import annotations
@@ -42,6 +47,26 @@ from jremat.models.programs import (
     working_set_bytes,
 )
 
+#: What "none" means in every report (the memory table, the trainer's start-up line, explain's
+#: "without remat"): the step of :func:`baseline_config`.
+NONE_DEFINITION = "none = no remat anywhere (policy none, head and loss whole)"
+#: What "recompute" means in every report: :attr:`PolicyMemory.recompute_flops_fraction`.
+RECOMPUTE_DEFINITION = "recompute = FLOPs added over none / step FLOPs of none"
+
+
+def baseline_config(model_cfg: ModelConfig) -> ModelConfig:
+    """The step every report compares with: ``model_cfg`` with no remat anywhere.
+
+    Policy ``none`` and ``remat_head_chunks=0`` (the final LayerNorm, head and loss whole: a
+    chunked head is recomputed whatever the policy), everything else as in ``model_cfg``.
+    """
+    return model_cfg.replace(remat_policy="none", remat_head_chunks=0)
+
+
+def head_label(head_chunks: int) -> str:
+    """How the final LayerNorm, head and loss run: ``"whole"`` or ``"N chunks"`` (recomputed per chunk)."""
+    return f"{head_chunks} chunks" if head_chunks else "whole"
+
 
 def ratio(a, b):
     """``a / b``, or ``None`` when either is missing or ``b`` is zero."""
@@ -73,14 +98,17 @@ class PolicyMemory:
         divided by ``n_layers`` under scan (``None`` when unrolled: names and layers are mixed).
       residual_total_bytes: every residual of the whole step, all kinds.
       step_flops: cost-model FLOPs of the gradient step under this policy.
-      recompute_flops: FLOPs added by recomputation (vs ``none``).
-      recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of the step under ``none``.
+      recompute_flops: FLOPs added by recomputation over the step of :func:`baseline_config`
+        (``none``: no remat anywhere, head whole).
+      recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of that baseline step.
       analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes` (traced bytes at full
         depth + :attr:`working_set_bytes`), or ``None`` when not compiled.
       working_set_bytes: :func:`models.programs.working_set_bytes`: the transient working set of
         the backward pass at its peak (the head's or one block's), measured on
         :func:`models.programs.shallow_config` (at most two layers per layer group; nested and
         unrolled stacks whole); ``None`` when not compiled.
+      head_chunks: sequence chunks the final LayerNorm, head and loss are recomputed over
+        (``remat_head_chunks``; 0: whole, as in ``none``).
       notes: caveats (backend, truthfulness checks).
       attention_forward_passes: fused attention forward kernels per layer in the training step,
         averaged over the layers (:func:`models.programs.attention_forward_passes`): 1 = the
@@ -112,6 +140,7 @@ class PolicyMemory:
     recompute_flops_fraction: float
     analytic_peak_bytes: int | None
     working_set_bytes: int | None = None
+    head_chunks: int = 0
     notes: tuple[str, ...] = ()
     attention_forward_passes: float = 0.0
     live_peak_bytes: int | None = None
@@ -157,7 +186,7 @@ def policy_memory(
       batch_size: sequences per batch.
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
       compile: whether to compile for XLA's buffer assignment.
-      baseline_step_flops: FLOPs of the same step under ``none`` (computed when omitted).
+      baseline_step_flops: FLOPs of the step of :func:`baseline_config` (computed when omitted).
       timeline: also read the compiled step's memory timeline (:func:`jremat.memory_timeline`);
         the byte fields then come from that same compile. Needs ``compile``.
 
@@ -186,7 +215,7 @@ def policy_memory(
     cross = whole.layer_stacked_bytes / model_cfg.n_layers if model_cfg.scan_layers and model_cfg.n_layers > 1 else None
     flops = jremat.program_flops(grad_fn, *args)
     if baseline_step_flops is None:
-        baseline_step_flops = step_flops(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+        baseline_step_flops = step_flops(baseline_config(model_cfg), batch_size, seq_len)
     recompute = max(0.0, flops - baseline_step_flops)
     passes = attention_forward_passes(model_cfg, batch_size, seq_len)
     if passes > 1:
@@ -227,6 +256,7 @@ def policy_memory(
         recompute_flops_fraction=recompute / baseline_step_flops if baseline_step_flops else 0.0,
         analytic_peak_bytes=None if working_set is None else traced_bytes + working_set,
         working_set_bytes=working_set,
+        head_chunks=model_cfg.remat_head_chunks,
         notes=tuple(notes),
         attention_forward_passes=passes,
         timeline=step_timeline,
@@ -252,10 +282,12 @@ def explain_step(
       batch_size: sequences per batch.
       seq_len: tokens per sequence (default ``model_cfg.max_seq_len``).
       temp_bytes: the step's compiled temp bytes under the policy, if measured.
-      baseline_temp_bytes: the same under ``none``.
+      baseline_temp_bytes: the same for the step of :func:`baseline_config`.
+
+    Explain's "without remat" is that step (no remat anywhere, head whole) under every policy.
     """
     loss, args = loss_program(model_cfg, batch_size, seq_len)
-    baseline, _ = loss_program(model_cfg.replace(remat_policy="none"), batch_size, seq_len)
+    baseline, _ = loss_program(baseline_config(model_cfg), batch_size, seq_len)
     remat = model_cfg.remat_config()  # a nested: spec is the stack's: its layers run remat.policy
     return explain_applied(
         loss,
@@ -318,15 +350,17 @@ def compare_policies(
 ) -> tuple[list[PolicyMemory], PolicyMemory]:
     """:func:`policy_memory` for each policy spec, with the truthfulness check against ``none``.
 
-    ``none`` is measured too (first; returned as a row only if asked for) so that every row can
-    be compared with it. A row whose temp memory did not follow its saved residuals gets a note
+    ``none`` is the step of :func:`baseline_config` (no remat anywhere, head and loss whole),
+    whatever ``base_cfg``'s head chunks; it is measured too (returned as a row only if asked for)
+    so that every row can be compared with it. A ``none`` spec whose step chunks the head (head
+    chunks given, ``whole_step`` off) is a row of its own: it recomputes the head. A row whose temp memory did not follow its saved residuals gets a note
     naming the likely cause (:func:`jremat.diagnose_remat`). ``timeline=True`` fills
     :attr:`PolicyMemory.timeline` of every row (see :func:`policy_memory`). With ``explain`` every
     row also gets :attr:`PolicyMemory.explanation` (:func:`explain_step`). ``whole_step`` gives
     every policy but ``none`` a chunked head (see :func:`config_for_spec`).
 
     Returns:
-      ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and ``none``'s.
+      ``(rows, none_row)``: one :class:`PolicyMemory` per distinct spec, in order, and the baseline's.
 
     Raises:
       ValueError: on an unknown policy spec (the message lists the registered ones), or one that
@@ -334,28 +368,36 @@ def compare_policies(
     """
     for spec in policies:  # as the model's layer stack takes it: a nested: spec is a stack policy
         base_cfg.replace(remat_policy=spec).remat_config().validate_layers(base_cfg.n_layers)
-    none_cfg = base_cfg.replace(remat_policy="none", **({"remat_head_chunks": 0} if whole_step else {}))
+    none_cfg = baseline_config(base_cfg)
     baseline_flops = step_flops(none_cfg, batch_size, seq_len)
-    rows = {}
-    configs = {}
     wanted = list(dict.fromkeys(policies))
-    order = wanted if "none" in wanted else ["none", *wanted]
-    for spec in order:
-        cfg, plan = config_for_spec(base_cfg, spec, batch_size, seq_len, memory_budget, whole_step=whole_step)
-        row = policy_memory(
-            cfg,
-            batch_size,
-            seq_len,
-            compile=compile,
-            baseline_step_flops=baseline_flops,
-            timeline=timeline and spec in wanted,
+    configs, plans = {}, {}
+    for spec in wanted:
+        configs[spec], plans[spec] = config_for_spec(
+            base_cfg, spec, batch_size, seq_len, memory_budget, whole_step=whole_step
         )
+    measured: dict[ModelConfig, PolicyMemory] = {}  # one measurement per distinct step
+
+    def measure(cfg: ModelConfig) -> PolicyMemory:
+        if cfg not in measured:
+            measured[cfg] = policy_memory(
+                cfg,
+                batch_size,
+                seq_len,
+                compile=compile,
+                baseline_step_flops=baseline_flops,
+                timeline=timeline and cfg in configs.values(),
+            )
+        return measured[cfg]
+
+    base = measure(none_cfg)
+    rows = {}
+    for spec in wanted:
+        row, plan = measure(configs[spec]), plans[spec]
         if plan is not None:
-            label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(cfg.n_layers)}"
+            label = f"auto:budget={plan.budget_bytes} -> {plan.candidate.describe(configs[spec].n_layers)}"
             row = dataclasses.replace(row, policy=label, notes=row.notes + (plan.table(),))
         rows[spec] = row
-        configs[spec] = cfg
-    base = rows["none"]
     out = []
     for spec in wanted:
         row = rows[spec]
@@ -376,22 +418,42 @@ def compare_policies(
     return out, base
 
 
-def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
-    """One line for a trainer's start-up log: peak estimate and saved bytes per layer vs ``none``.
+def summary_line(row: PolicyMemory, base: PolicyMemory) -> str:
+    """The trainer's start-up lines for ``row`` against the baseline ``base`` (see :func:`summary_vs_none`).
 
-    Compiles the gradient step of the policy and of ``none`` (and, for stacks deeper than two
-    layers per group, their shallow copies for the analytic estimate); nothing runs.
+    The figures are printed as ``python -m train.memory`` prints them in its table, and the line
+    says what ``none`` and recompute are (:data:`NONE_DEFINITION`, :data:`RECOMPUTE_DEFINITION`).
     """
-    rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
-    row = rows[0]
-    peak = format_bytes(row.peak_bytes)
     parts = [
-        f"memory ({row.policy}): peak {peak} (none: {format_bytes(base.peak_bytes)}, "
-        f"analytic {format_bytes(row.analytic_peak_bytes)}), saved/layer {format_bytes(row.saved_bytes_per_layer)} "
-        f"(none: {format_bytes(base.saved_bytes_per_layer)}), recompute +{row.recompute_flops_fraction:.0%} FLOPs"
+        f"memory ({row.policy}, head {head_label(row.head_chunks)}): peak {format_bytes(row.peak_bytes)} "
+        f"(none: {format_bytes(base.peak_bytes)}, analytic {format_bytes(row.analytic_peak_bytes)}), "
+        f"saved/layer {format_bytes(row.saved_bytes_per_layer)} (none: {format_bytes(base.saved_bytes_per_layer)}), "
+        f"recompute {format_recompute(row.recompute_flops_fraction)}",
+        f"  {NONE_DEFINITION}; {RECOMPUTE_DEFINITION}",
     ]
     parts.extend(f"  note: {n}" for n in row.notes)
     return "\n".join(parts)
+
+
+def format_recompute(fraction: float) -> str:
+    """A recompute fraction as every report prints it (``22.9%``)."""
+    return f"{fraction:.1%}"
+
+
+def summary_vs_none(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> str:
+    """A trainer's start-up log: peak estimate, saved bytes per layer and recompute vs ``none``.
+
+    The figures are :func:`compare_policies`' for ``model_cfg`` (its policy and head chunks as
+    given), the row ``python -m train.memory`` prints for the same configuration, against the
+    same baseline (:func:`baseline_config`). Compiles the gradient step of the policy and of
+    ``none`` (and, for stacks deeper than two layers per group, their shallow copies for the
+    analytic estimate); nothing runs.
+
+    Raises:
+      ValueError: on a bad policy spec, batch size or sequence length.
+    """
+    rows, base = compare_policies(model_cfg, batch_size, [model_cfg.remat_policy], seq_len)
+    return summary_line(rows[0], base)
 
 
 def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> LiveMemory:
@@ -419,12 +481,18 @@ def live_step_memory(model_cfg: ModelConfig, batch_size: int, seq_len: int | Non
 
 
 __all__ = [
+    "NONE_DEFINITION",
+    "RECOMPUTE_DEFINITION",
     "PolicyMemory",
+    "baseline_config",
     "compare_policies",
     "config_for_spec",
     "explain_step",
+    "format_recompute",
+    "head_label",
     "live_step_memory",
     "policy_memory",
     "ratio",
+    "summary_line",
     "summary_vs_none",
 ]

@@ -29,7 +29,17 @@ from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
-from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
+from jremat.models.policy_memory import (
+    NONE_DEFINITION,
+    RECOMPUTE_DEFINITION,
+    PolicyMemory,
+    compare_policies,
+    config_for_spec,
+    format_recompute,
+    head_label,
+    live_step_memory,
+    ratio,
+)
 from jremat.train import cli, interrupts, model_flags, timeline_plot
 from jremat.train import fit as fit_lib
 from jremat.train.cli import (
@@ -282,7 +292,7 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     live = any(r.live_peak_bytes is not None for r in rows)
     fused = any(r.attention_forward_passes for r in rows)
     header = (
-        f"{'policy':<24} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
+        f"{'policy':<24} {'head':>9} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
         f"{'saved/none':>10} {'recompute':>9} {'work set':>11} {'analytic':>11} {'anal.err':>8}"
         + (f" {'attn fwd':>8}" if fused else "")
         + (f" {'live peak':>11}" if live else "")
@@ -297,9 +307,10 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
             else None
         )
         lines.append(
-            f"{r.policy:<24} {format_bytes(r.peak_bytes):>11} {format_bytes(r.temp_bytes):>11} "
-            f"{format_bytes(r.saved_bytes_per_layer):>12} {f'{pr:.3f}' if pr is not None else 'n/a':>9} "
-            f"{f'{sr:.3f}' if sr is not None else 'n/a':>10} {r.recompute_flops_fraction:>8.1%} "
+            f"{r.policy:<24} {head_label(r.head_chunks):>9} {format_bytes(r.peak_bytes):>11} "
+            f"{format_bytes(r.temp_bytes):>11} {format_bytes(r.saved_bytes_per_layer):>12} "
+            f"{f'{pr:.3f}' if pr is not None else 'n/a':>9} {f'{sr:.3f}' if sr is not None else 'n/a':>10} "
+            f"{format_recompute(r.recompute_flops_fraction):>9} "
             f"{format_bytes(r.working_set_bytes):>11} {format_bytes(r.analytic_peak_bytes):>11} "
             f"{f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
             + (f" {r.attention_forward_passes:>8g}" if fused else "")
@@ -308,8 +319,8 @@ def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
     first = rows[0]
     lines.append(
         f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
-        f"peak from: {first.peak_source}; recompute = extra FLOPs vs none / step FLOPs under none "
-        f"({base.step_flops:.3g})"
+        f"peak from: {first.peak_source}; {NONE_DEFINITION}; {RECOMPUTE_DEFINITION} ({base.step_flops:.3g}); "
+        "head = the final LayerNorm, head and loss: whole, or recomputed over N sequence chunks"
         + "; work set = the backward pass's transient buffers at its peak, compiled on a copy with at most "
         "two layers per layer group (nested or unrolled stacks: the whole model); "
         "analytic = traced residuals, parameters and gradients at full depth + work set"
@@ -523,7 +534,7 @@ def _main(argv: Sequence[str] | None) -> int:
         live_note = None
         if config.live:
             rows, live_note = add_live_peaks(config, rows)
-            base = next((r for r in rows if r.policy == base.policy), base)
+            base = next((r for r in rows if (r.policy, r.head_chunks) == (base.policy, base.head_chunks)), base)
         if live_note:
             print(live_note, file=sys.stderr)
         if config.json:

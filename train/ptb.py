@@ -121,9 +121,11 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
 
 
 def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
-    """The start-up memory report: peak estimate and saved bytes per layer, this policy vs ``none``.
+    """The start-up memory report: peak estimate, saved bytes per layer and recompute, this policy vs ``none``.
 
-    Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device.
+    Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device. The
+    figures are those of ``python -m train.memory``'s row for the same model, batch, sequence
+    length, policy and head chunks, against the same ``none`` (no remat anywhere, head whole).
     """
     return policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
 

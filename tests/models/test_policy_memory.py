@@ -8,7 +8,7 @@ from jremat.models.policy_memory import compare_policies, config_for_spec, polic
 
 def test_summary_vs_none_for_trainers():
     line = summary_vs_none(preset("tiny", remat_policy="full"), batch_size=2)
-    assert line.startswith("memory (full): peak ") and "none:" in line and "saved/layer" in line
+    assert line.startswith("memory (full, head whole): peak ") and "none:" in line and "saved/layer" in line
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.slow)])
@@ -43,7 +43,9 @@ def test_nested_specs_are_the_stacks_policy_in_the_report(traced_reports):
     assert [r.policy for r in rows] == ["none", "nested:block=2", "nested:block=auto"]
     assert rows[1].explanation.policy == "nested:block=2" and rows[1].explanation.checkpoints > 0
     assert rows[1].residual_total_bytes < base.residual_total_bytes
-    assert summary_vs_none(cfg.replace(remat_policy="nested:block=2"), 2).startswith("memory (nested:block=2): ")
+    assert summary_vs_none(cfg.replace(remat_policy="nested:block=2"), 2).startswith(
+        "memory (nested:block=2, head whole): "
+    )
     with pytest.raises(ValueError, match="block=3 does not divide the 2 layers"):
         compare_policies(cfg, 2, ["nested:block=3"], compile=False)
 
