@@ -211,9 +211,8 @@ def build_parser(config_cls: type, prog: str, description: str, epilog: str = ""
     )
     add_config_flags(parser, config_cls)
     if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
-        taken = {flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"}
         group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
-        for key, flag in sorted(policy_key_flags(taken).items()):
+        for key, flag in sorted(key_flags(config_cls).items()):
             helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
             group.add_argument(
                 flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE", help="; ".join(helps)
@@ -237,8 +236,49 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
     if keys:
+        given = values.get("policy", ())
+        require_keys_given_once((given,) if isinstance(given, str) else given, keys, key_flags(config_cls))
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
+
+
+def key_flags(config_cls: type) -> dict[str, str]:
+    """The flag of every policy key in ``config_cls``'s parser (:func:`policy_key_flags`)."""
+    return policy_key_flags({flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"})
+
+
+def require_keys_given_once(specs: Sequence[str], keys: Sequence[tuple[str, str]], flags: dict[str, str]) -> None:
+    """A key written in a ``--policy`` spec and given as a flag must have one value in both.
+
+    ``--policy every_k:k=4 --k 4`` is accepted; ``--policy every_k:k=4 --k 2`` is refused. Specs
+    that do not parse, and values that are not valid, are left to the spec's own checks.
+
+    Args:
+      specs: the ``--policy`` specs the user gave.
+      keys: the policy-key flags given, as ``(key, raw value)`` pairs.
+      flags: each key's flag (``{"k": "--k"}``), for the message.
+
+    Raises:
+      UsageError: naming the flag, the spec and both values.
+    """
+    for spec in specs:
+        try:
+            written = registry.parse_spec(spec)[1]
+            canonical = registry.normalize_spec(spec)
+        except ValueError:
+            continue
+        for key, value in keys:
+            if key not in written or value == written[key]:
+                continue
+            try:
+                same = registry.normalize_spec(spec, **{key: value}) == canonical
+            except ValueError:
+                same = False
+            if not same:
+                raise UsageError(
+                    f"{flags.get(key, flag_name(key))} {value} conflicts with {key}={written[key]} in --policy "
+                    f"{spec}; give it once"
+                )
 
 
 def run_main(body: Callable[[], int]) -> int:

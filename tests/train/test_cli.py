@@ -89,13 +89,52 @@ def test_apply_policy_keys_applies_each_key_to_the_policies_that_take_it():
         cli.apply_policy_keys(["every_k"], [("k", "0")])
 
 
-@pytest.mark.parametrize(
+def _bench_policy(argv):
+    from jremat.train.bench.config import parse_config as bench_parse
+
+    return bench_parse(["--quick", *argv]).policy[-1]
+
+
+_EVERY_CLI = pytest.mark.parametrize(
     "parse_config",
     [
         lambda argv: ptb.parse_config(["--preset", "tiny", *argv]).policy_spec(),
         lambda argv: train_memory.parse_config(["--preset", "tiny", *argv]).policy[-1],
+        _bench_policy,
     ],
-    ids=["train.ptb", "train.memory"],
+    ids=["train.ptb", "train.memory", "train.bench"],
 )
+
+
+@_EVERY_CLI
 def test_k_flag_works_in_every_cli_with_policy(parse_config):
     assert parse_config(["--policy", "every_k", "--k", "4"]) == "every_k:k=4"
+
+
+@_EVERY_CLI
+def test_a_key_in_the_spec_and_as_a_flag_with_two_values_is_refused(parse_config):
+    with pytest.raises(cli.UsageError) as info:
+        parse_config(["--policy", "every_k:k=4", "--k", "2"])
+    assert str(info.value) == "--k 2 conflicts with k=4 in --policy every_k:k=4; give it once"
+
+
+@_EVERY_CLI
+@pytest.mark.parametrize("value", ["4", "04"])
+def test_a_key_in_the_spec_and_as_a_flag_with_one_value_is_accepted(parse_config, value):
+    assert parse_config(["--policy", "every_k:k=4", "--k", value]) == "every_k:k=4"
+
+
+def test_a_conflict_names_the_renamed_key_flag():
+    """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
+
+    @dataclasses.dataclass(frozen=True)
+    class TakesK:
+        k: int = cli.option(1, "a CLI flag called --k")
+        policy: str = cli.option("full", "spec")
+        policy_keys: tuple = cli.option((), "policy keys", cli=False)
+
+    with pytest.raises(cli.UsageError, match=r"^--policy-k 3 conflicts with k=4 in --policy every_k:k=4"):
+        cli.parse(TakesK, ["--policy", "every_k:k=4", "--policy-k", "3"], prog="demo", description="demo")
+    assert cli.parse(TakesK, ["--policy", "every_k", "--policy-k", "3"], prog="d", description="d").policy_keys == (
+        ("k", "3"),
+    )
