@@ -382,7 +382,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
             "run; pass --resume to continue it or choose another --ckpt-dir"
         )
 
-    data_dir, source = data_lib.locate(cfg.data_dir)
+    data_dir, source = data_lib.locate(cfg.data_dir, progress=progress)
     corpus = data_lib.load_corpus(data_dir)
     if cfg.batch_size == AUTO_BATCH:
         cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress)
