@@ -25,13 +25,11 @@ import sys
 from collections.abc import Sequence
 
 import jremat
-from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
+from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
-from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
-from jremat.train import cli, interrupts, model_flags, timeline_plot
-from jremat.train import fit as fit_lib
+from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
     apply_policy_keys,
@@ -271,6 +269,14 @@ class MemoryConfig:
             argv += ["--policy-module", module]
         return argv + (["--unrolled"] if self.unrolled else [])
 
+
+if __name__ == "__main__":  # argument mistakes are reported before JAX is imported (below)
+    cli.exit_on_argument_error(MemoryConfig, "train.memory")
+
+from jremat import allocator_stats_missing, format_bytes
+from jremat.models.policy_memory import PolicyMemory, compare_policies, config_for_spec, live_step_memory, ratio
+from jremat.train import fit as fit_lib
+from jremat.train import timeline_plot
 
 # ---------------------------------------------------------------------------------------------
 # Output

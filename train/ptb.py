@@ -17,10 +17,14 @@ saves and restores its own checkpoint shards. See docs/multiprocess.md.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM are handled from before JAX is imported
+if __name__ == "__main__":  # the CLI: Ctrl-C, SIGTERM and argument mistakes are handled before JAX is imported
     from jremat.train.interrupts import INTERRUPTS
 
     INTERRUPTS.install()
+    from jremat.train.cli import exit_on_argument_error
+    from jremat.train.config import TrainConfig
+
+    exit_on_argument_error(TrainConfig, "train.ptb")
 
 import dataclasses
 import json
