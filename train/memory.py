@@ -444,6 +444,8 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
     base_cfg = config.model_config(config.policy[0])
     for spec in config.policy[1:]:
         config.model_config(spec)
+    specs = list(dict.fromkeys(config.policy))
+    print(f"compiling the gradient step under {len(specs)} policies ({', '.join(specs)})...", file=sys.stderr)
     try:
         return compare_policies(
             base_cfg,

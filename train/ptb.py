@@ -387,6 +387,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
         )
 
     data_dir, source = data_lib.locate(cfg.data_dir, progress=progress)
+    log(f"reading the corpus in {data_dir}...")
     corpus = data_lib.load_corpus(data_dir)
     if cfg.batch_size == AUTO_BATCH:
         cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress)
@@ -468,12 +469,15 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
         log(plan_table)
+    if cfg.memory_report and primary:
+        log(f"compiling the memory report ({model_cfg.remat_policy} vs none; skip it with --no-memory-report)...")
     t_compile = time.perf_counter()
     try:  # a policy that does not fit this model (nested:block=3 on 2 layers, a name it does not tag)
         if cfg.memory_report and primary:
             log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
             if mesh is not None:
                 log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
+        log("compiling the train and eval steps...")
         train_step, eval_step = compiled_steps(
             model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh
         )
