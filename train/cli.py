@@ -266,10 +266,15 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
     if keys:
-        given = values.get("policy", ())
-        require_keys_given_once((given,) if isinstance(given, str) else given, keys, key_flags(config_cls))
+        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls))
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
+
+
+def _given_specs(values: dict[str, Any]) -> tuple[str, ...]:
+    """The ``--policy`` specs among parsed flag values (one spec or several)."""
+    given = values.get("policy", ())
+    return (given,) if isinstance(given, str) else tuple(given)
 
 
 def key_flags(config_cls: type, keys: Iterable[str] | None = None) -> dict[str, str]:
@@ -296,8 +301,7 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     if importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP):
         return
     values = vars(build_parser(config_cls, prog, "", builtin_keys_only=True).parse_args(argv))
-    given = values.get("policy", ())
-    for spec in (given,) if isinstance(given, str) else given:
+    for spec in _given_specs(values):
         try:
             name, written = registry.parse_spec(spec)
             if name not in BUILTIN_POLICY_KEYS:

@@ -407,6 +407,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))
+    log("initializing the parameters and optimizer state...")
     if mesh is None:
         graphdef, params = step_lib.init_params(model_cfg, cfg.seed)
         opt_state = tx.init(params)

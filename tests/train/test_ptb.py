@@ -495,7 +495,8 @@ class _StopBeforeCompiling(RuntimeError):
 
 @pytest.mark.parametrize("report", [True, False])
 def test_each_slow_phase_is_announced_before_it_starts(monkeypatch, ptb_offline_dir, report):
-    """Reading the corpus, the memory report's compiles and the steps' compile each get a line first."""
+    """Reading the corpus, the initialization, the memory report's compiles and the steps' compile each get a
+    line first."""
     lines = []
 
     def memory_report(*args):
@@ -511,7 +512,10 @@ def test_each_slow_phase_is_announced_before_it_starts(monkeypatch, ptb_offline_
     cfg = ptb.parse_config(flags + ([] if report else ["--no-memory-report"]))
     with pytest.raises(_StopBeforeCompiling):
         ptb.train(cfg, log=lines.append, progress=False)
-    assert lines[0] == f"reading the corpus in {ptb_offline_dir}..."
+    assert lines[:2] == [
+        f"reading the corpus in {ptb_offline_dir}...",
+        "initializing the parameters and optimizer state...",
+    ]
     announced = [line for line in lines if line.startswith("compiling") or line.startswith("<")]
     assert announced == [
         *(["compiling the memory report (every_k:k=4 vs none; skip it with --no-memory-report)..."] if report else []),
