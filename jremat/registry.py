@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # imported where used: spec parsing and the catalogue import no JAX (the CLIs check flags first)
+if TYPE_CHECKING:  # imported where used, so that parsing a spec imports no JAX (the CLIs check flags first)
     from jremat._policy import Policy
 
 ENTRY_POINT_GROUP = "jremat.policies"
