@@ -65,7 +65,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Programs: the traced equations a plan policy chooses from.
     "jremat._program": ("Op", "Program", "trace_program"),
     # Layer stacks: where remat applies, scanned or unrolled layers, chunked recomputation.
-    "jremat._remat": ("GRANULARITIES", "RematConfig", "remat_at", "rematerialized_chunks", "run_layers"),
+    "jremat._granularity": ("GRANULARITIES",),
+    "jremat._remat": ("RematConfig", "remat_at", "rematerialized_chunks", "run_layers"),
     # What a policy keeps: saved residuals.
     "jremat._residuals": ("ResidualsReport", "saved_residuals_report"),
     # Randomness that recomputes identically.

@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jremat import _tie, names, registry
+from jremat._granularity import GRANULARITIES
 from jremat._policy import CallbackPolicy, Policy
-
-GRANULARITIES = ("none", "block", "sublayer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,9 +34,10 @@ import numbers
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jremat._policy import Policy
+if TYPE_CHECKING:  # imported where used, so that parsing a spec imports no JAX (the CLIs check flags first)
+    from jremat._policy import Policy
 
 ENTRY_POINT_GROUP = "jremat.policies"
 BUILTIN_MODULE = "jremat.policies"
@@ -378,6 +379,8 @@ def resolve(spec: str | Policy, **overrides: Any) -> Policy:
         names the bad part and lists the valid choices. Also for a layer-stack entry
         (``nested``), which is no policy of a single function.
     """
+    from jremat._policy import Policy
+
     if isinstance(spec, Policy):
         if overrides:
             raise ValueError(f"cannot apply keys {sorted(overrides)} to an already-built policy {spec!r}")
@@ -425,6 +428,8 @@ def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
     Raises:
       ValueError: as :func:`resolve` (except for layer-stack entries, which are accepted).
     """
+    from jremat._policy import Policy
+
     if isinstance(spec, Policy):
         return resolve(spec, **overrides).spec
     _, _, canonical = _build(spec, overrides)

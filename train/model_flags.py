@@ -12,10 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
-
-from jremat import format_bytes
-from jremat.attention import pallas_block_sizes
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import ATTENTIONS, check_attention_backend
 from jremat.train.cli import UsageError, option, require, require_choice, require_int
@@ -64,6 +60,8 @@ def check(config, seq_len: int | None) -> None:
     )
     if config.attention == "pallas":
         try:
+            from jremat.attention import pallas_block_sizes  # imports JAX: after the argument checks
+
             pallas_block_sizes(config.attention_block_size, limit if seq_len is None else seq_len)
         except ValueError as err:
             raise UsageError(
@@ -99,6 +97,8 @@ TRAINING_STATE_COPIES = 4
 def device_memory_bytes(device=None) -> int | None:
     """Memory of one device: the allocator's limit on an accelerator, the machine's physical
     memory on a CPU, ``None`` where neither is known."""
+    import jax  # here: the flags above are read and checked before JAX is imported
+
     device = jax.devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
@@ -118,6 +118,8 @@ def check_training_state_fits(model_cfg: ModelConfig, device=None) -> None:
     Raises:
       UsageError: naming the sizes and what makes the model smaller.
     """
+    from jremat import format_bytes
+
     have = device_memory_bytes(device)
     param_bytes = model_cfg.parameter_bytes()
     need = TRAINING_STATE_COPIES * param_bytes

@@ -17,10 +17,14 @@ saves and restores its own checkpoint shards. See docs/multiprocess.md.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM are handled from before JAX is imported
+if __name__ == "__main__":  # the CLI: Ctrl-C, SIGTERM and argument mistakes are handled before JAX is imported
     from jremat.train.interrupts import INTERRUPTS
 
     INTERRUPTS.install()
+    from jremat.train.cli import exit_on_argument_error
+    from jremat.train.config import TrainConfig
+
+    exit_on_argument_error(TrainConfig, "train.ptb")
 
 import dataclasses
 import json
@@ -384,7 +388,8 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
             "run; pass --resume to continue it or choose another --ckpt-dir"
         )
 
-    data_dir, source = data_lib.locate(cfg.data_dir)
+    data_dir, source = data_lib.locate(cfg.data_dir, progress=progress)
+    log(f"reading the corpus in {data_dir}...")
     corpus = data_lib.load_corpus(data_dir)
     if cfg.batch_size == AUTO_BATCH:
         cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress)
@@ -404,6 +409,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     opt_cfg = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, total_steps, cfg.clip, cfg.weight_decay, cfg.accum)
     tx = opt_cfg.build()
     put = (lambda a: a) if mesh is None else (lambda a: sharding_lib.shard_batch(mesh, a, cfg.batch_size))
+    log("initializing the parameters and optimizer state...")
     if mesh is None:
         graphdef, params = step_lib.init_params(model_cfg, cfg.seed)
         opt_state = tx.init(params)
@@ -466,12 +472,15 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
         log(plan_table)
+    if cfg.memory_report and primary:
+        log(f"compiling the memory report ({model_cfg.remat_policy} vs none; skip it with --no-memory-report)...")
     t_compile = time.perf_counter()
     try:  # a policy that does not fit this model (nested:block=3 on 2 layers, a name it does not tag)
         if cfg.memory_report and primary:
             log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
             if mesh is not None:
                 log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
+        log("compiling the train and eval steps...")
         train_step, eval_step = compiled_steps(
             model_cfg, opt_cfg, graphdef, params, opt_state, cfg.batch_size, cfg.seq_len, mesh
         )

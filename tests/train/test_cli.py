@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import time
 
 import pytest
 
+from jremat import registry
 from jremat.train import cli, ptb
 from jremat.train import memory as train_memory
+from jremat.train.bench.config import BenchConfig
+from jremat.train.config import TrainConfig
+from tests.conftest import REPO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +96,129 @@ def test_apply_policy_keys_applies_each_key_to_the_policies_that_take_it():
         cli.apply_policy_keys(["every_k"], [("k", "0")])
 
 
-@pytest.mark.parametrize(
+def _bench_policy(argv):
+    from jremat.train.bench.config import parse_config as bench_parse
+
+    return bench_parse(["--quick", *argv]).policy[-1]
+
+
+_EVERY_CLI = pytest.mark.parametrize(
     "parse_config",
     [
         lambda argv: ptb.parse_config(["--preset", "tiny", *argv]).policy_spec(),
         lambda argv: train_memory.parse_config(["--preset", "tiny", *argv]).policy[-1],
+        _bench_policy,
     ],
-    ids=["train.ptb", "train.memory"],
+    ids=["train.ptb", "train.memory", "train.bench"],
 )
+
+
+@_EVERY_CLI
 def test_k_flag_works_in_every_cli_with_policy(parse_config):
     assert parse_config(["--policy", "every_k", "--k", "4"]) == "every_k:k=4"
+
+
+@_EVERY_CLI
+def test_a_key_in_the_spec_and_as_a_flag_with_two_values_is_refused(parse_config):
+    with pytest.raises(cli.UsageError) as info:
+        parse_config(["--policy", "every_k:k=4", "--k", "2"])
+    assert str(info.value) == "--k 2 conflicts with k=4 in --policy every_k:k=4; give it once"
+
+
+@_EVERY_CLI
+@pytest.mark.parametrize("value", ["4", "04"])
+def test_a_key_in_the_spec_and_as_a_flag_with_one_value_is_accepted(parse_config, value):
+    assert parse_config(["--policy", "every_k:k=4", "--k", value]) == "every_k:k=4"
+
+
+def test_a_conflict_names_the_renamed_key_flag():
+    """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
+
+    @dataclasses.dataclass(frozen=True)
+    class TakesK:
+        k: int = cli.option(1, "a CLI flag called --k")
+        policy: str = cli.option("full", "spec")
+        policy_keys: tuple = cli.option((), "policy keys", cli=False)
+
+    with pytest.raises(cli.UsageError, match=r"^--policy-k 3 conflicts with k=4 in --policy every_k:k=4"):
+        cli.parse(TakesK, ["--policy", "every_k:k=4", "--policy-k", "3"], prog="demo", description="demo")
+    assert cli.parse(TakesK, ["--policy", "every_k", "--policy-k", "3"], prog="d", description="d").policy_keys == (
+        ("k", "3"),
+    )
+
+
+def test_the_builtin_policy_keys_are_the_registrys():
+    builtins = {
+        name: tuple(entry.params)
+        for name, entry in registry.entries().items()
+        if entry.factory.__module__.startswith("jremat.policies.")
+    }
+    assert cli.BUILTIN_POLICY_KEYS == builtins
+
+
+_CONFIGS = {"train.ptb": TrainConfig, "train.memory": train_memory.MemoryConfig, "train.bench": BenchConfig}
+
+
+@pytest.mark.parametrize("module", sorted(_CONFIGS))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--bogus"],
+        ["--policy", "nosuch"],
+        ["--policy", "every_k:j=2"],
+        ["--policy", "full:k=2"],
+        ["--policy", "every_k:k"],
+        ["--policy", "every_k:k=2,k=3"],
+        ["--preset", "nope"],
+        ["--seed", "x"],
+    ],
+    ids=str,
+)
+def test_mistakes_found_before_imports_read_as_parse_reports_them(module, argv):
+    if module == "train.bench" and argv[0] == "--preset":
+        argv = ["--time-preset", "nope"]
+    with pytest.raises(cli.UsageError) as early:
+        cli.check_before_imports(_CONFIGS[module], argv, prog=module)
+    with pytest.raises(cli.UsageError) as late:
+        cli.parse(_CONFIGS[module], argv, prog=module, description="")
+    assert str(early.value) == str(late.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--preset", "tiny", "--policy", "every_k:k=4", "--k", "4"],
+        ["--steps", "0"],  # a value only TrainConfig judges
+        ["--policy", "every_k:k=4", "--k", "2"],  # a key twice: parse compares the values
+        ["--policy-module", "no.such.module", "--policy", "mine"],  # more than the built-ins: parse checks
+        ["--policy", "nosuch", "--help"],
+    ],
+    ids=str,
+)
+def test_what_is_left_to_parse_passes_before_imports(argv):
+    cli.check_before_imports(TrainConfig, argv, prog="train.ptb")
+
+
+@pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        ("train.ptb", ["--bogus"], "error: unrecognized arguments: --bogus (see python -m train.ptb --help)"),
+        ("train.ptb", ["--policy", "nosuch"], "error: bad policy 'nosuch': unknown policy 'nosuch'; valid policies: "),
+        ("train.memory", ["--policy", "every_k:j=2"], "error: bad policy 'every_k:j=2': unknown key 'j'"),
+        ("train.bench", ["--parts"], "error: argument --parts: expected one argument"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v[:20],
+)
+def test_an_argument_error_exits_2_in_one_line_before_jax_is_imported(module, argv, message):
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", module, *argv], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    elapsed_s = time.perf_counter() - started
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(said) == 1 and said[0].startswith(message), said
+    assert "jremat.train.cli" in imported  # the import log is read right
+    assert not {"jax", "flax", "optax", "orbax", "tqdm"} & set(imported)
+    assert elapsed_s < 5  # well under a second on an idle machine; JAX and Flax alone take one or more

@@ -175,3 +175,38 @@ def test_corrupt_file_in_cache_is_removed_when_it_cannot_be_replaced(tmp_path, p
     with pytest.raises(data.DataError, match="ptb.valid.txt"):
         data.fetch_into_cache(cache, base_url="http://127.0.0.1:9/")
     assert cache_listing(cache) == ["ptb.test.txt", "ptb.train.txt"]
+
+
+def _refused(url, output_file, pooch_obj):
+    raise requests.exceptions.ConnectionError("name resolution failed")
+
+
+def test_a_failed_download_creates_no_folder_and_prints_nothing(tmp_path, capfd):
+    cache = tmp_path / "user-cache" / "jremat" / "ptb"  # none of the three folders exists
+    with pytest.raises(data.DataError) as err:
+        data.fetch_into_cache(cache, downloader=_refused)
+    assert not (tmp_path / "user-cache").exists()
+    assert capfd.readouterr() == ("", "")  # no "Downloading ..." before a download could happen
+    message = str(err.value)
+    assert "(no network: the server could not be reached)" in message
+    assert "--data-dir DIR" in message and f"{data.ENV_VAR}=DIR" in message
+
+
+def test_a_failed_download_keeps_a_folder_that_existed_or_holds_files(tmp_path, ptb_offline_dir, local_md5):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(data.DataError):
+        data.fetch_into_cache(existing, downloader=_refused)
+    assert existing.is_dir() and cache_listing(existing) == []
+
+    cache = tmp_path / "new"
+    only_train = copying_downloader(ptb_offline_dir, [])
+
+    def train_then_offline(url, output_file, pooch_obj):
+        if not url.endswith("ptb.train.txt"):
+            _refused(url, output_file, pooch_obj)
+        only_train(url, output_file, pooch_obj)
+
+    with pytest.raises(data.DataError, match="ptb.valid.txt is not in the cache"):
+        data.fetch_into_cache(cache, downloader=train_then_offline)
+    assert cache_listing(cache) == ["ptb.train.txt"]  # the verified file stays; no partial file beside it

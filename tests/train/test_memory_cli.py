@@ -52,9 +52,12 @@ def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced
 def test_nested_policies_get_rows(capsys, traced_reports):  # the layer stack applies them
     argv = TINY + ["--policy", "none", "--policy", "nested:block=2", "--policy", "nested:block=auto", "--json"]
     assert tm.main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
     assert [r["policy"] for r in rows] == ["none", "nested:block=2", "nested:block=auto"]
     assert rows[1]["recompute_flops_fraction"] > 0
+    # the compiles are announced on stderr, the JSON on stdout stays whole
+    assert captured.err == "compiling the gradient step under 3 policies (none, nested:block=2, nested:block=auto)...\n"
 
 
 def test_sublayer_granularity_takes_names_of_either_sublayer(capsys, traced_reports):

@@ -487,3 +487,39 @@ def test_no_leftovers(tmp_path, base_args, capsys, monkeypatch):
     assert ptb.main(base_args + ["--metrics-file", str(tmp_path / "metrics")]) == ptb.EXIT_USAGE
     assert "is a directory" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["metrics"]
+
+
+class _StopBeforeCompiling(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_each_slow_phase_is_announced_before_it_starts(monkeypatch, ptb_offline_dir, report):
+    """Reading the corpus, the initialization, the memory report's compiles and the steps' compile each get a
+    line first."""
+    lines = []
+
+    def memory_report(*args):
+        return "<the report>"
+
+    def compiled_steps(*args):
+        lines.append("<compiling the steps>")
+        raise _StopBeforeCompiling
+
+    monkeypatch.setattr(ptb, "memory_report", memory_report)
+    monkeypatch.setattr(ptb, "compiled_steps", compiled_steps)
+    flags = ["--preset", "tiny", "--data-dir", ptb_offline_dir, "--policy", "every_k:k=4"]
+    cfg = ptb.parse_config(flags + ([] if report else ["--no-memory-report"]))
+    with pytest.raises(_StopBeforeCompiling):
+        ptb.train(cfg, log=lines.append, progress=False)
+    assert lines[:2] == [
+        f"reading the corpus in {ptb_offline_dir}...",
+        "initializing the parameters and optimizer state...",
+    ]
+    announced = [line for line in lines if line.startswith("compiling") or line.startswith("<")]
+    assert announced == [
+        *(["compiling the memory report (every_k:k=4 vs none; skip it with --no-memory-report)..."] if report else []),
+        *(["<the report>"] if report else []),
+        "compiling the train and eval steps...",
+        "<compiling the steps>",
+    ]
