@@ -11,6 +11,7 @@ import ast
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -176,3 +177,18 @@ def test_without_the_train_extra_every_cli_prints_one_line_naming_it_and_models_
     assert models.returncode == 1 and models.stderr.splitlines()[-1] == (
         'ImportError: jremat.models needs the [train] extra (not installed: flax); install it with pip install "jremat[train]"'
     ), models.stderr[-2000:]
+
+
+def test_readme_reads_right_on_a_package_index():
+    """README.md is the wheel's long description: installed commands first, only absolute links,
+    and still the checkout's test command that .ci/run runs."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    first_commands = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "pip install jremat " in first_commands and 'pip install "jremat[train]"' in first_commands
+    assert "jremat-ptb --policy" in first_commands and "-e ." not in first_commands
+    targets = re.findall(r"\]\(([^)]+)\)", readme)
+    assert targets and [t for t in targets if not t.startswith("https://")] == []
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read().split("# README test command (keep identical):\n", 1)[1].splitlines()[0]
+    assert ci in readme, ci
