@@ -2,7 +2,9 @@
 
 ``python smoke.py core``: the core install (JAX and NumPy only): every built-in policy on a small
 model with tagged tensors, gradients equal to ``jax.grad`` without remat, ``memory_report`` and
-``explain``; no training dependency installed or imported, no decoy imported.
+``explain``; no training dependency installed or imported, no decoy imported; every console script
+and ``python -m jremat.train.X`` (even with ``--help``) prints one ``error:`` line naming the
+``[train]`` extra and exits 2, and ``import jremat.models`` raises an ImportError naming it.
 ``python smoke.py train``: with the ``[train]`` extra: the reference model and the CLIs import by
 their ``jremat.`` names.
 """
@@ -11,10 +13,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import subprocess
 import sys
 
 TRAIN_EXTRA = ("flax", "optax", "orbax", "matplotlib", "pooch", "tqdm")
 DECOYS = ("policies", "models", "train")
+CLIS = ("ptb", "memory", "bench", "launch")
+INSTALL_TRAIN = 'pip install "jremat[train]"'
 
 
 def model(params, x):
@@ -63,6 +69,31 @@ def check_core() -> None:
     for name in TRAIN_EXTRA:
         assert importlib.util.find_spec(name) is None, f"{name} is installed: the core install must not need it"
     print(f"core: {len(checked)} policies exact ({', '.join(checked)}); temp {report.temp_bytes} B")
+    check_core_tools()
+
+
+def check_core_tools() -> None:
+    """Without the [train] extra, each tool says in one line what to install; jremat.models raises saying it."""
+    bin_dir = os.path.dirname(sys.executable)
+    commands = [[os.path.join(bin_dir, f"jremat-{cli}"), "--help"] for cli in CLIS]
+    commands += [[sys.executable, "-m", f"jremat.train.{cli}", "--help"] for cli in CLIS]
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        lines = done.stderr.splitlines()
+        ok = done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and INSTALL_TRAIN in lines[0]
+        assert ok and not done.stdout, (
+            f"{command}: exit {done.returncode}, stdout {done.stdout!r}, stderr:\n{done.stderr}"
+        )
+    try:
+        import jremat.models  # noqa: F401
+    except ImportError as err:
+        assert INSTALL_TRAIN in str(err), err
+    else:
+        raise AssertionError("import jremat.models succeeded without the [train] extra")
+    print(
+        f"core: {len(commands)} tools each print one error line naming {INSTALL_TRAIN} and exit 2; "
+        "import jremat.models raises ImportError naming it"
+    )
 
 
 def check_train() -> None:

@@ -1,10 +1,12 @@
-"""Check a built wheel and sdist: the wheel installs one top-level name, ``jremat``.
+"""Check a built wheel and sdist: the wheel installs one top-level name, ``jremat``, and carries its
+license file and the metadata a package index shows (license, project URLs).
 
 Usage: ``python .ci/wheel_check.py WHEEL SDIST``. Exits 1 naming every offending entry.
 """
 
 from __future__ import annotations
 
+import email.parser
 import re
 import sys
 import tarfile
@@ -14,7 +16,26 @@ ALLOWED_TOP = re.compile(r"^(jremat|jremat-[^/]+\.dist-info)$")
 #: Packages of the library that must be in the wheel, under jremat/.
 REQUIRED = ("jremat/__init__.py", "jremat/policies/__init__.py", "jremat/models/gpt.py", "jremat/train/ptb.py")
 #: The checkout folders the sdist must carry to rebuild the wheel.
-SDIST_REQUIRED = ("pyproject.toml", "README.md", "jremat/", "policies/", "models/", "train/")
+SDIST_REQUIRED = ("pyproject.toml", "README.md", "LICENSE", "jremat/", "policies/", "models/", "train/")
+#: METADATA fields (name, value) the wheel must have: its license and where the project lives.
+METADATA_REQUIRED = (
+    ("License-Expression", "Apache-2.0"),
+    ("License-File", "LICENSE"),
+    ("Project-URL", "Homepage, https://github.com/jremat/jremat"),
+    ("Project-URL", "Repository, https://github.com/jremat/jremat"),
+    ("Project-URL", "Documentation, https://github.com/jremat/jremat/tree/main/docs"),
+    ("Project-URL", "Issues, https://github.com/jremat/jremat/issues"),
+)
+
+
+def metadata_problems(metadata: str) -> list[str]:
+    """The fields of :data:`METADATA_REQUIRED` missing from a wheel's METADATA text (its header, before the description)."""
+    header = email.parser.HeaderParser().parsestr(metadata)
+    return [
+        f"wheel: METADATA has no {field}: {value}"
+        for field, value in METADATA_REQUIRED
+        if value not in (header.get_all(field) or [])
+    ]
 
 
 def main(wheel: str, sdist: str) -> int:
@@ -32,6 +53,10 @@ def main(wheel: str, sdist: str) -> int:
             listed = zf.read(meta).decode().split()
             if listed != ["jremat"]:
                 problems.append(f"wheel: {meta} lists {listed}, expected ['jremat']")
+        if not any(re.fullmatch(r"jremat-[^/]+\.dist-info/licenses/LICENSE", n) for n in names):
+            problems.append("wheel: no LICENSE under its .dist-info/licenses/")
+        metadata = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/METADATA")), "")
+        problems += metadata_problems(metadata)
         entry_points = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
         for line in entry_points.splitlines():
             target = line.partition("=")[2].strip()

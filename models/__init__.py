@@ -1,8 +1,13 @@
-"""Reference Flax NNX transformer language model for jremat.
+"""Reference Flax NNX transformer language model for jremat (needs the ``[train]`` extra).
 
 ``GPT`` and ``cross_entropy_loss`` (and with them Flax) load on first use (PEP 562), so the CLIs
 read the presets and check their flags before JAX and Flax are imported.
 """
+
+from jremat._extras import missing_modules, train_extra_message
+
+if _missing := missing_modules(("flax", "optax")):
+    raise ImportError(train_extra_message("jremat.models", _missing))
 
 from jremat.models.config import PRESETS, ModelConfig, preset
 

@@ -1,22 +1,21 @@
-"""Every Python block in README.md and docs/*.md runs, so an example that rots fails the suite.
+"""Every Python block in README.md and docs/*.md runs as a reader would paste it.
 
-The blocks of one page run in order in one namespace, as a reader would paste them. Markers in
-an HTML comment (invisible on the rendered page):
-
-* ``<!-- docs-test: skip: REASON -->`` on the line before a block: the block is reported as
-  skipped with REASON (say what it needs that the suite's CPU lacks), never left out silently;
-* ``<!-- docs-test: setup`` ... ``-->``: Python run before the page's first block (tiny shapes
-  for the names a page's API tour uses, such as ``params`` or ``loss``);
-* ``<!-- docs-test: devices=N -->`` anywhere on a page: its blocks run in a subprocess with N
-  CPU devices.
+Each page runs as one fresh ``python`` process, in an empty folder (the installed ``jremat`` is
+importable, the checkout's folders are not): its blocks in order, one script, nothing else. So
+whatever a block uses is defined on the page, in a block a reader sees; there is no hidden setup.
+The one marker, an HTML comment on the line before a block, is
+``<!-- docs-test: skip: REASON -->``: the block is left out of the page's script and reported as
+skipped by name with REASON (say what it needs that the suite's CPU lacks).
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 import re
 import subprocess
+import symtable
 import sys
 from dataclasses import dataclass
 
@@ -29,8 +28,11 @@ PAGES = ["README.md"] + sorted(
 )
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 _SKIP = re.compile(r"<!-- docs-test: skip: (.+?) -->\s*$")
-_SETUP = re.compile(r"<!-- docs-test: setup\n(.*?)-->", re.S)
-_DEVICES = re.compile(r"<!-- docs-test: devices=(\d+) -->")
+_COMMENT = re.compile(r"<!--(.*?)-->", re.S)
+#: What the page's script writes to stderr before each block, so a failure names its block.
+_RUNNING = "docs-test: running "
+#: Names every module has without defining them.
+_MODULE_NAMES = frozenset(dir(builtins)) | {"__name__", "__file__", "__doc__", "__builtins__"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,7 @@ def _page_text(page: str) -> str:
         return f.read()
 
 
-def page_blocks(page: str) -> list[Block]:
-    """The page's Python blocks in order, each with the skip reason written before it."""
-    text = _page_text(page)
+def _blocks(page: str, text: str) -> list[Block]:
     blocks = []
     for match in _FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
@@ -63,30 +63,69 @@ def page_blocks(page: str) -> list[Block]:
     return blocks
 
 
-def _setup(page: str) -> str:
-    return "\n".join(m.group(1) for m in _SETUP.finditer(_page_text(page)))
+def page_blocks(page: str) -> list[Block]:
+    """The page's Python blocks in order, each with the skip reason written before it."""
+    return _blocks(page, _page_text(page))
+
+
+def page_script(blocks: list[Block]) -> str:
+    """The page's runnable blocks as one script, in order, as pasted.
+
+    Before each block, a line that binds no name writes the block's id to stderr.
+    """
+    parts = []
+    for block in blocks:
+        if block.skip_reason is None:
+            parts.append(f"__import__('sys').stderr.write({_RUNNING + block.id + chr(10)!r})\n{block.code}")
+    return "\n".join(parts)
+
+
+def run_page(blocks: list[Block], folder: str) -> subprocess.CompletedProcess:
+    """Run ``page_script(blocks)`` as ``python SCRIPT`` in ``folder``, with no PYTHONPATH."""
+    script = os.path.join(folder, "page.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(page_script(blocks))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, script], cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def failure_message(page: str, done: subprocess.CompletedProcess) -> str:
+    """Which block of ``page`` failed (the last one started), and the end of its traceback."""
+    started = [line[len(_RUNNING) :] for line in done.stderr.splitlines() if line.startswith(_RUNNING)]
+    where = f"the block at {started[-1]}" if started else "before its first block"
+    return (
+        f"{page}: {where} failed (exit {done.returncode}); the page's blocks run in order, as pasted, "
+        f"in one fresh python:\n{done.stderr[-3000:]}"
+    )
+
+
+def names_used_not_defined(blocks: list[Block]) -> dict[str, list[str]]:
+    """For each block, the global names it uses that neither it nor an earlier block of the page defines.
+
+    Names used inside functions and classes count too (a test function's body, a decorator).
+    """
+    defined: set[str] = set()
+    missing = {}
+    for block in blocks:
+        table = symtable.symtable(block.code, block.id, "exec")
+        used, stack = set(), [(table, True)]
+        while stack:
+            scope, top = stack.pop()
+            for symbol in scope.get_symbols():
+                if symbol.is_referenced() and (top or symbol.is_global()):
+                    used.add(symbol.get_name())
+            stack += [(child, False) for child in scope.get_children()]
+        defined |= {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+        if unknown := sorted(used - defined - _MODULE_NAMES):
+            missing[block.id] = unknown
+    return missing
 
 
 ALL_BLOCKS = [block for page in PAGES for block in page_blocks(page)]
-
-
-def _devices(page: str) -> int | None:
-    found = _DEVICES.search(_page_text(page))
-    return int(found.group(1)) if found else None
-
-
-@functools.cache
-def _namespace(page: str, upto: int) -> dict:
-    """The namespace after the page's setup and its runnable blocks up to index ``upto`` (cached per process)."""
-    if upto < 0:
-        namespace: dict = {"__name__": f"docs_{os.path.basename(page)}"}
-        exec(compile(_setup(page), f"{page}:setup", "exec"), namespace)
-        return namespace
-    namespace = dict(_namespace(page, upto - 1))
-    block = page_blocks(page)[upto]
-    if block.skip_reason is None:
-        exec(compile(block.code, block.id, "exec"), namespace)
-    return namespace
+RUN_PAGES = [page for page in PAGES if any(b.skip_reason is None for b in page_blocks(page))]
+SKIPPED = [b for b in ALL_BLOCKS if b.skip_reason is not None]
 
 
 def test_every_page_is_read():
@@ -97,35 +136,64 @@ def test_every_page_is_read():
 def test_markers_are_read():
     assert _SKIP.search("<!-- docs-test: skip: needs a GPU -->").group(1) == "needs a GPU"
     assert _FENCE.findall("```bash\nls\n```\n```python\nx = 1\n```\n") == ["x = 1\n"]
-    assert _SETUP.search("<!-- docs-test: setup\nx = 1\n-->").group(1) == "x = 1\n"
+    text = "<!-- docs-test: skip: needs a GPU -->\n```python\nx = 1\n```\n```python\ny = 2\n```\n"
+    assert [b.skip_reason for b in _blocks("p.md", text)] == ["needs a GPU", None]
+    assert "x = 1" not in page_script(_blocks("p.md", text))
 
 
-IN_PROCESS = [b for b in ALL_BLOCKS if _devices(b.page) is None or b.skip_reason]
+def test_no_page_hides_code_or_setup_in_a_comment():
+    """An HTML comment holds at most a skip marker: no setup, no code a reader cannot see."""
+    hidden = []
+    for page in PAGES:
+        text = _page_text(page)
+        for match in _COMMENT.finditer(text):
+            comment = match.group(0)
+            line = text.count("\n", 0, match.start()) + 1
+            if ("docs-test" in comment and not _SKIP.fullmatch(comment)) or "```" in comment:
+                hidden.append(f"{page}:{line}: {comment[:60]!r}")
+    assert not hidden, f"setup or code hidden in a comment (put it in a visible block): {hidden}"
 
 
-@pytest.mark.parametrize("block", IN_PROCESS, ids=[b.id for b in IN_PROCESS])
-def test_doc_block_runs(block):
-    if block.skip_reason is not None:
-        pytest.skip(f"{block.id}: {block.skip_reason}")
-    _namespace(block.page, page_blocks(block.page).index(block))
+def test_no_block_uses_a_name_its_page_does_not_define():
+    missing = {}
+    for page in PAGES:
+        missing |= names_used_not_defined(page_blocks(page))
+    assert not missing, f"names used but defined nowhere above on the page: {missing}"
 
 
-DEVICE_PAGES = [page for page in PAGES if _devices(page) and any(b.skip_reason is None for b in page_blocks(page))]
-
-
-@pytest.mark.parametrize("page", DEVICE_PAGES)
-def test_doc_page_runs_on_several_devices(page):
-    """A page that needs several devices: its setup and runnable blocks in one subprocess."""
-    runnable = [b for b in page_blocks(page) if b.skip_reason is None]
-    code = "\n".join([_setup(page), *(b.code for b in runnable)])
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_devices(page)}"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=dict(os.environ, XLA_FLAGS=flags.strip()),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+def test_the_name_check_sees_names_used_in_functions_and_decorators():
+    blocks = _blocks(
+        "p.md", "```python\nimport jax\n```\n```python\n@pytest.fixture\ndef f():\n    return jax, loss\n```\n"
     )
-    assert done.returncode == 0, f"{page} (blocks at lines {[b.line for b in runnable]}):\n{done.stderr[-3000:]}"
+    assert names_used_not_defined(blocks) == {"p.md:4": ["loss", "pytest"]}
+
+
+def test_a_failing_block_is_named(tmp_path):
+    blocks = _blocks("p.md", "```python\nx = 1\n```\n\n```python\nprint(x)\nprint(y)\n```\n")
+    done = run_page(blocks, str(tmp_path))
+    assert done.returncode == 1 and done.stdout == "1\n"
+    message = failure_message("p.md", done)
+    assert message.startswith("p.md: the block at p.md:5 failed (exit 1)") and "NameError" in message
+
+
+def test_pages_run_from_an_empty_folder_without_the_checkout(tmp_path):
+    """The page's process imports the installed package; the checkout's folders are not on its path."""
+    blocks = _blocks(
+        "p.md",
+        "```python\nimport importlib.util, os, jremat\nprint(os.listdir('.'))\n"
+        "print(importlib.util.find_spec('tests'), importlib.util.find_spec('train'))\n```\n",
+    )
+    done = run_page(blocks, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["['page.py']", "None None"]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_doc_page_runs_as_pasted(page, tmp_path):
+    done = run_page(page_blocks(page), str(tmp_path))
+    assert done.returncode == 0, failure_message(page, done)
+
+
+@pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
+def test_doc_block_skipped(block):
+    pytest.skip(f"{block.id}: {block.skip_reason}")

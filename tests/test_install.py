@@ -11,6 +11,7 @@ import ast
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,3 +122,73 @@ print(json.dumps([twice, ours, sys.modules["train"] is sys.modules["jremat.train
     twice, aliases, same = json.loads(_run(code, REPO))
     assert twice == [] and same
     assert aliases == ["train", "train.bench"]  # the two checkout names runpy needs, both the installed packages
+
+
+#: A ``sitecustomize`` that hides Flax from the path finder, as on a core install (no ``[train]``
+#: extra): ``find_spec("flax")`` is None and ``import flax`` raises ``No module named 'flax'``.
+_HIDE_FLAX = """
+import importlib.machinery, sys
+
+class _HidingPathFinder(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname.partition(".")[0] == "flax":
+            return None
+        return super().find_spec(fullname, path, target)
+
+sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = _HidingPathFinder
+"""
+CONSOLE_SCRIPTS = ("jremat-ptb", "jremat-memory", "jremat-bench", "jremat-launch")
+
+
+def test_the_extras_module_list_is_the_train_extra():
+    tomllib = pytest.importorskip("tomllib")
+    from jremat._extras import TRAIN_EXTRA_MODULES
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["train"]
+    distributions = {dep.split(">")[0].split("=")[0] for dep in extra}
+    assert {m.replace(".", "-") for m in TRAIN_EXTRA_MODULES} == distributions
+
+
+def test_without_the_train_extra_every_cli_prints_one_line_naming_it_and_models_raises(tmp_path):
+    hider = tmp_path / "hide"
+    hider.mkdir()
+    (hider / "sitecustomize.py").write_text(_HIDE_FLAX)
+    env = dict(os.environ, PYTHONPATH=str(hider))
+
+    def run(*argv):
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+    probe = run(sys.executable, "-c", "import importlib.util as u; print(u.find_spec('flax')); import flax")
+    assert probe.stdout.strip() == "None" and "No module named 'flax'" in probe.stderr  # the simulation holds
+    bin_dir = os.path.dirname(sys.executable)
+    commands = [(os.path.join(bin_dir, script), "--help") for script in CONSOLE_SCRIPTS]
+    commands += [
+        (sys.executable, "-m", f"jremat.train.{cli}", "--help") for cli in ("ptb", "memory", "bench", "launch")
+    ]
+    for command in commands:
+        done = run(*command)
+        lines = done.stderr.splitlines()
+        assert (done.returncode, len(lines), done.stdout) == (2, 1, ""), (command, done.stderr[-2000:])
+        assert lines[0].startswith("error: ") and "not installed: flax)" in lines[0], lines
+        assert lines[0].endswith('pip install "jremat[train]"'), lines
+    models = run(sys.executable, "-c", "import jremat.models")
+    assert models.returncode == 1 and models.stderr.splitlines()[-1] == (
+        'ImportError: jremat.models needs the [train] extra (not installed: flax); install it with pip install "jremat[train]"'
+    ), models.stderr[-2000:]
+
+
+def test_readme_reads_right_on_a_package_index():
+    """README.md is the wheel's long description: installed commands first, only absolute links,
+    and still the checkout's test command that .ci/run runs."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    first_commands = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "pip install jremat " in first_commands and 'pip install "jremat[train]"' in first_commands
+    assert "jremat-ptb --policy" in first_commands and "-e ." not in first_commands
+    targets = re.findall(r"\]\(([^)]+)\)", readme)
+    assert targets and [t for t in targets if not t.startswith("https://")] == []
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read().split("# README test command (keep identical):\n", 1)[1].splitlines()[0]
+    assert ci in readme, ci

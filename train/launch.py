@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
+from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, exit_without_train_extra, program_name
 
 EXIT_TIMEOUT = 124
 
@@ -300,4 +300,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_without_train_extra("train.launch")  # the processes it starts run the [train] CLIs
     sys.exit(main())

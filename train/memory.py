@@ -14,6 +14,9 @@ configuration, the table, JSON and plot output, and ``--live`` (one fresh proces
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM end it at once, from before JAX is imported
+    from jremat.train.usage import exit_without_train_extra
+
+    exit_without_train_extra("train.memory")  # one error line on a core install, before any import fails
     from jremat.train.interrupts import INTERRUPTS
 
     INTERRUPTS.install()

@@ -18,6 +18,9 @@ saves and restores its own checkpoint shards. See docs/multiprocess.md.
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI: Ctrl-C, SIGTERM and argument mistakes are handled before JAX is imported
+    from jremat.train.usage import exit_without_train_extra
+
+    exit_without_train_extra("train.ptb")  # one error line on a core install, before any import fails
     from jremat.train.interrupts import INTERRUPTS
 
     INTERRUPTS.install()

@@ -24,9 +24,25 @@ def program_name(module: str) -> str:
     if script.startswith("jremat-"):
         return script
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name == f"jremat.{module}":
+    if spec is not None and spec.name in (f"jremat.{module}", f"jremat.{module}.__main__"):
         return f"python -m jremat.{module}"
     return f"python -m {module}"
+
+
+def exit_without_train_extra(module: str) -> None:
+    """Exit with one ``error:`` line and :data:`EXIT_USAGE` when the ``[train]`` extra is not installed.
+
+    Run first by every CLI entry point (before JAX, Flax or the CLI's own imports), so that a core
+    install's console scripts say what to install instead of failing on their first import.
+
+    Args:
+      module: the CLI, as :func:`program_name` takes it (e.g. ``"train.ptb"``).
+    """
+    from jremat._extras import missing_modules, train_extra_message
+
+    if missing := missing_modules():
+        print(f"error: {train_extra_message(program_name(module), missing)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
 
 
 class UsageError(ValueError):

@@ -2,7 +2,11 @@
 
 import sys
 
-from jremat.train.interrupts import INTERRUPTS
+from jremat.train.usage import exit_without_train_extra
+
+exit_without_train_extra("train.bench")  # one error line on a core install, before any import fails
+
+from jremat.train.interrupts import INTERRUPTS  # noqa: E402
 
 INTERRUPTS.install()  # Ctrl-C and SIGTERM end the bench at once, from before JAX is imported
 
