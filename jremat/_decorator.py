@@ -1,4 +1,4 @@
-"""``@jremat.policy``: rematerialize a function, a Flax NNX module or a Flax Linen module.
+"""``@jremat.policy``: rematerialize a function, a Flax NNX or Linen module, or an Equinox module.
 
 ::
 
@@ -17,6 +17,10 @@ prefix of the arguments; ``static_argnums``, ``static_argnames``), every other a
 (Python scalars included), the same errors, and one trace per argument structure and avals. On
 Flax modules it lifts like ``nnx.remat`` / ``nn.remat``: there, arguments that are not arrays
 (``deterministic=True``) are static.
+
+:func:`filter_checkpoint` is the form for Equinox modules and other pytrees of modules, as
+``eqx.filter_checkpoint``: every non-array leaf (a dropout rate, ``inference=True``) is static.
+``@jremat.policy`` on an ``eqx.Module`` class takes that form for its methods.
 
 :func:`custom_policy` registers a user's JAX policy callback (or whole-program plan) under a
 name, after which every spec string, decorator and ``--policy`` flag accepts it.
@@ -112,6 +116,8 @@ def policy(
     3. a Flax Linen module class or method (``nn.compact`` or ``setup``-style): variables and
        RNG streams are lifted like ``nn.remat`` does, so ``self.make_rng('dropout')`` draws the
        same bits when recomputed.
+    4. an Equinox module class (``eqx.Module``): its ``methods`` run rematerialized as under
+       :func:`filter_checkpoint`, every non-array leaf of the module and the arguments static.
 
     With ``prevent_cse=True`` (the default) the checkpoint is tied to its cotangent
     (:mod:`jremat._tie`), so it saves memory in unrolled code too.
