@@ -26,7 +26,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Compiling: jit with the XLA options under which remat's savings survive.
     "jremat._compile": ("compiler_options", "jit"),
     # Decorators: a policy applied to a function or module, and custom policies.
-    "jremat._decorator": ("checkpoint", "custom_policy", "policy"),
+    "jremat._decorator": ("checkpoint", "custom_policy", "filter_checkpoint", "policy"),
     # What a policy did to a function: each decision, the names it matched, whether memory fell.
     "jremat._explain": ("Explanation", "explain", "explain_applied"),
     # Throughput at a memory budget: the (policy, batch) that trains fastest, measured.

@@ -1,4 +1,4 @@
-"""``@jremat.policy``: rematerialize a function, a Flax NNX module or a Flax Linen module.
+"""``@jremat.policy``: rematerialize a function, a Flax NNX or Linen module, or an Equinox module.
 
 ::
 
@@ -17,6 +17,10 @@ prefix of the arguments; ``static_argnums``, ``static_argnames``), every other a
 (Python scalars included), the same errors, and one trace per argument structure and avals. On
 Flax modules it lifts like ``nnx.remat`` / ``nn.remat``: there, arguments that are not arrays
 (``deterministic=True``) are static.
+
+:func:`filter_checkpoint` is the form for Equinox modules and other pytrees of modules, as
+``eqx.filter_checkpoint``: every non-array leaf (a dropout rate, ``inference=True``) is static.
+``@jremat.policy`` on an ``eqx.Module`` class takes that form for its methods.
 
 :func:`custom_policy` registers a user's JAX policy callback (or whole-program plan) under a
 name, after which every spec string, decorator and ``--policy`` flag accepts it.
@@ -112,6 +116,8 @@ def policy(
     3. a Flax Linen module class or method (``nn.compact`` or ``setup``-style): variables and
        RNG streams are lifted like ``nn.remat`` does, so ``self.make_rng('dropout')`` draws the
        same bits when recomputed.
+    4. an Equinox module class (``eqx.Module``): its ``methods`` run rematerialized as under
+       :func:`filter_checkpoint`, every non-array leaf of the module and the arguments static.
 
     With ``prevent_cse=True`` (the default) the checkpoint is tied to its cotangent
     (:mod:`jremat._tie`), so it saves memory in unrolled code too.
@@ -159,21 +165,21 @@ def policy(
             return classmethod(_function(target.__func__, chosen, dataclasses.replace(options, static_argnums=shifted)))
         linen = sys.modules.get("flax.linen")
         if isinstance(target, type) and issubclass(target, _flax_module_types()):
-            missing = [m for m in methods if not callable(getattr(target, m, None))]
-            if missing:
-                found = sorted(n for n in dir(target) if not n.startswith("_") and callable(getattr(target, n, None)))
-                raise ValueError(
-                    f"@jremat.policy: {target.__name__} has no method {', '.join(map(repr, missing))}; "
-                    f"its methods: __call__, {', '.join(found)}"
-                )
+            _check_methods(target, methods)
             if linen is not None and issubclass(target, linen.Module):
                 return _linen(target, chosen, options.any_cse, methods)
             attrs = {m: _function(getattr(target, m), chosen, options) for m in methods}
             attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
             return type(target.__name__, (target,), attrs)
+        if isinstance(target, type) and issubclass(target, _equinox_module_type()):
+            _check_methods(target, methods)
+            filtered = dataclasses.replace(options, filtered=True)
+            attrs = {m: _function(getattr(target, m), chosen, filtered) for m in methods}
+            attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
+            return type(target)(target.__name__, (target,), attrs)
         if callable(target):
             return _function(target, chosen, options)
-        raise ValueError(f"@jremat.policy needs a function or a Flax module class, got {target!r}")
+        raise ValueError(f"@jremat.policy needs a function or a Flax or Equinox module class, got {target!r}")
 
     return decorate
 
@@ -214,6 +220,90 @@ def checkpoint(
     return _policy_decorator(
         policy, prevent_cse=prevent_cse, static_argnums=static_argnums, static_argnames=static_argnames, **keys
     )(fn)
+
+
+def filter_checkpoint(
+    fn: Callable, policy: str | Policy | Callable | None = None, *, prevent_cse: bool = True, **keys
+) -> Callable:
+    """Rematerialize ``fn`` under a policy with every non-array leaf static, as ``eqx.filter_checkpoint`` does.
+
+    The form for Equinox models and other pytrees of modules: array leaves of ``fn`` and of the
+    arguments (``jax.Array``, NumPy arrays and scalars) are the checkpoint's inputs; every other
+    leaf (Python ``float`` / ``bool`` / ``int`` fields such as a dropout rate, ``inference=True``,
+    functions, strings) is a constant of the trace, so Python code may branch on it. A new static
+    value (compared by type and value, or by identity where unhashable) traces again.
+
+    ``fn`` may itself be a pytree holding arrays (an Equinox module, a bound method of one): its
+    arrays are inputs too, and the returned wrapper is a pytree whose one child is ``fn``, so it
+    can be a field of a module and ``eqx.partition`` / ``eqx.filter_grad`` see those arrays.
+    :func:`checkpoint` is the form with ``jax.checkpoint``'s semantics (Python scalars traced).
+
+    Args:
+      fn: a function or callable pytree (``type(block).__call__``, ``block``).
+      policy: a spec string, a :class:`Policy`, a JAX policy callable, or ``None`` (``full``).
+      prevent_cse: as in ``jax.checkpoint`` (a bool): ``False`` only inside a ``lax.scan`` of more
+        than one step.
+      **keys: policy keys given separately, e.g. ``k=4``.
+
+    Returns:
+      The rematerialized callable (a pytree over ``fn``), called as ``fn`` is.
+
+    Raises:
+      ValueError: as :func:`policy`, or on a ``fn`` that is not callable.
+      TypeError: on a ``prevent_cse`` that is not a bool.
+    """
+    if not callable(fn):
+        raise ValueError(f"jremat.filter_checkpoint needs a callable (a function or module), got {fn!r}")
+    if not isinstance(prevent_cse, bool):
+        raise TypeError(f"jremat.filter_checkpoint takes prevent_cse as a bool, got {prevent_cse!r}")
+    options = _Options(prevent_cse, (), filtered=True)
+    return _FilteredCheckpoint(fn, _function(_call_first, _resolve(policy, keys), options))
+
+
+def _call_first(fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+@jax.tree_util.register_pytree_node_class
+class _FilteredCheckpoint:
+    """What :func:`filter_checkpoint` returns: a pytree over the wrapped callable, calling it filtered."""
+
+    def __init__(self, fn: Callable, call: Callable):
+        self.fn = fn
+        self._call = call  # shared by every copy unflattened from this one: one trace cache
+        for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+            value = getattr(fn, attribute, None)
+            if isinstance(value, str):
+                setattr(self, attribute, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(self.fn, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"jremat.filter_checkpoint({self.fn!r})"
+
+    def tree_flatten(self):
+        return (self.fn,), self._call
+
+    @classmethod
+    def tree_unflatten(cls, call, children):
+        return cls(children[0], call)
+
+
+def _equinox_module_type() -> tuple[type, ...]:
+    """Equinox's module class if the program has imported Equinox (never imports it)."""
+    equinox = sys.modules.get("equinox")
+    return (equinox.Module,) if equinox is not None else ()
+
+
+def _check_methods(target: type, methods: tuple[str, ...]) -> None:
+    missing = [m for m in methods if not callable(getattr(target, m, None))]
+    if missing:
+        found = sorted(n for n in dir(target) if not n.startswith("_") and callable(getattr(target, n, None)))
+        raise ValueError(
+            f"@jremat.policy: {target.__name__} has no method {', '.join(map(repr, missing))}; "
+            f"its methods: __call__, {', '.join(found)}"
+        )
 
 
 def _resolve(spec, keys: dict) -> Policy:
@@ -262,6 +352,8 @@ class _Options:
     prevent_cse: bool | tuple
     static_argnums: tuple[int, ...]
     static_argnames: tuple[str, ...] = ()
+    #: Non-array leaves of the arguments are static (as ``eqx.filter_checkpoint``), not traced.
+    filtered: bool = False
 
     @property
     def any_cse(self) -> bool:
@@ -306,13 +398,27 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
     kwargs = {k: v for k, v in kwargs.items() if k not in options.static_argnames}
     leaves, in_tree = jax.tree.flatten((dynamic_args, kwargs))
     cse = _leaf_prevent_cse(options.prevent_cse, dynamic_args, kwargs)
+    if options.filtered:
+        traced_positions = tuple(i for i, leaf in enumerate(leaves) if _is_dynamic(leaf))
+        # by type too: True == 1 == 1.0, yet each traces to a different program
+        constants = tuple((i, type(leaf), _Static(leaf)) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf))
+        if not isinstance(cse, bool):
+            cse = tuple(cse[i] for i in traced_positions)
+    else:
+        traced_positions, constants = tuple(range(len(leaves))), ()
+    traced_leaves = [leaves[i] for i in traced_positions]
     # TypeError (JAX's) on a value JAX cannot trace
-    key = (in_tree, tuple(jax.typeof(leaf) for leaf in leaves), statics, static_kwargs, cse)
+    key = (in_tree, tuple(jax.typeof(leaf) for leaf in traced_leaves), constants, statics, static_kwargs, cse)
     flat = traced.get(key)
     if flat is None:
 
         def flat_fn(*dynamic_leaves):
-            a, kw = jax.tree.unflatten(in_tree, dynamic_leaves)
+            all_leaves = [None] * len(leaves)
+            for i, _, value in constants:
+                all_leaves[i] = value.value
+            for i, leaf in zip(traced_positions, dynamic_leaves):
+                all_leaves[i] = leaf
+            a, kw = jax.tree.unflatten(in_tree, all_leaves)
             full = list(a)
             for i, value in statics:
                 full.insert(i, value.value)
@@ -322,7 +428,38 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
         if len(traced) >= _MAX_TRACES:
             traced.pop(next(iter(traced)))
         traced[key] = flat
-    return flat(*leaves)
+    try:
+        return flat(*traced_leaves)
+    except jax.errors.ConcretizationTypeError as err:
+        if not options.filtered:
+            traced_args = tuple(None if i in static_positions else a for i, a in enumerate(args))
+            _note_traced_python_scalars(err, (traced_args, kwargs))
+        raise
+
+
+def _note_traced_python_scalars(err: Exception, arguments) -> None:
+    """Add a note to a concretization error naming the Python scalars that were traced, and the filtered form.
+
+    A Python ``bool``/``int``/``float`` leaf inside a pytree argument (an Equinox module's
+    dropout rate or ``inference`` flag) is traced by ``jax.checkpoint`` semantics; branching on
+    it is the error. The note only adds to the message (Python 3.11+ notes); the error is JAX's.
+    """
+    add_note = getattr(err, "add_note", None)
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arguments)[0]
+        if isinstance(leaf, (bool, int, float))
+    ]
+    if add_note is None or not paths:
+        return
+    shown = ", ".join(f"args{p[3:]}" if p.startswith("[0]") else f"kwargs{p[3:]}" for p in paths[:8])
+    more = f" and {len(paths) - 8} more" if len(paths) > 8 else ""
+    add_note(
+        f"jremat.checkpoint traces Python scalars as jax.checkpoint does, and these arguments hold Python "
+        f"scalars, now traced: {shown}{more}. To keep every non-array leaf static (an Equinox module's float "
+        "and bool fields, an inference= flag), use jremat.filter_checkpoint(fn, policy), which works as "
+        "eqx.filter_checkpoint; or name the arguments in static_argnums / static_argnames."
+    )
 
 
 def _leaf_prevent_cse(prevent_cse, args: tuple, kwargs: dict):
@@ -483,4 +620,4 @@ def custom_policy(name: str, *, doc: str | None = None, kind: str = "callback"):
     return decorator
 
 
-__all__ = ["call_rematerialized", "checkpoint", "custom_policy", "policy", "split_static"]
+__all__ = ["call_rematerialized", "checkpoint", "custom_policy", "filter_checkpoint", "policy", "split_static"]
