@@ -367,11 +367,19 @@ __all__ = [
     "remat3_offload",
     "remat3_tag_name",
     "saved_residuals",
+    "custom_vjp_forward_jaxpr",
     "scan_counts",
     "source_current_name_stack",
     "source_summarize",
     "source_user_context",
 ]
+
+
+def custom_vjp_forward_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a ``custom_vjp_call`` equation's forward rule, every input
+    differentiated (its ``fwd_jaxpr_thunk``): it returns the residuals that are not inputs, then
+    the outputs."""
+    return eqn.params["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(eqn.invars))
 
 
 def custom_vjp_forward_and_backward(eqn, invals):
@@ -386,7 +394,7 @@ def custom_vjp_forward_and_backward(eqn, invals):
     params = eqn.params
     if params.get("num_consts", 0) or params.get("symbolic_zeros"):
         return None
-    fwd_jaxpr, fwd_consts = params["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(invals))
+    fwd_jaxpr, fwd_consts = custom_vjp_forward_jaxpr(eqn)
     res_and_outs = jax.core.eval_jaxpr(fwd_jaxpr, fwd_consts, *invals)
     _, res_tree, input_fwds = params["out_trees"]()
     n_new = res_tree.num_leaves - sum(f is not None for f in input_fwds)

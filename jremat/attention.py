@@ -26,20 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.random import threefry_2x32
 
 from jremat import _engine, kernels, names
 
 #: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
-FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
+FORWARD_SCOPE = kernels.BLOCKWISE_FORWARD_SCOPE
 
 #: Primitives of ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s forward kernel.
-CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper"})
+CUDNN_FORWARD_PRIMITIVES = kernels.CUDNN_FORWARD_PRIMITIVES
 
 # Masked scores. Finite, so that a row with no visible key (a padding row) gives no NaN.
 _MASKED = float(np.finfo(np.float32).min)
-_LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
 class _Config(NamedTuple):
@@ -201,95 +200,40 @@ def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
     Returns:
       The number of forward kernels.
     """
-    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
-    return _count_forward(jaxpr, [True] * len(jaxpr.outvars), False, loop_iterations)[0]
+    kinds: dict = {}
+    runs = kernels.count_kernel_runs(closed_jaxpr, loop_iterations=loop_iterations, kinds=kinds)
+    return sum(n for name, n in runs.items() if kinds[name] in _FORWARD_KINDS)
 
 
 #: What :func:`forward_kernel` returns for each kind of attention forward kernel.
-BLOCKWISE = "blockwise"
-CUDNN = "cudnn"
-PALLAS = "pallas"
+BLOCKWISE = kernels.BLOCKWISE
+CUDNN = kernels.CUDNN
+PALLAS = kernels.PALLAS
+_FORWARD_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS})
 
 
 def forward_kernel(eqn) -> str | None:
     """Which attention forward kernel equation ``eqn`` is or holds (a call or loop that runs
     one): :data:`BLOCKWISE` (a :func:`blockwise_attention` forward loop), :data:`CUDNN` (a
     cuDNN forward kernel), :data:`PALLAS` (a Pallas attention forward kernel,
-    :func:`jremat.kernels.is_attention_forward_kernel`), or ``None``. The kernels :func:`count_forward_passes` counts."""
+    :func:`jremat.kernels.is_attention_forward_kernel`), :data:`jremat.kernels.CUSTOM_ATTENTION`
+    (the forward loop of a ``custom_vjp`` attention kernel written in JAX, as
+    :func:`jremat.kernels.split_attention_kernels` runs it), or ``None``."""
     return _forward_kernel(eqn, inside_scope=False)
 
 
-def _kernel_kind(eqn, in_scope: bool) -> str | None:
-    """The kind of kernel ``eqn`` itself is (not what it holds)."""
-    if eqn.primitive.name in CUDNN_FORWARD_PRIMITIVES:
-        return CUDNN
-    if kernels.is_attention_forward_kernel(eqn):
-        return PALLAS
-    if in_scope and eqn.primitive.name in _LOOP_PRIMITIVES and _computes_floats(eqn):
-        return BLOCKWISE  # a loop of the kernel: the loops inside it belong to the same pass
-    return None
-
-
-def _in_scope(eqn, inside_scope: bool) -> bool:
-    # A nested jaxpr's name stacks are relative to the equation that holds it.
-    return inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
-
-
 def _forward_kernel(eqn, inside_scope: bool) -> str | None:
-    in_scope = _in_scope(eqn, inside_scope)
-    kind = _kernel_kind(eqn, in_scope)
-    if kind is not None or eqn.primitive.name == "pallas_call":  # not into another kernel's body
-        return kind
+    in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
+    found = kernels.kernel_at(eqn, in_scope)
+    if found is not None:
+        return found[1] if found[1] in kernels.ATTENTION_KINDS else None
+    if eqn.primitive.name == "pallas_call":  # not into another kernel's body
+        return None
     for sub in _subjaxprs(eqn):
         for inner in sub.eqns:
             kind = _forward_kernel(inner, in_scope)
             if kind is not None:
                 return kind
-    return None
-
-
-# Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
-# follows them through. (custom_jvp_call lowers to its primal jaxpr, not its JVP rule.)
-_CALL_PRIMITIVES = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
-)
-
-
-def _count_forward(jaxpr, used_outputs, inside_scope: bool, loop_iterations: bool) -> tuple[int, list[bool]]:
-    """``(forward kernels, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
-    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, Var)}
-    count = 0
-    for eqn in reversed(jaxpr.eqns):
-        used = [v in live for v in eqn.outvars]
-        if not any(used) and not eqn.effects:
-            continue
-        in_scope = _in_scope(eqn, inside_scope)
-        name = eqn.primitive.name
-        used_inputs = [True] * len(eqn.invars)
-        if _kernel_kind(eqn, in_scope) is not None:
-            count += 1
-        elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
-            found, used_inputs = _count_forward(sub, used, in_scope, loop_iterations)
-            count += found
-        else:
-            times = eqn.params.get("length", 1) if loop_iterations and name == "scan" else 1
-            for sub in _subjaxprs(eqn):
-                count += times * _count_forward(sub, [True] * len(sub.outvars), in_scope, loop_iterations)[0]
-        live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, Var))
-    return count, [v in live for v in jaxpr.invars]
-
-
-def _computes_floats(eqn) -> bool:
-    # A loop of index arithmetic only (which JAX's differentiation of a scan can hoist out of a
-    # kernel loop into a loop of its own, under the same name scope) is not a pass of the kernel.
-    return any(jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating) for v in eqn.outvars)
-
-
-def _call_jaxpr(eqn):
-    """The jaxpr a call-like equation runs, if its inputs and outputs are the equation's."""
-    for sub in _subjaxprs(eqn):
-        if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
-            return sub
     return None
 
 

@@ -1,30 +1,50 @@
-"""Attention kernels written in Pallas, recognised by name, and their forward rule made visible.
+"""Kernels jremat did not write: found by name, counted per run, and their forward rule made visible.
 
-JAX's Pallas attention kernels (``jax.experimental.pallas.ops.gpu.attention.mha``, whose forward
-``pallas_call`` is named ``mha_forward``; the TPU flash and splash kernels) are ``custom_vjp``
-functions: the forward rule returns the output and a float32 log-sum-exp to the backward rule,
-and the caller sees only the output. No policy can name the log-sum-exp, and under ``jax_remat3``
-a ``custom_vjp`` call is recomputed whole, forward rule included, so a checkpointed layer runs
-the kernel again in its backward pass.
+A *kernel* is an equation that runs one opaque computation a policy can only keep or re-run whole:
 
-:func:`split_attention_kernels` rewrites such a call the way
-:func:`jremat.attention.blockwise_attention` is built: the forward rule runs in the ordinary
-program on gradient-stopped inputs, its residuals (output and log-sum-exp) become ordinary
-values a policy can keep, and a ``custom_vjp`` that returns the output feeds them to the
-kernel's own backward rule. The values and gradients are the kernel's; only what is visible
-to a policy changes. The ``selective`` policy applies it.
+* a ``pallas_call``, named by its ``name`` parameter (JAX's Pallas flash attention
+  ``jax.experimental.pallas.ops.gpu.attention.mha`` runs one named ``mha_forward``);
+* an FFI custom call (``jax.ffi.ffi_call``), named by its target;
+* JAX's cuDNN attention forward primitive (``jax.nn.dot_product_attention(...,
+  implementation="cudnn")``), named by the primitive;
+* the forward loop of :func:`jremat.attention.blockwise_attention`, named ``blockwise_attention``;
+* the loop of a ``custom_vjp`` (forward rule) or ``custom_jvp`` (primal) function with no Pallas or
+  FFI call inside (a kernel written in JAX: a scan over key blocks with an online softmax), named
+  by the function's name.
+
+:func:`count_kernel_runs` counts each kernel's runs in a traced program (a gradient's jaxpr), by
+name, after dead-code elimination. :func:`kernel_reruns` compares two such counts: the kernels a
+policy's gradient runs more often than the gradient without remat does.
+
+These kernels are ``custom_vjp`` functions whose forward rule returns the output and residuals
+(for attention, a float32 log-sum-exp) to the backward rule; the caller sees only the output. No
+policy can name the residuals, and under ``jax_remat3`` a ``custom_vjp`` call is recomputed
+whole, forward rule included, so a checkpointed layer runs the kernel again in its backward pass.
+:func:`split_kernels` rewrites such a call the way :func:`jremat.attention.blockwise_attention` is
+built: the forward rule runs in the ordinary program on gradient-stopped inputs, its residuals
+become ordinary values (those that are not the call's inputs tagged
+:data:`jremat.names.KERNEL_RESIDUALS`) that a policy can keep, and a ``custom_vjp`` that returns the
+output feeds them to the kernel's own backward rule. The values and gradients are the kernel's;
+only what is visible to a policy changes. ``selective`` splits attention kernels
+(:func:`split_attention_kernels`: a Pallas kernel named like attention, a loop with an online
+softmax, or a kernel declared with :func:`declare_attention_kernel`); ``names`` and
+``names_except`` split every kernel.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat
+from jremat import _engine, _jax_compat, names
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -32,7 +52,34 @@ ATTENTION_WORDS = ("mha", "flash", "attention", "splash")
 #: ...and a backward one if its name also holds one of these.
 BACKWARD_WORDS = ("backward", "bwd", "dq", "dkv", "preprocess")
 
+#: The ``jax.named_scope`` around :func:`jremat.attention.blockwise_attention`'s forward loop.
+BLOCKWISE_FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
+#: Primitives of ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s forward kernel.
+CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper"})
+#: The name stack scope (``<scope>.<kernel name>``) around a forward rule :func:`split_kernels` runs.
+SPLIT_FORWARD_SCOPE = "jremat_kernel_fwd"
+
+#: The kinds of attention forward kernel (:func:`jremat.attention.forward_kernel`).
+BLOCKWISE = "blockwise"
+CUDNN = "cudnn"
+PALLAS = "pallas"
+#: A ``custom_vjp`` kernel written in JAX that computes attention (an online softmax, or declared).
+CUSTOM_ATTENTION = "custom attention"
+#: The kinds of the other kernels :func:`count_kernel_runs` names.
+PALLAS_CALL = "pallas_call"
+FFI_CALL = "ffi_call"
+CUSTOM = "custom_vjp"
+#: Kinds whose kernel computes attention.
+ATTENTION_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS, CUSTOM_ATTENTION})
+
 _CUSTOM_VJP = "custom_vjp_call"
+_CUSTOM_CALLS = frozenset({"custom_vjp_call", "custom_jvp_call"})
+_LOOPS = frozenset({"scan", "while"})
+# Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
+# follows them through. (custom_jvp_call lowers to its primal jaxpr, not its JVP rule.)
+_CALL_PRIMITIVES = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
+)
 
 
 def kernel_name(eqn) -> str | None:
@@ -45,9 +92,14 @@ def kernel_name(eqn) -> str | None:
 
 def is_attention_forward_kernel(eqn) -> bool:
     """Whether ``eqn`` is a Pallas attention forward kernel: a ``pallas_call`` named like one of
-    :data:`ATTENTION_WORDS` and none of :data:`BACKWARD_WORDS`."""
+    :data:`ATTENTION_WORDS` and none of :data:`BACKWARD_WORDS`, or one declared with
+    :func:`declare_attention_kernel`."""
     name = (kernel_name(eqn) or "").lower()
-    return any(w in name for w in ATTENTION_WORDS) and not any(w in name for w in BACKWARD_WORDS)
+    if not name:
+        return False
+    return _declared(kernel_name(eqn)) or (
+        any(w in name for w in ATTENTION_WORDS) and not any(w in name for w in BACKWARD_WORDS)
+    )
 
 
 def holds_attention_kernel(jaxpr) -> bool:
@@ -60,18 +112,333 @@ def holds_attention_kernel(jaxpr) -> bool:
     return False
 
 
+# ---------------------------------------------------------------------------------------------
+# Declared attention kernels
+
+_declared_lock = threading.Lock()
+_declared_names: set[str] = set()
+_declared_predicates: list[Callable[[str], bool]] = []
+
+
+def declare_attention_kernel(name_or_predicate: str | Callable[[str], bool]) -> None:
+    """Declare the kernels of a name (or whose name a predicate accepts) attention kernels.
+
+    A declared kernel is one ``selective`` keeps: the ``custom_vjp`` call holding it is split
+    (:func:`split_attention_kernels`) so that its output and statistics are kept and the kernel
+    runs once. The name is the one :func:`count_kernel_runs` and ``jremat.explain`` report: a
+    ``pallas_call``'s name, an FFI call's target, a ``custom_vjp`` function's ``__name__``. Kernels
+    JAX ships (Pallas ``mha``/flash/splash) and ``custom_vjp`` loops with an online softmax are
+    recognised without a declaration.
+
+    Args:
+      name_or_predicate: a kernel name, or a function of a kernel name returning a bool.
+
+    Raises:
+      ValueError: if it is an empty string, or neither a string nor callable.
+    """
+    with _declared_lock:
+        if isinstance(name_or_predicate, str) and name_or_predicate:
+            _declared_names.add(name_or_predicate)
+        elif callable(name_or_predicate) and not isinstance(name_or_predicate, str):
+            _declared_predicates.append(name_or_predicate)
+        else:
+            raise ValueError(
+                "declare_attention_kernel takes a kernel name (a non-empty str: a pallas_call's name, an FFI "
+                f"target, a custom_vjp function's name) or a predicate on names, got {name_or_predicate!r}"
+            )
+
+
+def forget_attention_kernel(name_or_predicate: str | Callable[[str], bool]) -> None:
+    """Undo :func:`declare_attention_kernel` for this name or predicate (no error if not declared)."""
+    with _declared_lock:
+        _declared_names.discard(name_or_predicate) if isinstance(name_or_predicate, str) else None
+        if name_or_predicate in _declared_predicates:
+            _declared_predicates.remove(name_or_predicate)
+
+
+def _declared(name: str | None) -> bool:
+    if not name:
+        return False
+    with _declared_lock:
+        return name in _declared_names or any(p(name) for p in _declared_predicates)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels written in JAX: custom_vjp / custom_jvp functions holding a loop
+
+
+def _function_name(eqn) -> str:
+    """The name of the function a ``custom_vjp``/``custom_jvp`` call wraps (``"custom_vjp"`` if unknown)."""
+    info = getattr(eqn.params.get("call_jaxpr"), "jaxpr", eqn.params.get("call_jaxpr"))
+    source = getattr(getattr(info, "debug_info", None), "func_src_info", None) or ""
+    name = source.split(" ", 1)[0]
+    return name if name and name != "<lambda>" else eqn.primitive.name.replace("_call", "")
+
+
+def _rule_jaxpr(eqn):
+    """The jaxpr that runs in a custom call's place in a gradient: a ``custom_vjp`` call's forward
+    rule, a ``custom_jvp`` call's primal function; ``None`` where JAX does not give it."""
+    if eqn.primitive.name == _CUSTOM_VJP:
+        try:
+            return _jax_compat.custom_vjp_forward_jaxpr(eqn)[0]
+        except Exception:  # a rule that does not trace without values: fall back to the primal
+            pass
+    sub = eqn.params.get("call_jaxpr")
+    return getattr(sub, "jaxpr", sub)
+
+
+def _walk(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, not into a ``pallas_call`` body."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "pallas_call":
+            for sub in nested_jaxprs(eqn):
+                yield from _walk(sub)
+
+
+def _computes_floats(eqn) -> bool:
+    # A loop of index arithmetic only (which JAX's differentiation of a scan can hoist out of a
+    # kernel loop into a loop of its own, under the same name scope) is not a pass of the kernel.
+    return any(jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating) for v in eqn.outvars)
+
+
+def _loop_signature(eqn) -> tuple:
+    """What identifies a loop wherever a transformation copies it: its trip count, the avals it
+    takes and gives, and every primitive of its body in order."""
+    body = nested_jaxprs(eqn)
+    return (
+        eqn.primitive.name,
+        eqn.params.get("length"),
+        tuple(str(v.aval) for v in eqn.invars),
+        tuple(str(v.aval) for v in eqn.outvars),
+        tuple(e.primitive.name for b in body for e in _walk(b)),
+    )
+
+
+def _is_online_softmax(loop) -> bool:
+    """A loop whose body runs two matrix products, an ``exp`` and a running maximum: attention
+    one key block at a time."""
+    prims = collections.Counter(e.primitive.name for b in nested_jaxprs(loop) for e in _walk(b))
+    return prims["dot_general"] >= 2 and prims["exp"] >= 1 and (prims["max"] + prims["reduce_max"]) >= 1
+
+
+def _opaque_kernel(eqn) -> tuple[str, str] | None:
+    """``(name, kind)`` of a Pallas, FFI or cuDNN kernel equation, else ``None``."""
+    prim = eqn.primitive.name
+    if prim in CUDNN_FORWARD_PRIMITIVES:
+        return prim, CUDNN
+    if prim == "pallas_call":
+        return kernel_name(eqn) or "pallas_call", PALLAS if is_attention_forward_kernel(eqn) else PALLAS_CALL
+    if prim == "ffi_call":
+        target = str(eqn.params.get("target_name") or "ffi_call")
+        return target, CUSTOM_ATTENTION if _declared(target) else FFI_CALL
+    return None
+
+
+def custom_kernels(jaxpr) -> dict[tuple, tuple[str, str]]:
+    """The kernels written in JAX that ``jaxpr`` calls: for each loop of a ``custom_vjp``
+    call's forward rule (a ``custom_jvp`` call's primal) holding no Pallas or FFI kernel, its
+    signature -> ``(function name, kind)``, the kind :data:`CUSTOM_ATTENTION` for an online
+    softmax or a declared name, else :data:`CUSTOM`. :func:`count_kernel_runs` finds those loops in a
+    gradient, where the call itself is gone."""
+    found: dict = {}
+    for eqn in _walk(getattr(jaxpr, "jaxpr", jaxpr)):
+        if eqn.primitive.name not in _CUSTOM_CALLS:
+            continue
+        rule = _rule_jaxpr(eqn)
+        if rule is None or any(_opaque_kernel(e) for e in _walk(rule)):
+            continue
+        name = _function_name(eqn)
+        for loop in rule.eqns:
+            if loop.primitive.name in _LOOPS and _computes_floats(loop):
+                attention = _declared(name) or _is_online_softmax(loop)
+                found[_loop_signature(loop)] = (name, CUSTOM_ATTENTION if attention else CUSTOM)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting runs
+
+
+def _split_scope_name(eqn) -> str | None:
+    """The kernel name of a :data:`SPLIT_FORWARD_SCOPE` around ``eqn``, else ``None``."""
+    for part in str(eqn.source_info.name_stack).split("/"):
+        if part.startswith(SPLIT_FORWARD_SCOPE + "."):
+            return part[len(SPLIT_FORWARD_SCOPE) + 1 :]
+    return None
+
+
+def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None) -> tuple[str, str] | None:
+    """``(name, kind)`` of the kernel equation ``eqn`` is (not what it holds), else ``None``.
+
+    Args:
+      eqn: a jaxpr equation.
+      inside_blockwise: whether a jaxpr holding ``eqn`` runs in
+        :data:`BLOCKWISE_FORWARD_SCOPE` (name stacks of nested jaxprs are relative).
+      custom: :func:`custom_kernels` of the program the jaxpr was differentiated from.
+    """
+    found = _opaque_kernel(eqn)
+    if found is not None or eqn.primitive.name not in _LOOPS or not _computes_floats(eqn):
+        return found
+    if inside_blockwise or BLOCKWISE_FORWARD_SCOPE in str(eqn.source_info.name_stack):
+        return "blockwise_attention", BLOCKWISE  # a loop of the kernel: the loops inside it belong to it
+    split = _split_scope_name(eqn)
+    if split is not None:
+        return split, CUSTOM_ATTENTION if _declared(split) or _is_online_softmax(eqn) else CUSTOM
+    if custom:
+        return custom.get(_loop_signature(eqn))
+    return None
+
+
+def _call_jaxpr(eqn):
+    """The jaxpr a call-like equation runs, if its inputs and outputs are the equation's."""
+    for sub in nested_jaxprs(eqn):
+        if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
+            return sub
+    return None
+
+
+def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, custom, kinds) -> tuple:
+    """``(runs per kernel name, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
+    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, jcore.Var)}
+    runs: collections.Counter = collections.Counter()
+    for eqn in reversed(jaxpr.eqns):
+        used = [v in live for v in eqn.outvars]
+        if not any(used) and not eqn.effects:
+            continue
+        in_scope = inside_blockwise or BLOCKWISE_FORWARD_SCOPE in str(eqn.source_info.name_stack)
+        name = eqn.primitive.name
+        used_inputs = [True] * len(eqn.invars)
+        found = kernel_at(eqn, in_scope, custom)
+        if found is not None:
+            runs[found[0]] += 1
+            kinds.setdefault(found[0], found[1])
+        elif name == "pallas_call":
+            pass  # not into a kernel's body
+        elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
+            inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
+            runs.update(inner)
+        else:
+            times = eqn.params.get("length", 1) if loop_iterations and name == "scan" else 1
+            for sub in nested_jaxprs(eqn):
+                inner = _count(sub, [True] * len(sub.outvars), in_scope, loop_iterations, custom, kinds)[0]
+                runs.update({k: times * n for k, n in inner.items()})
+        live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, jcore.Var))
+    return runs, [v in live for v in jaxpr.invars]
+
+
+def count_kernel_runs(
+    closed_jaxpr, *, loop_iterations: bool = False, primal=None, kinds: dict | None = None
+) -> dict[str, int]:
+    """How many times a traced program runs each kernel (module docstring), by name.
+
+    Walks the program and every jaxpr nested in it (``jit``, ``scan``, ``while``, ``cond``,
+    checkpoints, custom derivatives; not a kernel's own body). A kernel inside a loop body counts
+    once, not once per iteration, unless ``loop_iterations``: then a kernel inside a ``scan`` (a
+    layer stack) counts once per iteration (a ``while`` loop's trip count is unknown: once). Only
+    kernels whose results the program's outputs use count: under ``jax_remat3`` a saved value's
+    recomputation stays in the jaxpr as an unused input of a call, and XLA removes it.
+
+    Args:
+      closed_jaxpr: a ``jax.make_jaxpr`` result (a ``ClosedJaxpr``) or a ``Jaxpr``; usually of a
+        value-and-gradient.
+      loop_iterations: count a kernel inside a ``scan`` once per iteration.
+      primal: the jaxpr of the function before differentiation, where the ``custom_vjp``
+        kernels written in JAX are found (:func:`custom_kernels`); ``None``: only those in
+        ``closed_jaxpr`` itself, and the Pallas, FFI, cuDNN and blockwise kernels.
+      kinds: a dict that receives each counted name's kind (:data:`PALLAS`, :data:`PALLAS_CALL`, ...).
+
+    Returns:
+      Kernel name -> runs, for every kernel that runs.
+    """
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    custom = custom_kernels(jaxpr)
+    if primal is not None:
+        custom.update(custom_kernels(primal))
+    runs, _ = _count(jaxpr, [True] * len(jaxpr.outvars), False, loop_iterations, custom, {} if kinds is None else kinds)
+    return dict(runs)
+
+
+def kernel_reruns(runs: Mapping[str, int], baseline_runs: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """The kernels run more often in ``runs`` than in ``baseline_runs``: name -> ``(runs, baseline)``."""
+    return {k: (n, baseline_runs.get(k, 0)) for k, n in sorted(runs.items()) if n > baseline_runs.get(k, 0)}
+
+
+def avoid_rerun_advice(kind: str) -> str:
+    """How to keep a kernel of ``kind`` so that its gradient runs it once (what each policy does
+    with it, docs/policies.md "Your own kernel")."""
+    if kind == CUDNN:
+        return (
+            "JAX names none of cuDNN's statistics, so no policy can keep them: use attention 'pallas' or "
+            "'blockwise', whose output and log-sum-exp selective keeps"
+        )
+    if kind == BLOCKWISE:
+        return f"selective keeps its output and log-sum-exp, or names:save={names.ATTN_CONTEXT}+{names.ATTN_LSE}"
+    keep = f"names:save={names.KERNEL_RESIDUALS} (with your other names) keeps its output and residuals"
+    if kind in (PALLAS, CUSTOM_ATTENTION):
+        return f"selective keeps its output and log-sum-exp; or {keep}"
+    return (
+        f"{keep} where a custom_vjp wraps it; or jremat.declare_attention_kernel(name) if it computes attention, "
+        "for selective"
+    )
+
+
+def kernel_rerun_lines(reruns: Mapping[str, tuple[int, int]], kinds: Mapping[str, str], per: str = "") -> list[str]:
+    """One line per re-run kernel: ``kernel mha_forward: 2 runs, none: 1; <how to avoid it>``."""
+    return [
+        f"kernel {name}: {n:g} runs{per}, none: {base:g}; {avoid_rerun_advice(kinds.get(name, CUSTOM))}"
+        for name, (n, base) in reruns.items()
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting a kernel's custom_vjp call
+
+
 def _is_kernel_call(eqn) -> bool:
-    return eqn.primitive.name == _CUSTOM_VJP and holds_attention_kernel(eqn.params["call_jaxpr"].jaxpr)
+    """A ``custom_vjp`` call whose forward runs a kernel (module docstring)."""
+    if eqn.primitive.name != _CUSTOM_VJP:
+        return False
+    rule = _rule_jaxpr(eqn)
+    return rule is not None and any(
+        _opaque_kernel(e) is not None or (e.primitive.name in _LOOPS and _computes_floats(e)) for e in _walk(rule)
+    )
 
 
-def split_attention_kernels(fn: Callable) -> Callable:
-    """``fn`` with every ``custom_vjp`` call that runs a Pallas attention forward kernel split
-    into its forward rule, in the ordinary program, and its backward rule (module docstring).
+def _is_attention_call(eqn) -> bool:
+    """A ``custom_vjp`` call whose forward runs an attention kernel: a Pallas one named like
+    attention, a declared one, or a loop with an online softmax."""
+    if eqn.primitive.name != _CUSTOM_VJP:
+        return False
+    if holds_attention_kernel(eqn.params["call_jaxpr"].jaxpr) or _declared(_function_name(eqn)):
+        return True
+    rule = _rule_jaxpr(eqn)
+    if rule is None:
+        return False
+    kernels = [k for e in _walk(rule) if (k := _opaque_kernel(e)) is not None]
+    if kernels:  # cuDNN's stays whole: its statistics are not ones this split is checked on
+        return any(kind in ATTENTION_KINDS - {CUDNN} for _, kind in kernels)
+    return any(e.primitive.name in _LOOPS and _is_online_softmax(e) for e in _walk(rule))
 
-    A function without such a call is returned as it runs (traced once to find out).
+
+def _holds_call(jaxpr, which) -> bool:
+    return any(
+        which(e) or (e.primitive.name == "scan" and _holds_call(e.params["jaxpr"].jaxpr, which)) for e in jaxpr.eqns
+    )
+
+
+def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
+    """``fn`` with every ``custom_vjp`` call that runs a kernel (at the top level or inside
+    ``lax.scan`` bodies) split into its forward rule, in the ordinary program, and its backward
+    rule (module docstring).
+
+    A function without such a call is returned as it runs (traced once to find out). Calls inside
+    ``cond`` branches or ``while`` bodies, and ``custom_jvp`` kernels, are left whole.
 
     Args:
       fn: a function of pytrees of arrays.
+      which: which ``custom_vjp_call`` equations to split (default: every one whose forward rule
+        runs a Pallas, FFI or cuDNN kernel or a loop).
 
     Returns:
       A function with ``fn``'s values and gradients.
@@ -80,22 +447,53 @@ def split_attention_kernels(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def split(*args, **kwargs):
         closed, _, out_tree = _engine.trace_flat(fn, args, kwargs)
-        if not any(_is_kernel_call(eqn) for eqn in closed.jaxpr.eqns):
+        if not _holds_call(closed.jaxpr, which):
             return fn(*args, **kwargs)
-        flat = _evaluate_split(closed, jax.tree.leaves((args, kwargs)))
+        flat = _evaluate_split(closed.jaxpr, closed.consts, jax.tree.leaves((args, kwargs)), which)
         return jax.tree.unflatten(out_tree, flat)
 
     return split
 
 
-def _evaluate_split(closed, flat_args) -> list:
-    jaxpr = closed.jaxpr
-    env = dict(zip(jaxpr.constvars, closed.consts))
+def split_attention_kernels(fn: Callable) -> Callable:
+    """:func:`split_kernels` of the attention kernels only (a Pallas kernel named like attention,
+    a ``custom_vjp`` loop with an online softmax, a declared kernel): what ``selective`` keeps."""
+    return split_kernels(fn, _is_attention_call)
+
+
+def _split_scan(eqn, invals, which) -> list:
+    """A ``scan`` equation run with its body's kernel calls split."""
+    n_consts, n_carry = _jax_compat.scan_counts(eqn)
+    consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+    body = eqn.params["jaxpr"]
+
+    def step(carry, x):
+        outs = _evaluate_split(body.jaxpr, body.consts, [*consts, *carry, *x], which)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        step,
+        list(init),
+        list(xs),
+        length=eqn.params["length"],
+        reverse=eqn.params["reverse"],
+        unroll=eqn.params.get("unroll", 1),
+    )
+    return [*carry, *ys]
+
+
+def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, flat_args))
     read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        outs = _split_call(eqn, invals) if _is_kernel_call(eqn) else None
+        outs = None
+        if which(eqn):
+            with jax.named_scope(f"{SPLIT_FORWARD_SCOPE}.{_function_name(eqn)}"):
+                outs = _split_call(eqn, invals)
+        elif eqn.primitive.name == "scan" and _holds_call(eqn.params["jaxpr"].jaxpr, which):
+            outs = _split_scan(eqn, invals, which)
         if outs is None:
             outs = _engine.bind_equation(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
@@ -104,11 +502,19 @@ def _evaluate_split(closed, flat_args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _tag_new_residuals(residuals, invals) -> list:
+    """Residuals that are not the call's inputs, tagged :data:`jremat.names.KERNEL_RESIDUALS`."""
+    inputs = {id(x) for x in invals}
+    return [r if id(r) in inputs else checkpoint_name(r, names.KERNEL_RESIDUALS) for r in residuals]
+
+
 def _split_call(eqn, invals) -> list | None:
-    found = _jax_compat.custom_vjp_forward_and_backward(eqn, [lax.stop_gradient(x) for x in invals])
+    stopped = [lax.stop_gradient(x) for x in invals]
+    found = _jax_compat.custom_vjp_forward_and_backward(eqn, stopped)
     if found is None:
         return None
     residuals, outs, backward = found
+    residuals = _tag_new_residuals(residuals, stopped)
 
     @jax.custom_vjp
     def with_gradient(ins, res, outs):

@@ -29,6 +29,10 @@ BLOCK_OUTPUT = "block_output"
 #: The float32 log-sum-exp ``[batch, heads, seq]`` that :func:`jremat.attention.blockwise_attention` keeps
 #: for its backward pass (beside its output, tagged :data:`ATTN_CONTEXT`).
 ATTN_LSE = "attn_lse"
+#: The residuals a kernel's ``custom_vjp`` forward rule hands its backward rule (not its inputs:
+#: its output, its statistics), tagged where a policy splits the call (:func:`jremat.kernels.split_kernels`):
+#: ``names:save=kernel_residuals`` keeps them, so the kernel runs once.
+KERNEL_RESIDUALS = "kernel_residuals"
 
 #: Every name a model may tag, in program order of a pre-LayerNorm transformer block.
 ALL_NAMES: tuple[str, ...] = (
