@@ -428,6 +428,8 @@ def bind_equation(eqn, invals) -> list:
     """
     if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
         return bind_translated(eqn, invals)
+    if eqn.primitive.name == "scan" and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
+        return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
         name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
@@ -436,6 +438,32 @@ def bind_equation(eqn, invals) -> list:
     else:  # pragma: no cover
         outs = eqn.primitive.bind(*invals, **bind_params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def rebind_scan(eqn, invals, evaluate_body: Callable) -> list:
+    """Run a ``scan`` equation with ``lax.scan``, its body evaluated by
+    ``evaluate_body(closed_body, flat_body_args)`` (which may re-emit or rewrite equations).
+
+    Returns:
+      The final carries, then the stacked outputs, as a list.
+    """
+    n_consts, n_carry = _jax_compat.scan_counts(eqn)
+    consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+    body = eqn.params["jaxpr"]
+
+    def step(carry, x):
+        outs = evaluate_body(body, [*consts, *carry, *x])
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = jax.lax.scan(
+        step,
+        list(init),
+        list(xs),
+        length=eqn.params["length"],
+        reverse=eqn.params["reverse"],
+        unroll=eqn.params.get("unroll", 1),
+    )
+    return [*carry, *ys]
 
 
 def evaluate_inlined(jaxpr, consts, args, after_bind=None, keep_calls: bool = False) -> list:

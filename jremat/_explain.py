@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jremat import _decisions, _jax_compat, _memory, _program, _residuals, attention, names, registry
+from jremat import _decisions, _jax_compat, _memory, _program, _residuals, attention, kernels, registry
 from jremat._decisions import DECISIONS, EXCLUDE, OFFLOAD, RECOMPUTE, SAVE, Decision
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
@@ -62,6 +62,23 @@ class NameMatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelRuns:
+    """How often the value-and-gradient runs one kernel (:func:`jremat.kernels.count_kernel_runs`).
+
+    Attributes:
+      name: the kernel's name (a ``pallas_call``'s name, an FFI target, a ``custom_vjp`` function's name).
+      kind: :data:`jremat.kernels.PALLAS`, :data:`~jremat.kernels.PALLAS_CALL`, :data:`~jremat.kernels.FFI_CALL`, ...
+      runs: runs with the policy (a kernel inside a scan counts once).
+      baseline_runs: runs without remat.
+    """
+
+    name: str
+    kind: str
+    runs: int
+    baseline_runs: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Explanation:
     """What a policy did to a function (see :func:`explain`).
 
@@ -86,6 +103,9 @@ class Explanation:
         value-and-gradient runs with the policy (:func:`jremat.attention.count_forward_passes`;
         a kernel inside a scan counts once); ``None`` when not measured.
       baseline_attention_forward_passes: the same without remat.
+      kernel_runs: every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a
+        ``custom_vjp`` kernel: :mod:`jremat.kernels`), with the policy and without remat; a kernel
+        run more often than without remat also gets a message naming how to keep it.
       stack_depth: :func:`explain` on a block whose output has the structure, shapes and dtypes
         of one positional argument: how many copies of it ran in sequence, the output of each
         fed to the next as that argument (``None``: not measured, the block does not chain).
@@ -113,6 +133,7 @@ class Explanation:
     stack_argnum: int | None = None
     stack_temp_bytes: int | None = None
     baseline_stack_temp_bytes: int | None = None
+    kernel_runs: tuple[KernelRuns, ...] = ()
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -151,6 +172,11 @@ class Explanation:
                 f"  fused attention forward passes: {self.baseline_attention_forward_passes} without remat, "
                 f"{self.attention_forward_passes} with the policy"
             )
+        if self.kernel_runs:
+            lines.append(
+                "  kernel runs in the gradient: "
+                + ", ".join(f"{k.name} {k.runs} (none {k.baseline_runs})" for k in self.kernel_runs)
+            )
         if self.temp_bytes is not None:
             lines.append(
                 f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
@@ -175,6 +201,7 @@ class Explanation:
         out["names_found"] = list(self.names_found)
         out["messages"] = list(self.messages)
         out["matched"] = list(self.matched)
+        out["kernel_runs"] = [dataclasses.asdict(k) for k in self.kernel_runs]
         return out
 
 
@@ -482,7 +509,9 @@ def explain_applied(
     # are the ones this module reads.
     with _jax_compat.classic_remat_context():
         tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
-    tags = [t for t in _decisions.tags(tag_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
+        # A kernel's residuals are a name a policy can keep once its call is split (jremat.kernels).
+        split_jaxpr = jax.make_jaxpr(kernels.split_kernels(flat_base or flat_remat))(*structs).jaxpr
+    tags = [t for t in _decisions.tags(split_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
     found = tuple(dict.fromkeys(t[0] for t in tags))
     mentioned = mentioned_names(chosen)
     matches = []
@@ -519,20 +548,15 @@ def explain_applied(
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
     passes = base_passes = None
-    kernels = {kind for eqn in tag_jaxpr.eqns if (kind := attention.forward_kernel(eqn))}
-    if flat_base is not None and kernels:
-        passes, base_passes = (_attention_forward_passes(f, structs) for f in (flat_remat, flat_base))
-        if passes > base_passes:
-            fix = (
-                f"save its output and statistics ({names.ATTN_CONTEXT} and {names.ATTN_LSE}) to avoid it"
-                if attention.CUDNN not in kernels
-                else "JAX names none of cuDNN's statistics, so no policy can keep them (blockwise attention can)"
-            )
-            messages.append(
-                f"fused attention recomputed ({label}): the gradient runs {passes} fused attention forward "
-                f"kernel{'s' if passes != 1 else ''} where the function without remat runs {base_passes}; "
-                f"the backward pass runs the kernel again: {fix}"
-            )
+    runs: tuple[KernelRuns, ...] = ()
+    if flat_base is not None and kernels.count_kernel_runs(tag_jaxpr, primal=tag_jaxpr):
+        runs = _kernel_runs(flat_remat, flat_base, structs, tag_jaxpr)
+        kinds = {k.name: k.kind for k in runs}
+        reruns = kernels.kernel_reruns({k.name: k.runs for k in runs}, {k.name: k.baseline_runs for k in runs})
+        messages.extend(f"kernel re-run ({label}): {line}" for line in kernels.kernel_rerun_lines(reruns, kinds))
+        forward = [k for k in runs if k.kind in attention.FORWARD_KINDS]
+        if forward:
+            passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
     matched = tuple(_match_lines(chosen, jaxpr))
     if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
         line = _no_saving_line(
@@ -564,14 +588,26 @@ def explain_applied(
         passes,
         base_passes,
         *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
+        kernel_runs=runs,
     )
 
 
-def _attention_forward_passes(flat_fn: Callable, structs: list) -> int:
-    """Fused attention forward kernels in the value-and-gradient of ``flat_fn``
-    (:func:`jremat.attention.count_forward_passes`), under the active remat engine: the engines
-    differ here (remat3 recomputes a custom_vjp call whole)."""
-    return attention.count_forward_passes(jax.make_jaxpr(_gradient_program(flat_fn, structs, True))(*structs))
+def _kernel_runs(flat_remat: Callable, flat_base: Callable, structs: list, primal) -> tuple[KernelRuns, ...]:
+    """Each kernel's runs in the value-and-gradient of ``flat_remat`` and of ``flat_base``
+    (:func:`jremat.kernels.count_kernel_runs`; ``primal`` is the traced function, where its
+    ``custom_vjp`` kernels are found), under the active remat engine: the engines differ here
+    (remat3 recomputes a custom_vjp call whole)."""
+    kinds: dict = {}
+    counted = [
+        kernels.count_kernel_runs(
+            jax.make_jaxpr(_gradient_program(f, structs, True))(*structs), primal=primal, kinds=kinds
+        )
+        for f in (flat_remat, flat_base)
+    ]
+    return tuple(
+        KernelRuns(name, kinds[name], counted[0].get(name, 0), counted[1].get(name, 0))
+        for name in sorted(set(counted[0]) | set(counted[1]))
+    )
 
 
 def _match_lines(chosen: Policy, jaxpr) -> list[str]:
@@ -614,6 +650,7 @@ __all__ = [
     "SAVE",
     "Decision",
     "Explanation",
+    "KernelRuns",
     "NameMatch",
     "explain",
     "explain_applied",

@@ -37,7 +37,7 @@ def _call_jaxpr(eqn):
     return None
 
 
-def _scan_body_used_outputs(eqn, used_outputs: Sequence[bool]) -> list[bool]:
+def scan_body_used_outputs(eqn, used_outputs: Sequence[bool]) -> list[bool]:
     """Which outputs of a ``scan`` equation's body are used, given which of the scan's are:
     a carry that the body reads is an output of the previous iteration."""
     body = _as_jaxpr(eqn.params["jaxpr"])
@@ -59,7 +59,7 @@ def _reads(eqn, used: list[bool]) -> list[bool]:
     if (sub := _call_jaxpr(eqn)) is not None:
         return used_inputs(sub, used)
     if eqn.primitive.name == "scan":
-        return used_inputs(_as_jaxpr(eqn.params["jaxpr"]), _scan_body_used_outputs(eqn, used))
+        return used_inputs(_as_jaxpr(eqn.params["jaxpr"]), scan_body_used_outputs(eqn, used))
     return [True] * len(eqn.invars)
 
 

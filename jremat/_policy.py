@@ -132,6 +132,9 @@ class PlanPolicy(Policy):
 
     offload_src: str = "device"
     offload_dst: str = "pinned_host"
+    #: ``checkpoint_name`` tags saved wherever they are, inside ``scan`` bodies too (which a
+    #: :class:`Plan` of the top-level program does not reach).
+    saved_tags: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def plan(self, program: _program.Program) -> Plan:
@@ -149,6 +152,7 @@ class PlanPolicy(Policy):
             prefix = f"jremat{next(_tag_counter)}"
             tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
             save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]
+            save_names += list(self.saved_tags)
             offload_names = [n for i in chosen.offload for n in _program.tag_names(tags[i], prog.ops[i])]
             if offload_names:
                 require_host_memory(self.offload_dst)

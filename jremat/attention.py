@@ -202,14 +202,15 @@ def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
     """
     kinds: dict = {}
     runs = kernels.count_kernel_runs(closed_jaxpr, loop_iterations=loop_iterations, kinds=kinds)
-    return sum(n for name, n in runs.items() if kinds[name] in _FORWARD_KINDS)
+    return sum(n for name, n in runs.items() if kinds[name] in FORWARD_KINDS)
 
 
 #: What :func:`forward_kernel` returns for each kind of attention forward kernel.
 BLOCKWISE = kernels.BLOCKWISE
 CUDNN = kernels.CUDNN
 PALLAS = kernels.PALLAS
-_FORWARD_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS})
+#: The kinds :func:`count_forward_passes` counts.
+FORWARD_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS})
 
 
 def forward_kernel(eqn) -> str | None:

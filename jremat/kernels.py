@@ -44,7 +44,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, names
+from jremat import _engine, _jax_compat, _liveness, names
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -203,16 +203,23 @@ def _computes_floats(eqn) -> bool:
 
 
 def _loop_signature(eqn) -> tuple:
-    """What identifies a loop wherever a transformation copies it: its trip count, the avals it
-    takes and gives, and every primitive of its body in order."""
-    body = nested_jaxprs(eqn)
-    return (
-        eqn.primitive.name,
-        eqn.params.get("length"),
-        tuple(str(v.aval) for v in eqn.invars),
-        tuple(str(v.aval) for v in eqn.outvars),
-        tuple(e.primitive.name for b in body for e in _walk(b)),
+    """What identifies a kernel's loop wherever a transformation copies it: its primitive, its
+    trip count and the shapes and dtypes it gives (:func:`_matches`)."""
+    outs = collections.Counter(
+        (tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars if hasattr(v.aval, "shape")
     )
+    return eqn.primitive.name, eqn.params.get("length"), tuple(sorted(outs.items()))
+
+
+def _matches(loop_signature: tuple, kernel_signature: tuple) -> bool:
+    """Whether a loop is a copy of a kernel's loop. Differentiation hoists loop-invariant values out
+    of a body and reorders its inputs, and a policy that saves values inside the loop (``dots``)
+    adds outputs to the forward copy and leaves part of the body to the backward copy: a copy has
+    the kernel loop's primitive and trip count and gives at least the values it gives."""
+    if loop_signature[:2] != kernel_signature[:2]:
+        return False
+    outs = dict(loop_signature[2])
+    return all(outs.get(aval, 0) >= n for aval, n in kernel_signature[2])
 
 
 def _is_online_softmax(loop) -> bool:
@@ -286,7 +293,10 @@ def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None
     if split is not None:
         return split, CUSTOM_ATTENTION if _declared(split) or _is_online_softmax(eqn) else CUSTOM
     if custom:
-        return custom.get(_loop_signature(eqn))
+        signature = _loop_signature(eqn)
+        for kernel_signature, found in custom.items():
+            if _matches(signature, kernel_signature) and _computes_floats(eqn):
+                return found
     return None
 
 
@@ -318,8 +328,14 @@ def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, c
         elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
             inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
             runs.update(inner)
+        elif name == "scan":  # the body's outputs that the used outputs need, carries to a fixed point
+            body = eqn.params["jaxpr"].jaxpr
+            body_used = _liveness.scan_body_used_outputs(eqn, used)
+            inner, used_inputs = _count(body, body_used, in_scope, loop_iterations, custom, kinds)
+            times = eqn.params.get("length", 1) if loop_iterations else 1
+            runs.update({k: times * n for k, n in inner.items()})
         else:
-            times = eqn.params.get("length", 1) if loop_iterations and name == "scan" else 1
+            times = 1
             for sub in nested_jaxprs(eqn):
                 inner = _count(sub, [True] * len(sub.outvars), in_scope, loop_iterations, custom, kinds)[0]
                 runs.update({k: times * n for k, n in inner.items()})
@@ -461,27 +477,6 @@ def split_attention_kernels(fn: Callable) -> Callable:
     return split_kernels(fn, _is_attention_call)
 
 
-def _split_scan(eqn, invals, which) -> list:
-    """A ``scan`` equation run with its body's kernel calls split."""
-    n_consts, n_carry = _jax_compat.scan_counts(eqn)
-    consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
-    body = eqn.params["jaxpr"]
-
-    def step(carry, x):
-        outs = _evaluate_split(body.jaxpr, body.consts, [*consts, *carry, *x], which)
-        return outs[:n_carry], outs[n_carry:]
-
-    carry, ys = lax.scan(
-        step,
-        list(init),
-        list(xs),
-        length=eqn.params["length"],
-        reverse=eqn.params["reverse"],
-        unroll=eqn.params.get("unroll", 1),
-    )
-    return [*carry, *ys]
-
-
 def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, flat_args))
@@ -493,7 +488,9 @@ def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
             with jax.named_scope(f"{SPLIT_FORWARD_SCOPE}.{_function_name(eqn)}"):
                 outs = _split_call(eqn, invals)
         elif eqn.primitive.name == "scan" and _holds_call(eqn.params["jaxpr"].jaxpr, which):
-            outs = _split_scan(eqn, invals, which)
+            outs = _engine.rebind_scan(
+                eqn, invals, lambda body, args: _evaluate_split(body.jaxpr, body.consts, args, which)
+            )
         if outs is None:
             outs = _engine.bind_equation(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
@@ -502,10 +499,21 @@ def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _tag_new_residuals(residuals, invals) -> list:
-    """Residuals that are not the call's inputs, tagged :data:`jremat.names.KERNEL_RESIDUALS`."""
+def _tag_kept(residuals, outs, invals) -> tuple[list, list]:
+    """The residuals that are not the call's inputs, and the outputs, tagged
+    :data:`jremat.names.KERNEL_RESIDUALS` (a value that is both, once: the output a policy keeps
+    is then the residual the backward rule reads)."""
     inputs = {id(x) for x in invals}
-    return [r if id(r) in inputs else checkpoint_name(r, names.KERNEL_RESIDUALS) for r in residuals]
+    tagged: dict = {}
+
+    def tag(x):
+        if id(x) in inputs:
+            return x
+        if id(x) not in tagged:
+            tagged[id(x)] = checkpoint_name(x, names.KERNEL_RESIDUALS)
+        return tagged[id(x)]
+
+    return [tag(r) for r in residuals], [tag(o) for o in outs]
 
 
 def _split_call(eqn, invals) -> list | None:
@@ -514,7 +522,7 @@ def _split_call(eqn, invals) -> list | None:
     if found is None:
         return None
     residuals, outs, backward = found
-    residuals = _tag_new_residuals(residuals, stopped)
+    residuals, outs = _tag_kept(residuals, outs, stopped)
 
     @jax.custom_vjp
     def with_gradient(ins, res, outs):

@@ -38,6 +38,7 @@ from jremat import (
     Plan,
     PlanPolicy,
     Program,
+    kernels,
     register,
     require_host_memory,
 )
@@ -82,7 +83,8 @@ class SaveNames(CallbackPolicy):
         super().__init__(jax.checkpoint_policies.save_only_these_names(*self.save))
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        return _checked(fn, self, [(self.save, "names", "save")], prevent_cse)
+        # A kernel's custom_vjp residuals become values tagged kernel_residuals (jremat.kernels).
+        return _checked(kernels.split_kernels(fn), self, [(self.save, "names", "save")], prevent_cse)
 
 
 def _wiring(program: Program) -> tuple[list, dict, dict]:
@@ -233,6 +235,10 @@ class SaveAllExcept(PlanPolicy):
 
     def __init__(self, exclude: Iterable[str]):
         self.exclude = tuple(exclude)
+
+    def checkpoint(self, fn, *, prevent_cse=True):
+        # A kernel's custom_vjp residuals become values it saves, so the kernel runs once (jremat.kernels).
+        return super().checkpoint(kernels.split_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         found = {op.tensor_name for op in program.ops if op.primitive == "name"}

@@ -240,6 +240,9 @@ def attention_core(program: Program) -> frozenset[int]:
 class Selective(PlanPolicy):
     """Save everything except the attention core; never save dropout masks."""
 
+    # An attention kernel's output and statistics, split inside a scan body too (jremat.kernels).
+    saved_tags = (names.KERNEL_RESIDUALS,)
+
     def checkpoint(self, fn, *, prevent_cse=True):
         # A Pallas attention kernel's forward rule runs in the ordinary program, so that its
         # output and log-sum-exp are values the plan keeps (jremat.kernels).
@@ -278,6 +281,12 @@ class Selective(PlanPolicy):
                 lines.append(
                     "fused attention kernel (Pallas): no [seq, seq] tensor to drop; its forward rule runs in the "
                     "program, so its output and log-sum-exp are kept and the kernel is not run again"
+                )
+            if kernels.CUSTOM_ATTENTION in found.kernels:
+                lines.append(
+                    "fused attention kernel (custom_vjp, an online softmax or declared): no [seq, seq] tensor to drop; "
+                    "its forward rule runs in the program, so its output and statistics are kept and the kernel is "
+                    "not run again"
                 )
             if attention.CUDNN in found.kernels:
                 lines.append(
