@@ -68,14 +68,15 @@ class KernelRuns:
     Attributes:
       name: the kernel's name (a ``pallas_call``'s name, an FFI target, a ``custom_vjp`` function's name).
       kind: :data:`jremat.kernels.PALLAS`, :data:`~jremat.kernels.PALLAS_CALL`, :data:`~jremat.kernels.FFI_CALL`, ...
-      runs: runs with the policy (a kernel inside a scan counts once).
-      baseline_runs: runs without remat.
+      runs: runs with the policy (a kernel inside a scan counts once; per layer where
+        :func:`explain_applied` is given ``layers``).
+      baseline_runs: runs without remat, likewise.
     """
 
     name: str
     kind: str
-    runs: int
-    baseline_runs: int
+    runs: float
+    baseline_runs: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,8 @@ class Explanation:
         attention core found by tag or by structure).
       attention_forward_passes: fused attention forward kernels (blockwise, cuDNN) the
         value-and-gradient runs with the policy (:func:`jremat.attention.count_forward_passes`;
-        a kernel inside a scan counts once); ``None`` when not measured.
+        a kernel inside a scan counts once; per layer where :func:`explain_applied` is given
+        ``layers``); ``None`` when not measured.
       baseline_attention_forward_passes: the same without remat.
       kernel_runs: every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a
         ``custom_vjp`` kernel: :mod:`jremat.kernels`), with the policy and without remat; a kernel
@@ -175,7 +177,7 @@ class Explanation:
         if self.kernel_runs:
             lines.append(
                 "  kernel runs in the gradient: "
-                + ", ".join(f"{k.name} {k.runs} (none {k.baseline_runs})" for k in self.kernel_runs)
+                + ", ".join(f"{k.name} {k.runs:g} (none {k.baseline_runs:g})" for k in self.kernel_runs)
             )
         if self.temp_bytes is not None:
             lines.append(
@@ -468,6 +470,7 @@ def explain_applied(
     baseline_temp_bytes: int | None = None,
     whole_function: bool = False,
     scan_layers: bool | None = None,
+    layers: int | None = None,
     _label: str | None = None,
     _name: str | None = None,
     _stack: tuple[int, int, int] | None = None,
@@ -492,6 +495,9 @@ def explain_applied(
         that cause when memory did not fall).
       scan_layers: whether the checkpoints run inside a scan over layers (``None``: unknown);
         chooses the causes named when memory did not fall.
+      layers: the layers the function runs: kernel runs are then counted per layer (a kernel
+        inside a ``scan`` once per iteration, the total divided by ``layers``); ``None``: a
+        kernel inside a scan counts once.
       **kwargs: keyword arguments of both functions.
 
     Returns:
@@ -550,10 +556,11 @@ def explain_applied(
     passes = base_passes = None
     runs: tuple[KernelRuns, ...] = ()
     if flat_base is not None and kernels.count_kernel_runs(tag_jaxpr, primal=tag_jaxpr):
-        runs = _kernel_runs(flat_remat, flat_base, structs, tag_jaxpr)
+        runs = _kernel_runs(flat_remat, flat_base, structs, tag_jaxpr, layers)
         kinds = {k.name: k.kind for k in runs}
         reruns = kernels.kernel_reruns({k.name: k.runs for k in runs}, {k.name: k.baseline_runs for k in runs})
-        messages.extend(f"kernel re-run ({label}): {line}" for line in kernels.kernel_rerun_lines(reruns, kinds))
+        per = " per layer" if layers else ""
+        messages.extend(f"kernel re-run ({label}): {line}" for line in kernels.kernel_rerun_lines(reruns, kinds, per))
         forward = [k for k in runs if k.kind in attention.FORWARD_KINDS]
         if forward:
             passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
@@ -592,20 +599,24 @@ def explain_applied(
     )
 
 
-def _kernel_runs(flat_remat: Callable, flat_base: Callable, structs: list, primal) -> tuple[KernelRuns, ...]:
+def _kernel_runs(flat_remat: Callable, flat_base: Callable, structs: list, primal, layers) -> tuple[KernelRuns, ...]:
     """Each kernel's runs in the value-and-gradient of ``flat_remat`` and of ``flat_base``
     (:func:`jremat.kernels.count_kernel_runs`; ``primal`` is the traced function, where its
-    ``custom_vjp`` kernels are found), under the active remat engine: the engines differ here
-    (remat3 recomputes a custom_vjp call whole)."""
+    ``custom_vjp`` kernels are found; per layer given ``layers``), under the active remat engine:
+    the engines differ here (remat3 recomputes a custom_vjp call whole)."""
     kinds: dict = {}
     counted = [
         kernels.count_kernel_runs(
-            jax.make_jaxpr(_gradient_program(f, structs, True))(*structs), primal=primal, kinds=kinds
+            jax.make_jaxpr(_gradient_program(f, structs, True))(*structs),
+            primal=primal,
+            kinds=kinds,
+            loop_iterations=bool(layers),
         )
         for f in (flat_remat, flat_base)
     ]
+    per = layers or 1
     return tuple(
-        KernelRuns(name, kinds[name], counted[0].get(name, 0), counted[1].get(name, 0))
+        KernelRuns(name, kinds[name], counted[0].get(name, 0) / per, counted[1].get(name, 0) / per)
         for name in sorted(set(counted[0]) | set(counted[1]))
     )
 

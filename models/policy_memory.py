@@ -300,6 +300,7 @@ def explain_step(
         temp_bytes=temp_bytes,
         baseline_temp_bytes=baseline_temp_bytes,
         scan_layers=model_cfg.scan_layers,
+        layers=model_cfg.n_layers,
         _name="the gradient step",
     )
 

@@ -49,7 +49,10 @@ def test_explain_says_when_a_policy_runs_the_kernel_again():
     w, x = _weights(), jax.random.normal(jax.random.key(1), (B, S, H * D))
     explained = jremat.explain(layer, "dots", w, x, compile=False)
     assert explained.attention_forward_passes == 2
-    assert any(m.startswith("fused attention recomputed (dots)") for m in explained.messages)
+    assert any(
+        m.startswith("kernel re-run (dots): kernel blockwise_attention: 2 runs, none: 1; selective keeps")
+        for m in explained.messages
+    )
 
 
 def test_selective_on_cudnn_says_the_kernel_runs_again():
