@@ -28,6 +28,7 @@ import numpy as np
 from jremat import _exactness, registry
 from jremat._decorator import policy as _decorate_with
 from jremat._exactness import CAUSE_RANDOM, CAUSE_STATE, CAUSE_VALUE
+from jremat._explain import explain
 from jremat._policy import Policy
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +383,53 @@ def assert_remat_exact(
             )
 
 
+class KernelRerun(AssertionError):
+    """Raised by :func:`assert_kernels_not_rerun`: the gradient runs a kernel more often under the
+    policy than without remat.
+
+    Attributes:
+      runs: kernel name -> ``(runs with the policy, runs without remat)``, for each re-run kernel.
+    """
+
+    def __init__(self, message, *, runs):
+        super().__init__(message)
+        self.runs = runs
+
+
+def assert_kernels_not_rerun(fn: Callable, policy: str | Policy, *args: Any, **kwargs: Any) -> None:
+    """Assert that the gradient of ``fn`` under ``policy`` runs no kernel more often than without remat.
+
+    A kernel is a ``pallas_call``, an FFI call or a ``custom_vjp`` kernel written in JAX
+    (:mod:`jremat.kernels`); each is counted by name in the traced value-and-gradient (with
+    respect to every float argument), as :func:`jremat.explain` counts them. Nothing is compiled
+    or run.
+
+    Args:
+      fn: a function of pytrees of arrays.
+      policy: a spec string or :class:`jremat.Policy`.
+      *args: arguments; arrays or :class:`jax.ShapeDtypeStruct`.
+      **kwargs: keyword arguments of ``fn``.
+
+    Raises:
+      KernelRerun: (an ``AssertionError``) naming each kernel run more often, its runs with the
+        policy and without, and how to keep it.
+      ValueError: on a bad policy spec, or a policy that cannot apply to ``fn``.
+    """
+
+    explained = explain(fn, policy, *args, compile=False, **kwargs)
+    errors = [m for m in explained.messages if m.startswith("error (")]
+    if errors:
+        raise ValueError(errors[0])
+    runs = {k.name: (k.runs, k.baseline_runs) for k in explained.kernel_runs if k.runs > k.baseline_runs}
+    if runs:
+        lines = [m for m in explained.messages if m.startswith("kernel re-run (")]
+        raise KernelRerun(
+            f"remat under {explained.policy} runs {len(runs)} kernel{'s' if len(runs) != 1 else ''} again in the "
+            "backward pass:\n  " + "\n  ".join(lines),
+            runs=runs,
+        )
+
+
 def _call_module(module, *args, **kwargs):
     return module(*args, **kwargs)
 
@@ -406,8 +454,10 @@ __all__ = [
     "CAUSE_RANDOM",
     "CAUSE_STATE",
     "CAUSE_VALUE",
+    "KernelRerun",
     "PolicyExample",
     "RematMismatch",
+    "assert_kernels_not_rerun",
     "assert_remat_exact",
     "policies",
     "policy_examples",
