@@ -1,7 +1,8 @@
 """jremat: activation rematerialization for JAX with fine-grained policies.
 
 The public API is the names below, plus the public submodules :mod:`jremat.registry`,
-:mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
+:mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention),
+:mod:`jremat.kernels` (kernels such as Pallas attention, recognised and kept), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
 (a pytest plugin), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
 extra, :mod:`jremat.models` (the reference GPT) and :mod:`jremat.train` (the command-line
 tools). Every other module is private (``jremat._...``).
@@ -21,6 +22,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "jremat.ops": (),
     # Memory-efficient attention whose residuals carry names, and a count of fused forward passes.
     "jremat.attention": ("blockwise_attention", "count_forward_passes"),
+    # Kernels the library did not write (Pallas, FFI, custom_vjp): recognised, kept, priced.
+    "jremat.kernels": (),
     # Memory budgets: sizes and fractions such as "6GiB" or 0.5.
     "jremat._budget": ("Budget", "parse_budget"),
     # Compiling: jit with the XLA options under which remat's savings survive.
