@@ -25,6 +25,15 @@ How a kernel is priced (:func:`kernel_cost`), first match wins:
    as free: :data:`UNDECLARED_FLOPS_PER_BYTE` FLOPs per byte of its inputs and outputs, so
    ``skip_cheap`` keeps its outputs rather than running it again.
 
+Attention, the convention: analytic attention FLOPs are those of its matrix products,
+``4·b·h·s²·d`` forward (``q·kᵀ`` and ``p·v``), half that causal. JAX's Pallas flash attention
+(``jax.experimental.pallas.ops.gpu.attention.mha``) gives no ``CostEstimate``, so it is priced by
+body x grid, which counts what the kernel runs: its matmuls, one FLOP per element of its online
+softmax (a few percent at a head width of 64), and, causal, the key blocks at or before each query
+block, the diagonal ones in full: ``(n + 1) / (2n)`` of the unmasked kernel for ``n`` query
+blocks, not ``1/2``. Its backward ``pallas_call`` (``mha_backward``) runs seven ``s x s x d``
+products (it recomputes ``q·kᵀ`` and ``dO·vᵀ`` for ``dq``): ``14·b·h·s²·d``, causal about half.
+
 Declarations are global to the process and read when a function is traced: declare a kernel
 before the first trace of a function that runs it (a traced program is cached per shape).
 """
@@ -134,7 +143,10 @@ def register_kernel(
         with two tuples of :class:`jax.ShapeDtypeStruct` (the call's operands and results).
       bytes_accessed: bytes one call reads and writes, as ``flops``; ``None``: the bytes of its
         operands and results.
-      attention: whether the kernel is a fused attention kernel (:attr:`KernelCost.attention`).
+      attention: whether the kernel is a fused attention kernel (:attr:`KernelCost.attention`):
+        a forward one (its name holds none of :data:`jremat.kernels.BACKWARD_WORDS`) is then one
+        that :func:`jremat.kernels.split_attention_kernels` splits and the attention kernel
+        counts find, whatever its name.
 
     Raises:
       ValueError: if ``match`` is an empty name.
@@ -194,6 +206,14 @@ def kernel_label(eqn) -> str:
     if eqn.primitive.name == FFI_PRIMITIVE:
         return str(eqn.params.get("target_name") or "")
     return str(eqn.params.get("name") or "")
+
+
+def declared_attention(eqn) -> bool:
+    """Whether ``eqn`` is a kernel declared ``attention=True`` (:func:`register_kernel`)."""
+    if not is_kernel(eqn):
+        return False
+    declared = _declaration(kernel_label(eqn))
+    return declared is not None and declared.attention
 
 
 def _avals(variables) -> tuple:

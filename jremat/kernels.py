@@ -24,7 +24,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat
+from jremat import _engine, _jax_compat, _kernel_cost
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -44,10 +44,15 @@ def kernel_name(eqn) -> str | None:
 
 
 def is_attention_forward_kernel(eqn) -> bool:
-    """Whether ``eqn`` is a Pallas attention forward kernel: a ``pallas_call`` named like one of
-    :data:`ATTENTION_WORDS` and none of :data:`BACKWARD_WORDS`."""
-    name = (kernel_name(eqn) or "").lower()
-    return any(w in name for w in ATTENTION_WORDS) and not any(w in name for w in BACKWARD_WORDS)
+    """Whether ``eqn`` is an attention forward kernel: a ``pallas_call`` named like one of
+    :data:`ATTENTION_WORDS`, or a kernel declared ``attention=True``
+    (:func:`jremat.register_kernel`), and named like none of :data:`BACKWARD_WORDS`."""
+    name = _kernel_cost.kernel_label(eqn).lower() if _kernel_cost.is_kernel(eqn) else ""
+    if any(w in name for w in BACKWARD_WORDS):
+        return False
+    return _kernel_cost.declared_attention(eqn) or (
+        kernel_name(eqn) is not None and any(w in name for w in ATTENTION_WORDS)
+    )
 
 
 def holds_attention_kernel(jaxpr) -> bool:

@@ -350,3 +350,12 @@ def test_declarations_from_many_threads_are_all_kept():
     kept = {id(d.match) for d in _kernel_cost._BY_PREDICATE}
     assert kept >= {id(p) for row in predicates for p in row}
     assert all(_kernel_cost._declaration(f"thread{t}_{i}").flops == i for t in range(threads) for i in range(each))
+
+
+def test_a_kernel_declared_attention_is_an_attention_forward_kernel():
+    """Whatever its name: ``add_one`` is no attention kernel until declared one."""
+    x = jax.ShapeDtypeStruct((32,), jnp.float32)
+    (eqn,) = _kernels(jax.make_jaxpr(_add_one())(x))["add_one"]
+    assert not jremat.kernels.is_attention_forward_kernel(eqn)
+    jremat.register_kernel("add_one", flops=32, attention=True)
+    assert jremat.kernels.is_attention_forward_kernel(eqn)
