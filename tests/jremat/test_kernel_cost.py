@@ -359,3 +359,61 @@ def test_a_kernel_declared_attention_is_an_attention_forward_kernel():
     assert not jremat.kernels.is_attention_forward_kernel(eqn)
     jremat.register_kernel("add_one", flops=32, attention=True)
     assert jremat.kernels.is_attention_forward_kernel(eqn)
+
+
+def _square_through_ffi(target):
+    """``x²`` as a ``custom_vjp`` whose forward rule runs the FFI kernel (``d = 2x``) and hands
+    ``d`` to its backward rule as a residual the caller never sees: ``x · d / 2``, gradient ``g · d``."""
+    double = lambda x: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    @jax.custom_vjp
+    def square(x):
+        return x * double(x) / 2
+
+    def square_fwd(x):
+        d = double(x)
+        return x * d / 2, d
+
+    square.defvjp(square_fwd, lambda d, g: (g * d,))
+
+    def block(w, x):
+        return square(jnp.tanh(x @ w)) @ w
+
+    def loss(spec):
+        layer = block if spec == "none" else jremat.checkpoint(block, spec)
+
+        def run(ws, x):
+            for w in ws:
+                x = layer(w, x)
+            return (x**2).mean()
+
+        return run
+
+    return loss
+
+
+def test_skip_cheap_keeps_a_custom_vjp_ffi_kernel_declared_attention(remat_engine, double_ffi_target):
+    """Declared ``attention=True``, the kernel's ``custom_vjp`` is split: its residual is an output
+    ``skip_cheap`` keeps (the FFI call priced by its declaration), so the kernel runs once per
+    layer, as under ``none``, and ``full`` runs it twice (the count sees a re-run)."""
+    jremat.register_kernel(double_ffi_target, flops=1e6, attention=True)
+    loss = _square_through_ffi(double_ffi_target)
+    ws = [jnp.full((16, 16), 0.1 * (i + 1), jnp.float32) for i in range(2)]
+    x = jnp.linspace(-1.0, 1.0, 8 * 16, dtype=jnp.float32).reshape(8, 16)
+    runs = lambda spec: count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss(spec)))(ws, x)) / len(ws)
+    assert [runs(spec) for spec in ("none", "skip_cheap", "full")] == [1, 1, 2]
+    ref_loss, ref_grads = jax.value_and_grad(loss("none"))(ws, x)
+    got_loss, grads = jax.value_and_grad(loss("skip_cheap"))(ws, x)
+    assert abs(float(got_loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
+    assert max_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+def test_skip_cheap_without_the_split_runs_the_ffi_kernel_again(remat_engine, double_ffi_target, monkeypatch):
+    """The split is what keeps the residual: without it ``skip_cheap`` keeps the ``custom_vjp``'s
+    output alone, and the backward pass runs the kernel again for its residual."""
+    monkeypatch.setattr(jremat.kernels, "split_attention_kernels", lambda fn: fn)
+    jremat.register_kernel(double_ffi_target, flops=1e6, attention=True)
+    loss = _square_through_ffi(double_ffi_target)
+    ws = [jnp.full((16, 16), 0.1 * (i + 1), jnp.float32) for i in range(2)]
+    x = jnp.ones((8, 16), jnp.float32)
+    assert count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss("skip_cheap")))(ws, x)) / len(ws) == 2
