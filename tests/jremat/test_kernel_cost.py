@@ -1,7 +1,8 @@
 """Kernels priced as first-class ops: JAX's Pallas flash attention by its body times its grid
 (within 10% of the analytic attention FLOPs), a ``CostEstimate`` where a kernel gives one, an FFI
-call by its declaration (a real FFI target compiled here) or as expensive, and the policies
-that price (``skip_cheap``, ``every_k``) keeping a kernel so that it runs once."""
+call by its declaration (a real FFI target compiled here) or as expensive; the policies that
+price (``skip_cheap``, ``every_k``) keeping a kernel so that it runs once, the budget planner and
+``fit_search``'s time model reading the same price."""
 
 import ctypes
 import os
@@ -417,3 +418,27 @@ def test_skip_cheap_without_the_split_runs_the_ffi_kernel_again(remat_engine, do
     ws = [jnp.full((16, 16), 0.1 * (i + 1), jnp.float32) for i in range(2)]
     x = jnp.ones((8, 16), jnp.float32)
     assert count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss("skip_cheap")))(ws, x)) / len(ws) == 2
+
+
+def test_the_budget_planner_keeps_the_kernel_its_price_makes_costliest(double_ffi_target):
+    """Every op's output is 512 bytes; a budget of one keeps the costliest to recompute: the
+    undeclared FFI call (64 FLOPs per byte in and out), or, declared cheap, a matmul."""
+    from jremat._planner import plan_function
+
+    fn = _with_ffi(double_ffi_target)
+    program = jremat.trace_program(fn, *X_W)
+    assert plan_function(program, "512B") == {_ffi_op(program).index}
+    jremat.register_kernel(double_ffi_target, flops=1)
+    program = jremat.trace_program(fn, *X_W)
+    (kept,) = plan_function(program, "512B")
+    assert program.ops[kept].primitive == "dot_general"
+
+
+def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
+    """fit_search's time model reads the traced step's FLOPs, the kernel's declared price included."""
+    from jremat._fit import _compile
+
+    jremat.register_kernel(double_ffi_target, flops=1e6)
+    step = jax.jit(_with_ffi(double_ffi_target))
+    _, flops, _, _ = _compile(jremat.FitStep(step, X_W))
+    assert flops == 2 * (2 * 8 * 16 * 16) + 8 * 16 + 1e6
