@@ -153,15 +153,20 @@ def _layer_params(seed):
     return {n: jax.random.normal(k, s) / np.sqrt(s[0]) for k, (n, s) in zip(keys, shapes.items())}
 
 
-def _two_layer_loss(spec):
-    block = _block if spec == "none" else jremat.checkpoint(_block, spec)
+def _stacked_loss(block, spec):
+    """Mean square of ``block`` applied once per layer, each checkpointed under ``spec``."""
+    layer = block if spec == "none" else jremat.checkpoint(block, spec)
 
     def loss(layers, x):
         for p in layers:
-            x = block(p, x)
+            x = layer(p, x)
         return (x**2).mean()
 
     return loss
+
+
+def _two_layer_loss(spec):
+    return _stacked_loss(_block, spec)
 
 
 @pytest.fixture(scope="module")
@@ -380,17 +385,7 @@ def _square_through_ffi(target):
     def block(w, x):
         return square(jnp.tanh(x @ w)) @ w
 
-    def loss(spec):
-        layer = block if spec == "none" else jremat.checkpoint(block, spec)
-
-        def run(ws, x):
-            for w in ws:
-                x = layer(w, x)
-            return (x**2).mean()
-
-        return run
-
-    return loss
+    return lambda spec: _stacked_loss(block, spec)
 
 
 def test_skip_cheap_keeps_a_custom_vjp_ffi_kernel_declared_attention(remat_engine, double_ffi_target):
