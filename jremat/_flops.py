@@ -154,9 +154,8 @@ _FOLDS = {
     "ge": lambda a, b: a >= b,
     "eq": lambda a, b: a == b,
     "ne": lambda a, b: a != b,
-    "and": lambda a, b: a and b,
-    "or": lambda a, b: a or b,
-    "not": lambda a: not a,
+    "and": lambda a, b: a & b,  # bitwise on integers, logical on booleans (as 0 and 1)
+    "or": lambda a, b: a | b,
     "select_n": lambda which, *cases: cases[int(which)],
     "convert_element_type": lambda a: a,
     "clamp": lambda lo, x, hi: min(max(x, lo), hi),
