@@ -73,7 +73,7 @@ def split_attention_kernels(fn: Callable) -> Callable:
     """``fn`` with every ``custom_vjp`` call that runs a Pallas attention forward kernel split
     into its forward rule, in the ordinary program, and its backward rule (module docstring).
 
-    A function without such a call is returned as it runs (traced once to find out).
+    ``fn`` is traced once and its program evaluated (with no such call, as it runs).
 
     Args:
       fn: a function of pytrees of arrays.
@@ -84,9 +84,9 @@ def split_attention_kernels(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def split(*args, **kwargs):
+        # The traced program is evaluated, not ``fn`` called again: a second call would draw
+        # a Linen module's random values anew (its RNG counter moved on in the trace).
         closed, _, out_tree = _engine.trace_flat(fn, args, kwargs)
-        if not any(_is_kernel_call(eqn) for eqn in closed.jaxpr.eqns):
-            return fn(*args, **kwargs)
         flat = _evaluate_split(closed, jax.tree.leaves((args, kwargs)))
         return jax.tree.unflatten(out_tree, flat)
 
