@@ -437,3 +437,21 @@ def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
     step = jax.jit(_with_ffi(double_ffi_target))
     _, flops, _, _ = _compile(jremat.FitStep(step, X_W))
     assert flops == 2 * (2 * 8 * 16 * 16) + 8 * 16 + 1e6
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_skip_cheap_runs_the_reference_models_pallas_kernel_once_per_layer(remat_engine, scan_layers):
+    """The reference GPT (Flax NNX) under ``--attention pallas``: as ``none``, not as ``full``."""
+    from jremat.models import preset
+    from jremat.models.programs import attention_forward_passes
+
+    cfg = lambda spec: preset(
+        "tiny",
+        attention="pallas",
+        attention_block_size=8,
+        remat_policy=spec,
+        attn_dropout=0.0,
+        resid_dropout=0.0,
+        scan_layers=scan_layers,
+    )
+    assert [attention_forward_passes(cfg(spec), 2) for spec in ("skip_cheap", "full")] == [1, 2]
