@@ -3,8 +3,9 @@
 A *kernel* is an equation whose work is not a JAX op jremat can price one by one:
 
 * a ``pallas_call`` (JAX's Pallas flash attention, splash attention, grouped matmuls, your own);
-* an FFI custom call, ``jax.ffi.ffi_call`` (the ``ffi_call`` primitive: cuDNN, Transformer
-  Engine, your own CUDA or C++).
+* an FFI custom call, ``jax.ffi.ffi_call`` (the ``ffi_call`` primitive: Transformer Engine,
+  your own CUDA or C++). JAX's own cuDNN attention (``jax.nn.dot_product_attention(...,
+  implementation="cudnn")``) binds primitives of its own, which are not kernels here.
 
 A ``custom_vjp`` / ``custom_jvp`` function whose forward holds one costs its body, kernel included.
 
