@@ -47,6 +47,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     # FLOPs of traced programs (scan bodies times their length).
     "jremat._flops": ("jaxpr_flops", "program_flops"),
+    # Kernels (pallas_call, FFI calls): their price for every policy and analysis, and declaring one.
+    "jremat._kernel_cost": ("KernelCost", "kernel_cost", "register_kernel", "unregister_kernel"),
     # Host offload: whether the backend has host memory, and its cost in FLOPs per byte.
     "jremat._host_offload": ("host_offload_available", "offload_flops_per_byte"),
     # The allocator's live peak of a real run.

@@ -24,7 +24,7 @@ import jax
 from jax import lax
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat
+from jremat import _engine, _jax_compat, _kernel_cost
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -44,10 +44,15 @@ def kernel_name(eqn) -> str | None:
 
 
 def is_attention_forward_kernel(eqn) -> bool:
-    """Whether ``eqn`` is a Pallas attention forward kernel: a ``pallas_call`` named like one of
-    :data:`ATTENTION_WORDS` and none of :data:`BACKWARD_WORDS`."""
-    name = (kernel_name(eqn) or "").lower()
-    return any(w in name for w in ATTENTION_WORDS) and not any(w in name for w in BACKWARD_WORDS)
+    """Whether ``eqn`` is an attention forward kernel: a ``pallas_call`` named like one of
+    :data:`ATTENTION_WORDS`, or a kernel declared ``attention=True``
+    (:func:`jremat.register_kernel`), and named like none of :data:`BACKWARD_WORDS`."""
+    name = _kernel_cost.kernel_label(eqn).lower() if _kernel_cost.is_kernel(eqn) else ""
+    if any(w in name for w in BACKWARD_WORDS):
+        return False
+    return _kernel_cost.declared_attention(eqn) or (
+        kernel_name(eqn) is not None and any(w in name for w in ATTENTION_WORDS)
+    )
 
 
 def holds_attention_kernel(jaxpr) -> bool:
@@ -68,7 +73,7 @@ def split_attention_kernels(fn: Callable) -> Callable:
     """``fn`` with every ``custom_vjp`` call that runs a Pallas attention forward kernel split
     into its forward rule, in the ordinary program, and its backward rule (module docstring).
 
-    A function without such a call is returned as it runs (traced once to find out).
+    ``fn`` is traced once and its program evaluated (with no such call, as it runs).
 
     Args:
       fn: a function of pytrees of arrays.
@@ -79,9 +84,9 @@ def split_attention_kernels(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def split(*args, **kwargs):
+        # The traced program is evaluated, not ``fn`` called again: a second call would draw
+        # a Linen module's random values anew (its RNG counter moved on in the trace).
         closed, _, out_tree = _engine.trace_flat(fn, args, kwargs)
-        if not any(_is_kernel_call(eqn) for eqn in closed.jaxpr.eqns):
-            return fn(*args, **kwargs)
         flat = _evaluate_split(closed, jax.tree.leaves((args, kwargs)))
         return jax.tree.unflatten(out_tree, flat)
 
