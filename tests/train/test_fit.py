@@ -39,6 +39,10 @@ def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_pa
     assert by_policy["full"] > by_policy["none"]
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
     assert re.fullmatch(r"[0-9a-f]{12}", out["digest"])  # its repeatability: tests/jremat/test_fit.py
+    # Two policies' batch searches (1, 2, then the line to within 3%): a regressed search
+    # (exact boundaries, 4x steps: 7 or more each) breaks this.
+    assert out["compiles"] <= 10, [(r["policy"], r["batch_size"]) for r in out["rows"]]
+    assert out["decision"].startswith("fastest measured: ")  # one finalist
 
 
 @pytest.mark.slow
@@ -79,6 +83,31 @@ def test_auto_plans_are_tried_only_above_nones_largest_batch():
 
     searched = (FitProbe("none", 8, 1, 1), FitProbe("full", 12, 1, 1), FitProbe("dots", 8, 1, 1))
     assert fit_lib.auto_plans(100, searched) == [(fit_lib.auto_label(100), 12, 1)]
+
+
+def test_auto_plans_one_plan_for_batches_within_a_few_percent():
+    from jremat import FitProbe
+
+    searched = [FitProbe("none", 40, 1, 1)]
+    searched += [FitProbe(p, b, 1, 1) for p, b in [("full", 108), ("dots", 107), ("selective", 105), ("x", 60)]]
+    label = fit_lib.auto_label(100)
+    # 107 and 105 are within 3% of 108: one plan, at 108
+    assert fit_lib.auto_plans(100, searched) == [(label, 60, 1), (label, 108, 1)]
+
+
+def test_the_search_reuses_the_planners_compile_of_its_plan(monkeypatch):
+    config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
+    builder = fit_lib.GPTStepBuilder(config.model_config, 16, fit_lib.SEARCH_OPTIMIZER)
+    compiles = []
+    real = jremat_fit._compile
+    monkeypatch.setattr(jremat_fit, "_compile", lambda fit_step: compiles.append(fit_step) or real(fit_step))
+    label = fit_lib.auto_label(builder.peak_bytes(builder.config("full", 4, 1), 4, 1))
+    assert builder.config(label, 4, 1) is not None  # the planner compiled its candidates
+    planned = len(compiles)
+    fit_step = builder(label, 4, 1)
+    assert builder(label, 4, 1) is fit_step and fit_step.program.startswith("config ")
+    assert jremat_fit.compile_figures(fit_step)[0] <= builder.peak_bytes(builder.config("full", 4, 1), 4, 1)
+    assert len(compiles) == planned  # no second compile of the plan
 
 
 @pytest.mark.slow  # a whole search, then training: the search itself is tested above and in tests/jremat
