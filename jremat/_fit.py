@@ -378,9 +378,9 @@ def _time_round(compiled, fit_step: FitStep, calls: int) -> float:
 # The search
 # ---------------------------------------------------------------------------------------------
 
-#: The batch search's largest step up before a batch does not fit: a line through batches 1 and 2
-#: overshoots, and an overshoot costs one compile that brackets the boundary, while each step
-#: short of it costs one that does not.
+#: The batch search's second probe and its largest step up before a batch does not fit: a line
+#: through small batches overshoots, and an overshoot costs one compile that brackets the
+#: boundary, while each step short of it costs one that does not.
 SEARCH_GROWTH = 16
 
 
@@ -396,11 +396,13 @@ def largest_fitting(
     max_probes: int | None = None,
     tolerance: float = 0.0,
     growth: int = 4,
+    second_probe: int = 2,
 ) -> tuple[int, bool]:
     """The largest ``n`` in ``1..limit`` with ``peak(n) <= budget``, in few calls of ``peak`` (each a compile).
 
     A compiled peak grows close to linearly in the batch, so each step probes where the line
-    through the largest fitting ``n`` and the nearest probe crosses the budget (2 after 1), at
+    through the largest fitting ``n`` and the nearest probe crosses the budget (``second_probe``
+    after 1), at
     most ``growth`` times the largest fitting ``n`` until one does not fit; then within the
     bracket, at least ``max(1, floor(n * tolerance))`` above ``n`` and with every third step a
     bisection. It ends when ``n`` fits and the smallest ``m`` known not to fit is at most that
@@ -415,6 +417,8 @@ def largest_fitting(
         ``n`` (a few percent of batch is rarely worth another compile).
       growth: the largest factor between the largest fitting ``n`` and the next probe before one
         does not fit.
+      second_probe: the probe after 1 (a compile costs about the same at any batch, and a line
+        through 1 and a larger batch extrapolates better).
 
     Returns:
       ``(n, verified)``: ``n = 0`` if even 1 does not fit; ``verified`` is ``False`` when
@@ -423,8 +427,11 @@ def largest_fitting(
     Raises:
       ValueError: ``tolerance`` outside ``[0, 1)`` or ``growth`` below 2.
     """
-    if not 0.0 <= tolerance < 1.0 or growth < 2:
-        raise ValueError(f"tolerance must be in [0, 1) and growth at least 2, got {tolerance!r} and {growth!r}")
+    if not 0.0 <= tolerance < 1.0 or growth < 2 or second_probe < 2:
+        raise ValueError(
+            f"tolerance must be in [0, 1), growth and second_probe at least 2, got {tolerance!r}, {growth!r}, "
+            f"{second_probe!r}"
+        )
     peaks: dict[int, float] = {}
 
     def fits(n):
@@ -445,7 +452,11 @@ def largest_fitting(
             slope = (peaks[second] - peaks[lo]) / (second - lo)
             guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
         if hi is None:  # capped: a line through small batches overshoots
-            guess = 2 * lo if guess is None else min(max(guess, lo + 1), growth * lo)
+            guess = (
+                (second_probe if len(peaks) == 1 else 2 * lo) if guess is None else min(max(guess, close), growth * lo)
+            )
+        elif guess is not None and guess <= close:  # the line puts the boundary within reach: check it
+            guess = close
         elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
             guess, line_steps = (lo + hi) // 2, 0
         else:
@@ -510,6 +521,7 @@ class _Search:
             limit=max_batch_size,
             tolerance=tolerance,
             growth=SEARCH_GROWTH,
+            second_probe=SEARCH_GROWTH,
         )
         return self.probes[(policy, batch, 1)] if batch else None
 

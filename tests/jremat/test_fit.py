@@ -219,15 +219,28 @@ def test_the_batch_search_stops_within_its_tolerance_in_few_compiles():
         calls.append(batch)
         return 1_000_000 + 100_000 * batch + 150 * batch**2
 
+    def search_calls(budget, peak):
+        calls.clear()
+        found = _fit.largest_fitting(
+            peak, budget, limit=4096, tolerance=0.03, growth=_fit.SEARCH_GROWTH, second_probe=_fit.SEARCH_GROWTH
+        )
+        return found, list(calls)
+
     budget = 16 * 2**20
     exact = max(b for b in range(1, 4097) if peak(b) <= budget)
-    calls.clear()
-    batch, verified = _fit.largest_fitting(peak, budget, limit=4096, tolerance=0.03, growth=_fit.SEARCH_GROWTH)
+    (batch, verified), probed = search_calls(budget, peak)
     assert verified and peak(batch) <= budget and exact - batch <= max(1, math.floor(batch * 0.03))
-    assert len(calls) - 1 <= 6, calls  # 1, 2, 32, past the boundary, then two along the line
+    assert len(probed) <= 6, probed  # 1, 16, past the boundary, two along the line, one to close
+
+    def linear(batch):
+        calls.append(batch)
+        return 1_000_000 + 100_000 * batch
+
+    (batch, _), probed = search_calls(budget, linear)
+    assert batch == 157 and len(probed) <= 4, probed  # linear: 1, 16, the line's answer, one to close
     calls.clear()
     assert _fit.largest_fitting(peak, budget, limit=4096) == (exact, True)
-    assert len(calls) > 6  # the exact boundary at the bench's growth costs more
+    assert len(calls) >= 7  # the exact boundary from batch 2 in 4x steps costs more
 
 
 def test_a_search_of_three_policies_stays_within_its_compile_count(budget):
