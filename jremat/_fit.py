@@ -3,9 +3,9 @@
 :func:`fit_search` takes a step builder ``build(policy, batch_size, micro_batches)`` for any
 model and searches, per policy, the largest batch (or the fewest micro-batches of a fixed
 global batch) whose compiled peak fits the budget, compile-only. The batch search follows the
-line through its probes (a compiled peak grows close to linearly in the batch): batch 1, then 2,
-then where the line crosses the budget (at most ``growth`` times the largest fitting batch), a
-bisection every third step once a batch does not fit, and it stops when the largest fitting batch
+line through its probes (a compiled peak grows close to linearly in the batch): batch 1, then 16,
+then where the line crosses the budget (at most 16 times the largest fitting batch), a bisection
+every third step while the line does not close in, and it stops when the largest fitting batch
 is known to within ``batch_tolerance``. Candidates that are one program at several batches count
 once (the largest batch), as do labels that compile to the same program. A time model (FLOPs and
 bytes over two device rates measured once) ranks the candidates; the best few are run on the
@@ -131,7 +131,7 @@ class FitRow:
       rounds_tokens_per_s: the measured tokens/s of each round.
       origin: ``"search"`` (a policy's largest fitting batch, or fewest micro-batches),
         ``"plan"`` (from ``plans``) or ``"smaller budget"`` (a finalist of a smaller budget of the
-        same search, kept so that throughput never falls as the budget grows).
+        same search, kept so that throughput never falls as the budget grows, beyond the tie rule's noise).
     """
 
     probe: FitProbe
@@ -403,9 +403,9 @@ def largest_fitting(
     A compiled peak grows close to linearly in the batch, so each step probes where the line
     through the largest fitting ``n`` and the nearest probe crosses the budget (``second_probe``
     after 1), at
-    most ``growth`` times the largest fitting ``n`` until one does not fit; then within the
-    bracket, at least ``max(1, floor(n * tolerance))`` above ``n`` and with every third step a
-    bisection. It ends when ``n`` fits and the smallest ``m`` known not to fit is at most that
+    most ``growth`` times the largest fitting ``n`` until one does not fit, then within the
+    bracket; always at least ``max(1, floor(n * tolerance))`` above ``n``, and within the bracket
+    every third step a bisection while the line does not close in. It ends when ``n`` fits and the smallest ``m`` known not to fit is at most that
     far above it (with ``tolerance=0``: ``n + 1`` does not fit), or at ``limit``.
 
     Args:
@@ -425,7 +425,7 @@ def largest_fitting(
       ``max_probes`` ran out before the boundary was found (``n`` fits and is a lower bound).
 
     Raises:
-      ValueError: ``tolerance`` outside ``[0, 1)`` or ``growth`` below 2.
+      ValueError: ``tolerance`` outside ``[0, 1)``, or ``growth`` or ``second_probe`` below 2.
     """
     if not 0.0 <= tolerance < 1.0 or growth < 2 or second_probe < 2:
         raise ValueError(
@@ -452,9 +452,10 @@ def largest_fitting(
             slope = (peaks[second] - peaks[lo]) / (second - lo)
             guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
         if hi is None:  # capped: a line through small batches overshoots
-            guess = (
-                (second_probe if len(peaks) == 1 else 2 * lo) if guess is None else min(max(guess, close), growth * lo)
-            )
+            if guess is None:
+                guess = second_probe if len(peaks) == 1 else 2 * lo
+            else:
+                guess = min(max(guess, close), growth * lo)
         elif guess is not None and guess <= close:  # the line puts the boundary within reach: check it
             guess = close
         elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
@@ -555,12 +556,13 @@ class _Search:
         return self.probes[(policy, global_batch // m, m)]
 
 
-def _digest(budget: int, global_batch, probes, model: TimeModel, finalists, winner: FitProbe) -> str:
+def _digest(budget: int, global_batch, probes, finalists, winner: FitProbe) -> str:
+    # The time model's rates are left out: on a busy host they can move by a power of two between
+    # runs without changing the finalists, and the digest names the decision, not its inputs.
     record = {
         "budget": budget,
         "global_batch": global_batch,
         "probes": sorted([p.policy, p.batch_size, p.micro_batches, p.peak_bytes] for p in probes),
-        "model": [model.flops_per_s, model.bytes_per_s],
         "finalists": [list(k) for k in finalists],
         "winner": list(winner.key),
     }
@@ -759,7 +761,7 @@ def fit_search_budgets(
             winner=winner,
             margin=margin,
             time_model=time_model,
-            digest=_digest(budget, global_batch, probes, time_model, picked, winner.probe),
+            digest=_digest(budget, global_batch, probes, picked, winner.probe),
             search_s=0.0,
             probes=probes,
             within_noise=within_noise,
