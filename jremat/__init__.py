@@ -1,7 +1,8 @@
 """jremat: activation rematerialization for JAX with fine-grained policies.
 
 The public API is the names below, plus the public submodules :mod:`jremat.registry`,
-:mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
+:mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention),
+:mod:`jremat.kernels` (kernels such as Pallas attention, recognised and kept), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
 (a pytest plugin), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
 extra, :mod:`jremat.models` (the reference GPT) and :mod:`jremat.train` (the command-line
 tools). Every other module is private (``jremat._...``).
@@ -21,6 +22,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "jremat.ops": (),
     # Memory-efficient attention whose residuals carry names, and a count of fused forward passes.
     "jremat.attention": ("blockwise_attention", "count_forward_passes"),
+    # Kernels the library did not write (Pallas, FFI, custom_vjp): recognised, kept, priced.
+    "jremat.kernels": (),
     # Memory budgets: sizes and fractions such as "6GiB" or 0.5.
     "jremat._budget": ("Budget", "parse_budget"),
     # Compiling: jit with the XLA options under which remat's savings survive.
@@ -44,6 +47,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     # FLOPs of traced programs (scan bodies times their length).
     "jremat._flops": ("jaxpr_flops", "program_flops"),
+    # Kernels (pallas_call, FFI calls): their price for every policy and analysis, and declaring one.
+    "jremat._kernel_cost": ("KernelCost", "kernel_cost", "register_kernel", "unregister_kernel"),
     # Host offload: whether the backend has host memory, and its cost in FLOPs per byte.
     "jremat._host_offload": ("host_offload_available", "offload_flops_per_byte"),
     # The allocator's live peak of a real run.

@@ -407,13 +407,14 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
     else:
         traced_positions, constants = tuple(range(len(leaves))), ()
     traced_leaves = [leaves[i] for i in traced_positions]
+    n_leaves = len(leaves)  # not `leaves` in flat_fn: the cached trace must not keep this call's arrays alive
     # TypeError (JAX's) on a value JAX cannot trace
     key = (in_tree, tuple(jax.typeof(leaf) for leaf in traced_leaves), constants, statics, static_kwargs, cse)
     flat = traced.get(key)
     if flat is None:
 
         def flat_fn(*dynamic_leaves):
-            all_leaves = [None] * len(leaves)
+            all_leaves = [None] * n_leaves
             for i, _, value in constants:
                 all_leaves[i] = value.value
             for i, leaf in zip(traced_positions, dynamic_leaves):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 
 #: The command that installs the extra, as every message about it names it.
@@ -11,20 +12,24 @@ TRAIN_EXTRA_MODULES = ("flax", "optax", "orbax.checkpoint", "tqdm", "matplotlib"
 
 
 def missing_modules(modules: tuple[str, ...] = TRAIN_EXTRA_MODULES) -> list[str]:
-    """The names in ``modules`` that cannot be imported, without importing them (only a dotted name's parents).
+    """The names in ``modules`` that cannot be imported, found without importing any of them.
 
     Args:
       modules: import names, such as ``"flax"`` or ``"orbax.checkpoint"``.
     """
-    missing = []
-    for name in modules:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:  # a dotted name whose parent is not installed
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+    return [name for name in modules if not _findable(name)]
+
+
+def _findable(name: str) -> bool:
+    # A dotted name's submodules are looked up on its parent's search path: importlib.util.find_spec
+    # would import the parent package to get that path.
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
 
 
 def train_extra_message(what: str, missing: list[str]) -> str:

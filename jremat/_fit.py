@@ -2,9 +2,16 @@
 
 :func:`fit_search` takes a step builder ``build(policy, batch_size, micro_batches)`` for any
 model and searches, per policy, the largest batch (or the fewest micro-batches of a fixed
-global batch) whose compiled peak fits the budget — compile-only, powers of two then bisection.
-A time model (FLOPs and bytes over two device rates measured once) ranks the fitting candidates;
-the best few are then run on the device in interleaved rounds, and the fastest measured wins.
+global batch) whose compiled peak fits the budget, compile-only. The batch search follows the
+line through its probes (a compiled peak grows close to linearly in the batch): batch 1, then 16,
+then where the line crosses the budget (at most 16 times the largest fitting batch), a bisection
+every third step while the line does not close in, and it stops when the largest fitting batch
+is known to within ``batch_tolerance``. Candidates that are one program at several batches count
+once (the largest batch), as do labels that compile to the same program. A time model (FLOPs and
+bytes over two device rates measured once) ranks the candidates; the best few are run on the
+device in interleaved rounds. The fastest measured wins, unless others are within the noise of
+its rounds: then a fixed rule chooses among them (fewer FLOPs per example, then the larger batch,
+then the time model's order), and the result says so.
 
 Every figure in the decision but the finalists' measured times is deterministic: compiled
 peaks, traced FLOPs, XLA's byte counts and the time model's rates, which are rounded to powers of
@@ -52,11 +59,15 @@ class FitStep:
       carry: argument positions fed back from the outputs at the same positions between timed
         calls, e.g. ``(0, 1)`` for ``(params, opt_state, batch...) -> (params, opt_state, loss)``;
         needed when the step donates those arguments.
+      program: what the step computes apart from its batch (default: the policy label). Fitting
+        candidates with one program and micro-batch count are one candidate, the largest batch:
+        e.g. a planner's plan, the same at batches 107 and 108, is timed once.
     """
 
     step: Callable
     args: tuple
     carry: tuple[int, ...] = ()
+    program: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,7 @@ class FitProbe:
         loop body once.
       fingerprint: the optimized HLO's hash (:func:`jremat._compile.hlo_fingerprint`): two labels
         with the same one are the same program, and only the first is a candidate.
+      program: :attr:`FitStep.program`, or the policy label.
     """
 
     policy: str
@@ -95,10 +107,16 @@ class FitProbe:
     flops: float = 0.0
     bytes_accessed: float = 0.0
     fingerprint: str = ""
+    program: str = ""
 
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.policy, self.batch_size, self.micro_batches)
+
+    @property
+    def flops_per_example(self) -> float:
+        """Traced FLOPs of one call per example: the recompute a policy adds, and the optimizer's share."""
+        return self.flops / self.batch_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +131,7 @@ class FitRow:
       rounds_tokens_per_s: the measured tokens/s of each round.
       origin: ``"search"`` (a policy's largest fitting batch, or fewest micro-batches),
         ``"plan"`` (from ``plans``) or ``"smaller budget"`` (a finalist of a smaller budget of the
-        same search, kept so that throughput never falls as the budget grows).
+        same search, kept so that throughput never falls as the budget grows, beyond the tie rule's noise).
     """
 
     probe: FitProbe
@@ -133,13 +151,18 @@ class FitResult:
       global_batch: the fixed global batch, or ``None`` (the batch was chosen).
       tokens_per_example: tokens of one example (1: rates are examples/s).
       rows: every fitting candidate, fastest first (measured, then predicted).
-      winner: the fastest measured finalist.
+      winner: the fastest measured finalist, or, when others are within the noise of its rounds,
+        the one :data:`TIE_RULE` picks among them (see ``within_noise``).
       margin: ``(low, high)`` quartiles of the per-round ratio of the runner-up's tokens/s to the
-        winner's (``None`` with one finalist): how close the decision was.
+        winner's (``None`` with one finalist): how close the decision was. The runner-up is the
+        fastest other finalist; above 1.0 when the tie rule chose a winner measured slower.
       time_model: the model that chose the finalists.
       digest: 12 hex digits over the probes, finalists and winner (equal inputs and times, equal digest).
       search_s: wall seconds of the whole search (shared by the budgets of one search).
       probes: every compile the search made for this budget (by policy, batch, micro-batches).
+      within_noise: the keys of the finalists within the noise of the fastest (it among them),
+        in the time model's order, when there are two or more: the tie rule chose among them;
+        ``()`` when the fastest won outright.
     """
 
     budget_bytes: int
@@ -152,6 +175,16 @@ class FitResult:
     digest: str
     search_s: float
     probes: tuple[FitProbe, ...]
+    within_noise: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def decision(self) -> str:
+        """How the winner was chosen, in one line."""
+        w = self.winner.probe
+        if not self.within_noise:
+            return f"fastest measured: {w.policy} batch {w.batch_size} x {w.micro_batches}"
+        tied = ", ".join(f"{p} batch {b} x {m}" for p, b, m in self.within_noise)
+        return f"within noise ({tied}): chose {w.policy} batch {w.batch_size} x {w.micro_batches} by {TIE_RULE}"
 
     def table(self) -> str:
         """Policy, batch, micro-batches, compiled peak, tokens/s and ratio to the best, one line each."""
@@ -179,6 +212,7 @@ class FitResult:
                 f"  runner-up / winner per round: {self.margin[0]:.3f}..{self.margin[1]:.3f} (quartiles); "
                 "a range that holds 1.0 means the two are within the machine's noise"
             )
+        lines.append(f"  {self.decision}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -192,6 +226,8 @@ class FitResult:
             "compiles": len(self.probes),
             "time_model": dataclasses.asdict(self.time_model),
             "margin": list(self.margin) if self.margin else None,
+            "within_noise": [list(k) for k in self.within_noise],
+            "decision": self.decision,
             "winner": _row_json(self.winner, self.winner),
             "rows": [_row_json(r, self.winner) for r in self.rows],
         }
@@ -289,6 +325,21 @@ def _compile(fit_step: FitStep):
     return int(report.peak_bytes), flops or xla_flops, xla_bytes, hlo_fingerprint(compiled)
 
 
+def compile_figures(fit_step: FitStep) -> tuple[int, float, float, str]:
+    """``(peak bytes, FLOPs, bytes accessed, HLO fingerprint)`` of a step, compile-only, kept on the
+    step: a builder that measured a step (e.g. a planner trying plans) and hands the search the
+    same :class:`FitStep` object costs the search no second compile.
+
+    Raises:
+      FitError: the step has no ``.lower``, or the backend reports no compiled memory figures.
+    """
+    figures = fit_step.__dict__.get("_figures")
+    if figures is None:  # two threads on one step compile it twice, no worse
+        figures = _compile(fit_step)
+        object.__setattr__(fit_step, "_figures", figures)
+    return figures
+
+
 def _filled(leaf):
     if not isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf.copy() if isinstance(leaf, jax.Array) else leaf
@@ -327,31 +378,60 @@ def _time_round(compiled, fit_step: FitStep, calls: int) -> float:
 # The search
 # ---------------------------------------------------------------------------------------------
 
+#: The batch search's second probe and its largest step up before a batch does not fit: a line
+#: through small batches overshoots, and an overshoot costs one compile that brackets the
+#: boundary, while each step short of it costs one that does not.
+SEARCH_GROWTH = 16
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def largest_fitting(
-    peak: Callable[[int], int | None], budget: int, *, limit: int, max_probes: int | None = None
+    peak: Callable[[int], int | None],
+    budget: int,
+    *,
+    limit: int,
+    max_probes: int | None = None,
+    tolerance: float = 0.0,
+    growth: int = 4,
+    second_probe: int = 2,
 ) -> tuple[int, bool]:
     """The largest ``n`` in ``1..limit`` with ``peak(n) <= budget``, in few calls of ``peak`` (each a compile).
 
     A compiled peak grows close to linearly in the batch, so each step probes where the line
-    through the largest fitting ``n`` and the nearest probe crosses the budget (2 after 1), at
-    most 4x the largest fitting ``n`` until one does not fit; then within the bracket, with every
-    third step a bisection. It ends when ``n`` fits and ``n + 1`` does not, or at ``limit``.
+    through the largest fitting ``n`` and the nearest probe crosses the budget (``second_probe``
+    after 1), at
+    most ``growth`` times the largest fitting ``n`` until one does not fit, then within the
+    bracket; always at least ``max(1, floor(n * tolerance))`` above ``n``, and within the bracket
+    every third step a bisection while the line does not close in. It ends when ``n`` fits and the smallest ``m`` known not to fit is at most that
+    far above it (with ``tolerance=0``: ``n + 1`` does not fit), or at ``limit``.
 
     Args:
       peak: bytes at ``n``; ``None`` counts as not fitting.
       budget: the bytes allowed.
       limit: the largest ``n`` tried.
       max_probes: stop after this many calls of ``peak`` (``None``: no cap).
+      tolerance: the fraction of ``n`` by which the answer may fall short of the largest fitting
+        ``n`` (a few percent of batch is rarely worth another compile).
+      growth: the largest factor between the largest fitting ``n`` and the next probe before one
+        does not fit.
+      second_probe: the probe after 1 (a compile costs about the same at any batch, and a line
+        through 1 and a larger batch extrapolates better).
 
     Returns:
       ``(n, verified)``: ``n = 0`` if even 1 does not fit; ``verified`` is ``False`` when
       ``max_probes`` ran out before the boundary was found (``n`` fits and is a lower bound).
+
+    Raises:
+      ValueError: ``tolerance`` outside ``[0, 1)``, or ``growth`` or ``second_probe`` below 2.
     """
+    if not 0.0 <= tolerance < 1.0 or growth < 2 or second_probe < 2:
+        raise ValueError(
+            f"tolerance must be in [0, 1), growth and second_probe at least 2, got {tolerance!r}, {growth!r}, "
+            f"{second_probe!r}"
+        )
     peaks: dict[int, float] = {}
 
     def fits(n):
@@ -362,7 +442,8 @@ def largest_fitting(
     if not fits(1):
         return 0, True
     lo, hi, line_steps = 1, None, 0
-    while lo < limit and (hi is None or hi > lo + 1):
+    while lo < limit and (hi is None or hi - lo > max(1, math.floor(lo * tolerance))):
+        close = lo + max(1, math.floor(lo * tolerance))  # a probe there that does not fit ends the search
         if max_probes is not None and len(peaks) >= max_probes:
             return lo, False
         second = hi if hi is not None else max((n for n in peaks if n < lo), default=None)
@@ -370,12 +451,17 @@ def largest_fitting(
         if second is not None and peaks[second] != peaks[lo]:
             slope = (peaks[second] - peaks[lo]) / (second - lo)
             guess = lo + int((budget - peaks[lo]) // slope) if slope > 0 else None
-        if hi is None:  # at most 4x per step: a line through small batches overshoots
-            guess = 2 * lo if guess is None else min(max(guess, lo + 1), 4 * lo)
+        if hi is None:  # capped: a line through small batches overshoots
+            if guess is None:
+                guess = second_probe if len(peaks) == 1 else 2 * lo
+            else:
+                guess = min(max(guess, close), growth * lo)
+        elif guess is not None and guess <= close:  # the line puts the boundary within reach: check it
+            guess = close
         elif guess is None or line_steps >= 2:  # the line is not closing in: bisect
             guess, line_steps = (lo + hi) // 2, 0
         else:
-            guess, line_steps = min(max(guess, lo + 1), hi - 1), line_steps + 1
+            guess, line_steps = min(max(guess, close), hi - 1), line_steps + 1
         guess = min(guess, limit)
         if fits(guess):
             lo = guess
@@ -401,8 +487,11 @@ class _Search:
             if fit_step is None:
                 self.probes[key] = FitProbe(policy, batch_size, micro_batches, None)
             else:
-                peak, flops, nbytes, fingerprint = _compile(fit_step)
-                self.probes[key] = FitProbe(policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint)
+                peak, flops, nbytes, fingerprint = compile_figures(fit_step)
+                program = fit_step.program if fit_step.program is not None else policy
+                self.probes[key] = FitProbe(
+                    policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint, program
+                )
                 self.steps[key] = fit_step
         if key not in self.order:
             self.order.append(key)
@@ -424,9 +513,17 @@ class _Search:
                 out[key].append(calls * key[1] * tokens_per_example / seconds)
         return out
 
-    def largest_batch(self, policy: str, budget: int, max_batch_size: int) -> FitProbe | None:
-        """The probe of the largest batch whose peak fits (:func:`largest_fitting`), or ``None``."""
-        batch, _ = largest_fitting(lambda b: self.probe(policy, b, 1).peak_bytes, budget, limit=max_batch_size)
+    def largest_batch(self, policy: str, budget: int, max_batch_size: int, tolerance: float) -> FitProbe | None:
+        """The probe of the largest batch whose peak fits (:func:`largest_fitting`, to within
+        ``tolerance``), or ``None``."""
+        batch, _ = largest_fitting(
+            lambda b: self.probe(policy, b, 1).peak_bytes,
+            budget,
+            limit=max_batch_size,
+            tolerance=tolerance,
+            growth=SEARCH_GROWTH,
+            second_probe=SEARCH_GROWTH,
+        )
         return self.probes[(policy, batch, 1)] if batch else None
 
     def fewest_micro_batches(self, policy: str, budget: int, global_batch: int) -> FitProbe | None:
@@ -459,12 +556,13 @@ class _Search:
         return self.probes[(policy, global_batch // m, m)]
 
 
-def _digest(budget: int, global_batch, probes, model: TimeModel, finalists, winner: FitProbe) -> str:
+def _digest(budget: int, global_batch, probes, finalists, winner: FitProbe) -> str:
+    # The time model's rates are left out: on a busy host they can move by a power of two between
+    # runs without changing the finalists, and the digest names the decision, not its inputs.
     record = {
         "budget": budget,
         "global_batch": global_batch,
         "probes": sorted([p.policy, p.batch_size, p.micro_batches, p.peak_bytes] for p in probes),
-        "model": [model.flops_per_s, model.bytes_per_s],
         "finalists": [list(k) for k in finalists],
         "winner": list(winner.key),
     }
@@ -499,6 +597,48 @@ def _resolve_budgets(budgets) -> list[int]:
     return out
 
 
+def _one_per_program(probes: Sequence[FitProbe]) -> list[FitProbe]:
+    """One probe per (program, micro-batches): the largest batch (the first listed among equals),
+    in the order of each program's first probe."""
+    best: dict[tuple[str, int], FitProbe] = {}
+    for p in probes:
+        group = (p.program or p.policy, p.micro_batches)
+        if group not in best or p.batch_size > best[group].batch_size:
+            best[group] = p
+    return list(best.values())
+
+
+#: The rule that decides among finalists within the noise of the fastest, in words.
+TIE_RULE = "fewer FLOPs per example (less recompute), then the larger batch, then the better predicted"
+
+
+def _decide(picked: Sequence[tuple], rounds_tps: dict, probes: dict, noise_tolerance: float) -> tuple[tuple, tuple]:
+    """``(winner key, keys within noise of the fastest)``: the fastest median, or by :data:`TIE_RULE`
+    among the finalists whose per-round ratio to the fastest has an upper quartile of at least
+    ``1 - noise_tolerance`` (``picked`` is in the time model's order)."""
+    fastest = min(picked, key=lambda k: (-statistics.median(rounds_tps[k]), picked.index(k)))
+    tied = [fastest]
+    for key in picked:
+        if key != fastest:
+            ratios = [a / b for a, b in zip(rounds_tps[key], rounds_tps[fastest])]
+            if _quartiles(ratios)[1] >= 1.0 - noise_tolerance:
+                tied.append(key)
+    if len(tied) == 1:
+        return fastest, ()
+    winner = min(
+        tied,
+        key=lambda k: (probes[k].flops_per_example, -probes[k].batch_size * probes[k].micro_batches, picked.index(k)),
+    )
+    return winner, tuple(k for k in picked if k in tied)
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) == 1:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, high
+
+
 def fit_search_budgets(
     build: StepBuilder,
     policies: Sequence[str],
@@ -515,13 +655,16 @@ def fit_search_budgets(
     dtype: str = "float32",
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
+    batch_tolerance: float = 0.03,
+    noise_tolerance: float = 0.03,
 ) -> list[FitResult]:
     """:func:`fit_search` for several budgets at once, smallest first, timed in one session.
 
     Each budget's finalists include the smaller budgets' finalists (they fit a larger budget
-    too), and all finalists are timed in the same interleaved rounds, so the winner's measured
-    throughput never falls as the budget grows. Arguments as :func:`fit_search`; returns one
-    :class:`FitResult` per budget, in the order given.
+    too, and are kept at their own batch even where the same program fits a larger one), and
+    all finalists are timed in the same interleaved rounds, so the winner's measured throughput
+    falls as the budget grows by no more than the noise the tie rule allows. Arguments as
+    :func:`fit_search`; returns one :class:`FitResult` per budget, in the order given.
     """
     if finalists < 1 or rounds < 1 or calls_per_round < 1:
         raise FitError(
@@ -531,6 +674,9 @@ def fit_search_budgets(
         raise FitError(f"global batch must be a positive whole number, got {global_batch!r}")
     if not policies:
         raise FitError("give at least one policy to search")
+    for name, value in (("batch_tolerance", batch_tolerance), ("noise_tolerance", noise_tolerance)):
+        if not 0.0 <= value < 1.0:
+            raise FitError(f"{name} must be a fraction in [0, 1), got {value!r}")
     t0 = time.perf_counter()
     workers = workers or os.cpu_count() or 1
     budget_list = _resolve_budgets(budgets)
@@ -542,14 +688,14 @@ def fit_search_budgets(
     def predicted(p: FitProbe) -> float:
         return p.batch_size * tokens_per_example / time_model.step_s(p.flops, p.bytes_accessed)
 
-    chosen: dict[int, tuple[list[FitProbe], list[tuple], list[tuple]]] = {}
+    chosen: dict[int, tuple[list[FitProbe], list[tuple], list[tuple], dict]] = {}
     earlier: list[tuple] = []  # the finalists of the smaller budgets: they fit this one too
     for budget in sorted(set(budget_list)):
         search.order = []
 
         def searched(policy, budget=budget):
             if global_batch is None:
-                return search.largest_batch(policy, budget, max_batch_size)
+                return search.largest_batch(policy, budget, max_batch_size, batch_tolerance)
             return search.fewest_micro_batches(policy, budget, global_batch)
 
         # One policy's compiles depend on each other; different policies' do not, and XLA
@@ -561,11 +707,11 @@ def fit_search_budgets(
             p = search.probe(*key)
             if p.peak_bytes is not None and p.peak_bytes <= budget:
                 plan_probes.append(p)
-        fitting += plan_probes
+        origin = {p.key: "search" for p in fitting}
+        origin.update({p.key: "plan" for p in plan_probes if p.key not in origin})
+        fitting = _one_per_program(fitting + plan_probes)
         if not fitting:
             raise _nothing_fits(budget, search.probes.values(), global_batch)
-        origin = {p.key: "search" for p in fitting[: len(fitting) - len(plan_probes)]}
-        origin.update({p.key: "plan" for p in plan_probes if p.key not in origin})
         origin.update({k: "smaller budget" for k in earlier if k not in origin})
         fitting.extend(search.probes[k] for k in earlier)
         same_program: dict[str | tuple, FitProbe] = {}  # the first label of each compiled program stands for it
@@ -587,7 +733,8 @@ def fit_search_budgets(
     results: dict[int, FitResult] = {}
     for budget in sorted(chosen):
         fitting, picked, order, origin = chosen[budget]
-        win_key = min(picked, key=lambda k: (-measured(k), picked.index(k)))
+        by_prediction = sorted(picked, key=lambda k: -predicted(search.probes[k]))
+        win_key, within_noise = _decide(by_prediction, rounds_tps, search.probes, noise_tolerance)
         rows = [
             FitRow(
                 p,
@@ -604,9 +751,7 @@ def fit_search_budgets(
         runner_up = next((r for r in rows if r.finalist and r is not winner), None)
         margin = None
         if runner_up is not None:
-            paired = [a / b for a, b in zip(runner_up.rounds_tokens_per_s, winner.rounds_tokens_per_s)]
-            low, _, high = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
-            margin = (low, high)
+            margin = _quartiles([a / b for a, b in zip(runner_up.rounds_tokens_per_s, winner.rounds_tokens_per_s)])
         probes = tuple(sorted((search.probes[k] for k in order), key=lambda p: p.key))
         results[budget] = FitResult(
             budget_bytes=budget,
@@ -616,9 +761,10 @@ def fit_search_budgets(
             winner=winner,
             margin=margin,
             time_model=time_model,
-            digest=_digest(budget, global_batch, probes, time_model, picked, winner.probe),
+            digest=_digest(budget, global_batch, probes, picked, winner.probe),
             search_s=0.0,
             probes=probes,
+            within_noise=within_noise,
         )
     search_s = time.perf_counter() - t0
     return [dataclasses.replace(results[b], search_s=search_s) for b in budget_list]
@@ -661,12 +807,19 @@ def fit_search(
 ) -> FitResult:
     """The (policy, batch) with the highest measured throughput whose compiled peak fits ``budget``.
 
-    Per policy, the largest batch that fits (compile-only: 1, 2, 4, ... then bisection up to
-    ``max_batch_size``) or, with ``global_batch``, the fewest micro-batches that divide it and
-    fit; ``plans`` may add candidates at chosen batches.
+    Per policy, the largest batch that fits to within ``batch_tolerance`` (compile-only, up to
+    ``max_batch_size``: batch 1, 2, then where the line through the probes crosses the budget,
+    see :func:`largest_fitting`) or, with ``global_batch``, the fewest micro-batches that divide
+    it and fit; ``plans`` may add candidates at chosen batches. One program (:attr:`FitStep.program`)
+    at several batches is one candidate, its largest batch, and labels that compile to the same
+    program are one candidate, the first.
     The ``finalists`` best by the time model are run on the device in ``rounds`` interleaved
-    rounds of ``calls_per_round`` calls (rounded up to whole optimizer steps); the fastest
-    median wins, ties going to the better predicted.
+    rounds of ``calls_per_round`` calls (rounded up to whole optimizer steps). The fastest
+    median wins, unless other finalists are within the noise: their per-round ratio to the
+    fastest has an upper quartile of at least ``1 - noise_tolerance``. Then the winner among
+    them is the one with the fewest traced FLOPs per example (the least recompute), then the
+    larger batch, then the better predicted (:attr:`FitResult.within_noise` lists them, and
+    :attr:`FitResult.decision` says so).
 
     Args:
       build: ``build(policy, batch_size, micro_batches)`` -> :class:`FitStep`, ``(step, args)``
@@ -688,13 +841,17 @@ def fit_search(
       progress: called with a short line before each compile and each timed round.
       workers: threads that search policies at once (default: the CPU count); the result does
         not depend on it.
+      batch_tolerance: the batch search stops once the largest fitting batch is known to within
+        this fraction (a batch a few percent larger is not worth a compile); 0 finds it exactly.
+      noise_tolerance: a finalist whose per-round tokens/s reach this fraction below the
+        fastest's in at least a quarter of the rounds is within noise of it.
 
     Returns:
       A :class:`FitResult`.
 
     Raises:
       FitError: nothing fits (with the smallest compiled peak found and its policy and batch), a
-        fractional budget, bad search settings, a builder that returns something else, or a
+        fractional budget, bad search settings (a tolerance outside ``[0, 1)``), a builder that returns something else, or a
         backend without compiled memory figures.
     """
     return fit_search_budgets(build, policies, [budget], **kwargs)[0]

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine
+from jremat import _engine, _kernel_cost
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -120,8 +120,12 @@ def equation_flops(eqn) -> float:
     elements x kernel elements / output features. Reductions: input elements. Nested
     checkpoint / custom-derivative calls: the sum over their body. Shape-only ops: 0.
     ``dynamic_update_slice``: one per element written (the update; XLA writes in place).
+    A kernel (a ``pallas_call``, an FFI call): its price (:func:`jremat.kernel_cost`).
     Everything else (elementwise): one FLOP per output element.
     """
+    kernel_flops = _kernel_cost.kernel_flops(eqn)
+    if kernel_flops is not None:
+        return kernel_flops
     name = eqn.primitive.name
     if name in SHAPE_ONLY_PRIMITIVES:
         return 0.0

@@ -27,7 +27,7 @@ become ordinary values (those that are not the call's inputs tagged
 output feeds them to the kernel's own backward rule. The values and gradients are the kernel's;
 only what is visible to a policy changes. ``selective`` splits attention kernels
 (:func:`split_attention_kernels`: a Pallas kernel named like attention, a loop with an online
-softmax, or a kernel declared with :func:`declare_attention_kernel`); ``names`` and
+softmax, or a kernel declared ``attention=True`` with :func:`jremat.register_kernel`); ``names`` and
 ``names_except`` split every kernel.
 """
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import threading
 from collections.abc import Callable, Mapping
 
 import jax
@@ -44,7 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _liveness, names
+from jremat import _engine, _jax_compat, _kernel_cost, _liveness, names
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -91,14 +90,14 @@ def kernel_name(eqn) -> str | None:
 
 
 def is_attention_forward_kernel(eqn) -> bool:
-    """Whether ``eqn`` is a Pallas attention forward kernel: a ``pallas_call`` named like one of
-    :data:`ATTENTION_WORDS` and none of :data:`BACKWARD_WORDS`, or one declared with
-    :func:`declare_attention_kernel`."""
-    name = (kernel_name(eqn) or "").lower()
-    if not name:
+    """Whether ``eqn`` is an attention forward kernel: a ``pallas_call`` named like one of
+    :data:`ATTENTION_WORDS`, or a kernel declared ``attention=True``
+    (:func:`jremat.register_kernel`), and named like none of :data:`BACKWARD_WORDS`."""
+    name = _kernel_cost.kernel_label(eqn).lower() if _kernel_cost.is_kernel(eqn) else ""
+    if any(w in name for w in BACKWARD_WORDS):
         return False
-    return _declared(kernel_name(eqn)) or (
-        any(w in name for w in ATTENTION_WORDS) and not any(w in name for w in BACKWARD_WORDS)
+    return _kernel_cost.declared_attention(eqn) or (
+        kernel_name(eqn) is not None and any(w in name for w in ATTENTION_WORDS)
     )
 
 
@@ -112,55 +111,11 @@ def holds_attention_kernel(jaxpr) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------------
-# Declared attention kernels
-
-_declared_lock = threading.Lock()
-_declared_names: set[str] = set()
-_declared_predicates: list[Callable[[str], bool]] = []
-
-
-def declare_attention_kernel(name_or_predicate: str | Callable[[str], bool]) -> None:
-    """Declare the kernels of a name (or whose name a predicate accepts) attention kernels.
-
-    A declared kernel is one ``selective`` keeps: the ``custom_vjp`` call holding it is split
-    (:func:`split_attention_kernels`) so that its output and statistics are kept and the kernel
-    runs once. The name is the one :func:`count_kernel_runs` and ``jremat.explain`` report: a
-    ``pallas_call``'s name, an FFI call's target, a ``custom_vjp`` function's ``__name__``. Kernels
-    JAX ships (Pallas ``mha``/flash/splash) and ``custom_vjp`` loops with an online softmax are
-    recognised without a declaration.
-
-    Args:
-      name_or_predicate: a kernel name, or a function of a kernel name returning a bool.
-
-    Raises:
-      ValueError: if it is an empty string, or neither a string nor callable.
-    """
-    with _declared_lock:
-        if isinstance(name_or_predicate, str) and name_or_predicate:
-            _declared_names.add(name_or_predicate)
-        elif callable(name_or_predicate) and not isinstance(name_or_predicate, str):
-            _declared_predicates.append(name_or_predicate)
-        else:
-            raise ValueError(
-                "declare_attention_kernel takes a kernel name (a non-empty str: a pallas_call's name, an FFI "
-                f"target, a custom_vjp function's name) or a predicate on names, got {name_or_predicate!r}"
-            )
-
-
-def forget_attention_kernel(name_or_predicate: str | Callable[[str], bool]) -> None:
-    """Undo :func:`declare_attention_kernel` for this name or predicate (no error if not declared)."""
-    with _declared_lock:
-        _declared_names.discard(name_or_predicate) if isinstance(name_or_predicate, str) else None
-        if name_or_predicate in _declared_predicates:
-            _declared_predicates.remove(name_or_predicate)
-
-
 def _declared(name: str | None) -> bool:
-    if not name:
-        return False
-    with _declared_lock:
-        return name in _declared_names or any(p(name) for p in _declared_predicates)
+    """Whether kernels of ``name`` are declared attention (:func:`jremat.register_kernel` with
+    ``attention=True``): for a ``custom_vjp`` kernel written in JAX, its function's name."""
+    found = _kernel_cost._declaration(name) if name else None
+    return found is not None and found.attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,11 +189,11 @@ def _opaque_kernel(eqn) -> tuple[str, str] | None:
     prim = eqn.primitive.name
     if prim in CUDNN_FORWARD_PRIMITIVES:
         return prim, CUDNN
-    if prim == "pallas_call":
-        return kernel_name(eqn) or "pallas_call", PALLAS if is_attention_forward_kernel(eqn) else PALLAS_CALL
-    if prim == "ffi_call":
-        target = str(eqn.params.get("target_name") or "ffi_call")
-        return target, CUSTOM_ATTENTION if _declared(target) else FFI_CALL
+    if _kernel_cost.is_kernel(eqn):
+        name = _kernel_cost.kernel_label(eqn) or prim
+        if is_attention_forward_kernel(eqn):
+            return name, PALLAS
+        return name, PALLAS_CALL if prim == "pallas_call" else FFI_CALL
     return None
 
 
@@ -394,8 +349,8 @@ def avoid_rerun_advice(kind: str) -> str:
     if kind in (PALLAS, CUSTOM_ATTENTION):
         return f"selective keeps its output and log-sum-exp; or {keep}"
     return (
-        f"{keep} where a custom_vjp wraps it; or jremat.declare_attention_kernel(name) if it computes attention, "
-        "for selective"
+        f"{keep} where a custom_vjp wraps it; or, if it computes attention, jremat.register_kernel(name, ..., "
+        "attention=True) for selective"
     )
 
 
@@ -448,7 +403,7 @@ def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
     ``lax.scan`` bodies) split into its forward rule, in the ordinary program, and its backward
     rule (module docstring).
 
-    A function without such a call is returned as it runs (traced once to find out). Calls inside
+    ``fn`` is traced once and its program evaluated (with no such call, as it runs). Calls inside
     ``cond`` branches or ``while`` bodies, and ``custom_jvp`` kernels, are left whole.
 
     Args:
@@ -462,9 +417,9 @@ def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
 
     @functools.wraps(fn)
     def split(*args, **kwargs):
+        # The traced program is evaluated, not ``fn`` called again: a second call would draw
+        # a Linen module's random values anew (its RNG counter moved on in the trace).
         closed, _, out_tree = _engine.trace_flat(fn, args, kwargs)
-        if not _holds_call(closed.jaxpr, which):
-            return fn(*args, **kwargs)
         flat = _evaluate_split(closed.jaxpr, closed.consts, jax.tree.leaves((args, kwargs)), which)
         return jax.tree.unflatten(out_tree, flat)
 

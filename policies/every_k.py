@@ -6,13 +6,15 @@ calls inlined; see :mod:`jremat._program` for what counts: shape-only ops, name 
 derived only from PRNG keys or constants do not). The outputs of ops 0, k, 2k, ... are saved.
 ``k=1`` saves every compute op (about ``none``); ``k`` above the op count saves only op 0
 (about ``full``). With ``skip_cheap=true`` only non-cheap ops are numbered (see
-:mod:`policies.skip_cheap`). The choice is made from the traced program, so it is the same
-however often JAX calls it.
+:mod:`policies.skip_cheap`), in the program ``skip_cheap`` sees (an attention kernel's
+``custom_vjp`` split, so a numbered kernel keeps its statistics too). A kernel (a
+``pallas_call``, an FFI call, a ``custom_vjp`` function that runs one) is one compute op. The
+choice is made from the traced program, so it is the same however often JAX calls it.
 """
 
 from __future__ import annotations
 
-from jremat import Param, Plan, PlanPolicy, Program, register
+from jremat import Param, Plan, PlanPolicy, Program, kernels, register
 from jremat.policies.skip_cheap import DEFAULT_MIN_FLOPS_PER_BYTE, is_cheap
 
 
@@ -23,6 +25,11 @@ class EveryK(PlanPolicy):
         self.k = k
         self.skip_cheap = skip_cheap
         self.min_flops_per_byte = min_flops_per_byte
+
+    def checkpoint(self, fn, *, prevent_cse=True):
+        if self.skip_cheap:
+            fn = kernels.split_attention_kernels(fn)
+        return super().checkpoint(fn, prevent_cse=prevent_cse)
 
     def numbered_ops(self, program: Program):
         """The ops this policy numbers, in order (all compute ops, or the non-cheap ones)."""

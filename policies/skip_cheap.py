@@ -5,11 +5,18 @@ from its inputs divided by the bytes its output takes. Elementwise ops (about on
 element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_general`` costs
 ``2 x contracted`` FLOPs per output element, so a matmul over 64 features in bf16 is
 64 FLOP/byte. Ops below ``min_flops_per_byte`` are recomputed.
+
+A kernel (a ``pallas_call``, an FFI call, a ``custom_vjp`` function that runs one) costs its
+price (:func:`jremat.kernel_cost`: declared, its ``CostEstimate``, its body times its grid, or
+expensive if nobody declared it), per byte of its outputs. A ``custom_vjp`` attention kernel's
+forward rule runs in the checkpointed program (:func:`jremat.kernels.split_attention_kernels`),
+so the output and statistics it hands its backward rule are outputs this policy can keep, and a
+kept kernel runs once.
 """
 
 from __future__ import annotations
 
-from jremat import Op, Param, Plan, PlanPolicy, Program, register
+from jremat import Op, Param, Plan, PlanPolicy, Program, kernels, register
 
 DEFAULT_MIN_FLOPS_PER_BYTE = 8.0
 
@@ -24,6 +31,10 @@ class SkipCheap(PlanPolicy):
 
     def __init__(self, min_flops_per_byte: float):
         self.min_flops_per_byte = min_flops_per_byte
+
+    def checkpoint(self, fn, *, prevent_cse=True):
+        # Keeping an attention kernel's output alone would leave its log-sum-exp to recompute.
+        return super().checkpoint(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         return Plan(save=frozenset(op.index for op in program.compute_ops if not is_cheap(op, self.min_flops_per_byte)))

@@ -11,11 +11,12 @@ the search measured is exactly what trains. ``train.memory --fit`` prints and pl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 
 import jremat
 from jremat import registry
-from jremat._compile import fast_analysis_compile
+from jremat._fit import compile_figures
 from jremat.models import ModelConfig
 from jremat.models.planning import plan_for_budget
 from jremat.models.programs import adam_train_step
@@ -49,23 +50,25 @@ class GPTStepBuilder:
         self.seq_len = seq_len
         self.optimizer = optimizer
         self._configs: dict[tuple, ModelConfig | None] = {}
-        self._peaks: dict[tuple, int] = {}
+        self._steps: dict[tuple, jremat.FitStep] = {}
         self.plans: dict[tuple, jremat.LayerPlan] = {}
 
     def step(self, cfg: ModelConfig, batch_size: int, micro_batches: int) -> jremat.FitStep:
-        """The jitted train step of ``cfg`` and its abstract arguments."""
-        tx = dataclasses.replace(self.optimizer, accum=micro_batches).build()
-        _, graphdef, tx, args = adam_train_step(cfg, batch_size, self.seq_len, tx=tx)
-        return jremat.FitStep(make_train_step(graphdef, tx), args, carry=(0, 1))
+        """The jitted train step of ``cfg`` and its abstract arguments (one object per config and
+        shape, so that a compile the planner made is the search's too). Its program is the
+        config: one config at several batches is one candidate."""
+        key = (cfg, batch_size, micro_batches)
+        if key not in self._steps:
+            tx = dataclasses.replace(self.optimizer, accum=micro_batches).build()
+            _, graphdef, tx, args = adam_train_step(cfg, batch_size, self.seq_len, tx=tx)
+            program = hashlib.sha1(repr(cfg).encode()).hexdigest()[:12]
+            fit_step = jremat.FitStep(make_train_step(graphdef, tx), args, carry=(0, 1), program=f"config {program}")
+            self._steps.setdefault(key, fit_step)
+        return self._steps[key]
 
     def peak_bytes(self, cfg: ModelConfig, batch_size: int, micro_batches: int) -> int:
-        """The compiled peak of ``cfg``'s train step (cached): the auto planner's measurement."""
-        key = (cfg, batch_size, micro_batches)
-        if key not in self._peaks:
-            fit_step = self.step(cfg, batch_size, micro_batches)
-            compiled = fast_analysis_compile(fit_step.step.lower(*fit_step.args))
-            self._peaks[key] = jremat.compiled_memory_report(compiled).peak_bytes
-        return self._peaks[key]
+        """The compiled peak of ``cfg``'s train step (kept with the step): the auto planner's measurement."""
+        return compile_figures(self.step(cfg, batch_size, micro_batches))[0]
 
     def config(self, policy: str, batch_size: int, micro_batches: int) -> ModelConfig | None:
         """The model config of a label at a batch; ``None`` when an ``auto`` budget has no plan there."""
@@ -101,12 +104,22 @@ class GPTStepBuilder:
         return None if cfg is None else self.step(cfg, batch_size, micro_batches)
 
 
+#: Batches this close (a fraction of the larger) get one ``auto`` plan, at the larger: a plan a
+#: few percent of batch apart is not worth its compiles.
+PLAN_BATCH_TOLERANCE = 0.03
+
+
 def auto_plans(budget_bytes: int, searched) -> list[tuple[str, int, int]]:
     """The planner's plan at each batch where a searched policy ended above ``none``'s largest
-    fitting batch (at or below it, the plan is ``none``, already a candidate)."""
+    fitting batch (at or below it, the plan is ``none``, already a candidate), one per group of
+    batches within :data:`PLAN_BATCH_TOLERANCE` of the group's largest."""
     none_batch = max((p.batch_size for p in searched if p.policy == "none"), default=0)
-    shapes = sorted({(p.batch_size, p.micro_batches) for p in searched if p.batch_size > none_batch})
-    return [(auto_label(budget_bytes), batch, micro) for batch, micro in shapes]
+    shapes = sorted({(p.batch_size, p.micro_batches) for p in searched if p.batch_size > none_batch}, reverse=True)
+    kept: list[tuple[int, int]] = []
+    for batch, micro in shapes:
+        if not any(m == micro and b - batch <= b * PLAN_BATCH_TOLERANCE for b, m in kept):
+            kept.append((batch, micro))
+    return [(auto_label(budget_bytes), batch, micro) for batch, micro in sorted(kept)]
 
 
 def tqdm_progress(enabled: bool, label: str = "fit search") -> tuple[Callable[[str], None], Callable[[], None]]:

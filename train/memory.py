@@ -459,7 +459,10 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
     for spec in config.policy[1:]:
         config.model_config(spec)
     specs = list(dict.fromkeys(config.policy))
-    print(f"compiling the gradient step under {len(specs)} policies ({', '.join(specs)})...", file=sys.stderr)
+    print(
+        f"compiling the gradient step under {len(specs)} {'policy' if len(specs) == 1 else 'policies'} ({', '.join(specs)})...",
+        file=sys.stderr,
+    )
     try:
         return compare_policies(
             base_cfg,

@@ -222,3 +222,21 @@ def test_custom_plan_policy_and_policy_module(tmp_path, monkeypatch):
         jremat.load_module("no_such_module_xyz")
     with pytest.raises(ValueError, match="kind must be one of callback, plan"):
         jremat.custom_policy("x", kind="bogus")
+
+
+@pytest.mark.parametrize("wrap", [jremat.checkpoint, jremat.filter_checkpoint])
+def test_the_trace_cache_keeps_no_argument_alive(wrap):
+    """A cached trace holds the arguments' structure, not the arrays of the call that traced it:
+    an eager input is freed after the call, and a jit's tracers do not leak out of its trace."""
+    import gc
+    import weakref
+
+    f = wrap(lambda x, w: jnp.sin(x @ w), "full")
+    x = jnp.ones((8, 8))
+    x_ref = weakref.ref(x)
+    f(x, jnp.ones((8, 8)))
+    del x
+    gc.collect()
+    assert x_ref() is None
+    with jax.checking_leaks():
+        jax.jit(jax.grad(lambda w, x: jnp.sum(f(x, w))))(jnp.ones((4, 4)), jnp.ones((4, 4)))

@@ -8,7 +8,7 @@ import types
 import jremat
 
 #: Submodules users import by name; every other module of the package is private (``jremat._...``).
-PUBLIC_SUBMODULES = {"names", "ops", "attention", "registry", "testing", "pytest_plugin"}
+PUBLIC_SUBMODULES = {"names", "ops", "attention", "kernels", "registry", "testing", "pytest_plugin"}
 #: Packages that a checkout keeps in folders of their own (policies/, models/, train/).
 MAPPED_PACKAGES = {"policies", "models", "train"}
 
