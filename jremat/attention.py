@@ -235,7 +235,9 @@ def _forward_kernel(eqn, inside_scope: bool) -> str | None:
             kind = _forward_kernel(inner, in_scope)
             if kind is not None:
                 return kind
-    return None
+    # A custom_vjp attention kernel written in JAX, not split (the split runs its forward loop in
+    # the program, where kernel_at finds it).
+    return kernels.CUSTOM_ATTENTION if kernels.is_attention_call(eqn) else None
 
 
 def _subjaxprs(eqn):

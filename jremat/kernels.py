@@ -376,7 +376,7 @@ def _is_kernel_call(eqn) -> bool:
     )
 
 
-def _is_attention_call(eqn) -> bool:
+def is_attention_call(eqn) -> bool:
     """A ``custom_vjp`` call whose forward runs an attention kernel: a Pallas one named like
     attention, a declared one, or a loop with an online softmax."""
     if eqn.primitive.name != _CUSTOM_VJP:
@@ -429,7 +429,7 @@ def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
 def split_attention_kernels(fn: Callable) -> Callable:
     """:func:`split_kernels` of the attention kernels only (a Pallas kernel named like attention,
     a ``custom_vjp`` loop with an online softmax, a declared kernel): what ``selective`` keeps."""
-    return split_kernels(fn, _is_attention_call)
+    return split_kernels(fn, is_attention_call)
 
 
 def _evaluate_split(jaxpr, consts, flat_args, which) -> list:

@@ -292,7 +292,7 @@ class OffloadNames(CallbackPolicy):
     def checkpoint(self, fn, *, prevent_cse=True):
         require_host_memory(self.offload_dst)  # the backend may differ from construction time
         requirements = [(self.offload, "offload", "names"), (self.save, "offload", "save")]
-        return _checked(fn, self, requirements, prevent_cse)
+        return _checked(kernels.split_kernels(fn), self, requirements, prevent_cse)
 
 
 @register(
