@@ -170,7 +170,7 @@ def nnx_loss(attn, spec: str | None, scan: bool):
             x, _ = lax.scan(lambda h, s: (nnx.merge(graphdef, s)(h), None), x, state)
         else:
             for i in range(LAYERS):
-                x = nnx.merge(graphdef, jax.tree.map(lambda t: t[i], state))(x)
+                x = nnx.merge(graphdef, jax.tree.map(lambda t, i=i: t[i], state))(x)
         return jnp.sum(x**2)
 
     return loss, stacked
@@ -202,7 +202,7 @@ def linen_loss(attn, spec: str | None, scan: bool):
             x, _ = lax.scan(lambda h, p: (block.apply(p, h), None), x, params)
         else:
             for i in range(LAYERS):
-                x = block.apply(jax.tree.map(lambda t: t[i], params), x)
+                x = block.apply(jax.tree.map(lambda t, i=i: t[i], params), x)
         return jnp.sum(x**2)
 
     return loss, params
