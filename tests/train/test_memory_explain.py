@@ -40,3 +40,18 @@ def test_cli_prints_the_explain_section_and_json(capsys):
     out = capsys.readouterr().out
     assert "explain (what each policy did to the step; jremat.explain):" in out
     assert "policy 'none' on the gradient step: 0 checkpoints" in out
+
+
+def test_explain_section_names_each_kernel_run_again_per_layer():
+    """Under ``--attention pallas`` the explain section and JSON name the Pallas forward kernel that
+    ``full`` runs again (per layer, beside none's count) and list every kernel's runs; ``selective``
+    runs each once."""
+    cfg = preset("tiny", remat_policy="none", attention="pallas", attn_dropout=0.0, resid_dropout=0.0)
+    rows, _ = compare_policies(cfg, 1, ["full", "selective"], compile=False, explain=True)
+    text = tm.format_explanations(rows)
+    assert "kernel re-run (full): kernel mha_forward: 2 runs per layer, none: 1; selective keeps" in text
+    assert "kernel re-run (selective)" not in text
+    full, selective = (json.loads(json.dumps(r.to_json()))["explain"]["kernel_runs"] for r in rows)
+    runs = {k["name"]: (k["runs"], k["baseline_runs"]) for k in full}
+    assert runs["mha_forward"] == (2, 1) and runs["mha_backward"] == (1, 1)
+    assert all(k["runs"] == k["baseline_runs"] == 1 for k in selective)
