@@ -250,7 +250,7 @@ def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None
     if custom:
         signature = _loop_signature(eqn)
         for kernel_signature, found in custom.items():
-            if _matches(signature, kernel_signature) and _computes_floats(eqn):
+            if _matches(signature, kernel_signature):
                 return found
     return None
 
