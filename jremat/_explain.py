@@ -10,6 +10,9 @@ does. It reports:
 * the tensor names the policy mentions (``names:save=...``, ``names_except:exclude=...``,
   ``offload:names=...``) and how many values each matched; a name matching nothing gets a line
   of its own that lists the names the function actually tags;
+* every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a ``custom_vjp``
+  kernel: :mod:`jremat.kernels`), with the policy and without remat, and a line for each one run
+  more often, naming it and how to keep it (``kernel mha_forward: 2 runs, none: 1; ...``);
 * with ``compile=True``, the residuals kept for the backward pass and XLA's compiled temp memory
   of the gradient, without and with the policy; when the temp did not fall although the policy
   recomputes (XLA merged the recomputation back, or the checkpoint covers the whole
