@@ -251,13 +251,19 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     argv = list(sys.argv[1:] if argv is None else argv)
     load_policy_modules(argv)
     values = vars(build_parser(config_cls, prog, description, epilog).parse_args(argv))
-    keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
+    values, keys = _split_policy_keys(values)
     if keys:
         params = {name: entry.params for name, entry in registry.entries().items()}
         require_keys_given_once(_given_specs(values), keys, key_flags(config_cls), params)
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
+
+
+def _split_policy_keys(parsed: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
+    """Parsed flags as config field values (repeatable flags as tuples), and the policy-key flags as pairs."""
+    keys = tuple((k.split("__", 1)[1], v) for k, v in parsed.items() if k.startswith("policykey__"))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in parsed.items() if not k.startswith("policykey__")}
+    return values, keys
 
 
 def _given_specs(values: dict[str, Any]) -> tuple[str, ...]:
@@ -292,8 +298,7 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     if importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP):
         return
     values = vars(build_parser(config_cls, prog, "", builtin_keys_only=True).parse_args(argv))
-    keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
+    values, keys = _split_policy_keys(values)
     # A spec-valued key is written back as given: resolving it would load the policies (and JAX).
     params = {
         name: {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
