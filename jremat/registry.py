@@ -229,12 +229,13 @@ def describe(name: str | None = None) -> str:
         return "\n".join(lines)
     if not isinstance(name, str):
         raise TypeError(f"describe takes a policy name (a string such as 'every_k'), got {type(name).__name__}")
-    bare = name.strip().partition(":")[0]
-    if bare != name.strip() and bare in registered:
+    stripped = name.strip()
+    bare = stripped.partition(":")[0]
+    if bare != stripped and bare in registered:
         raise ValueError(f"describe takes a policy name, not a spec: describe({bare!r}) for {name!r}")
-    if name not in registered:
+    if stripped not in registered:
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registered))}")
-    return _describe_one(registered[name])
+    return _describe_one(registered[stripped])
 
 
 def _describe_one(entry: PolicyEntry) -> str:
@@ -444,20 +445,35 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(raw_values) - set(entry.params))
+    kwargs = convert_values(name, entry.params, raw_values)
+    built = entry.factory(**kwargs)
+    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
+
+
+def convert_values(name: str, params: dict[str, Param], raw_values: dict[str, Any]) -> dict[str, Any]:
+    """Every key's value for policy ``name``: each given value parsed and checked, defaults for the rest.
+
+    Args:
+      name: the policy's name, for the messages.
+      params: the policy's keys.
+      raw_values: the given values, as spec text or typed values.
+
+    Raises:
+      ValueError: a key ``params`` lacks, a bad value, or a required key not given.
+    """
+    unknown = sorted(set(raw_values) - set(params))
     if unknown:
-        valid = ", ".join(entry.params) or "(none: this policy takes no keys)"
+        valid = ", ".join(params) or "(none: this policy takes no keys)"
         raise ValueError(f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}")
     kwargs = {}
-    for key, param in entry.params.items():
+    for key, param in params.items():
         if key in raw_values:
             kwargs[key] = _convert(name, key, param, raw_values[key])
         elif param.default is REQUIRED:
             raise ValueError(f"policy {name!r} needs key {key!r} ({param.help})")
         else:
             kwargs[key] = param.default
-    built = entry.factory(**kwargs)
-    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
+    return kwargs
 
 
 def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] | None = None) -> str:

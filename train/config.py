@@ -96,6 +96,18 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        self.check_arguments()
+        self._check_policy()
+
+    def check_arguments(self) -> None:
+        """Fill in the preset's defaults and check every value that needs no policy (nor JAX).
+
+        Run by ``__post_init__``, and by the CLI on its flags before JAX is imported
+        (:func:`train.cli.check_before_imports`).
+
+        Raises:
+          UsageError: the first bad value.
+        """
         if isinstance(self.ckpt_dir, str) and self.ckpt_dir.strip().lower() in ("none", ""):
             object.__setattr__(self, "ckpt_dir", None)  # --ckpt-dir none: no checkpoints (not a folder named none)
         if self.preset not in PRESETS:
@@ -118,9 +130,6 @@ class TrainConfig:
             object.__setattr__(self, "seq_len", model_flags.positions(self))
         if self.steps is None and self.epochs is None:
             object.__setattr__(self, "steps", DEFAULT_STEPS[self.preset])
-        self._validate()
-
-    def _validate(self) -> None:
         if self.batch_size == AUTO_BATCH:
             require(
                 self.memory_budget is not None,
@@ -162,6 +171,9 @@ class TrainConfig:
         )
         require_choice("granularity", self.granularity, jremat.GRANULARITIES)
         require(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir (the directory to resume from)")
+
+    def _check_policy(self) -> None:
+        """The checks that read the policy registry (and so import JAX): the policy, --mesh, --memory-budget."""
         spec = self.policy_spec()  # raises UsageError on a bad policy
         if self.mesh is not None:  # syntax and divisibility here; the device count when the mesh is built
             from jremat.train import sharding  # imports JAX: only for a run that gives --mesh

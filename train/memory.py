@@ -122,10 +122,18 @@ class MemoryConfig:
     )
 
     def __post_init__(self):
+        self.check_arguments()
         for flag, path in (("--timeline", self.timeline), ("--plot", self.plot)):
             problem = None if path is None else timeline_plot.png_path_problem(path)
             if problem:
                 raise UsageError(f"{flag} {path!r}: {problem}")
+        if not self.policy:
+            object.__setattr__(self, "policy", (*fit_lib.FIT_POLICIES, "auto") if self.fit else ("none", "full"))
+        self._check_policies()
+
+    def check_arguments(self) -> None:
+        """Check every value that needs no policy and no model, as ``TrainConfig.check_arguments`` does
+        (JAX only to ask for a GPU kernel's device); raises :class:`UsageError`."""
         require_choice("preset", self.preset, tuple(PRESETS))
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
@@ -135,8 +143,6 @@ class MemoryConfig:
         require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.granularity is not None:
             require_choice("granularity", self.granularity, jremat.GRANULARITIES)
-        if not self.policy:
-            object.__setattr__(self, "policy", (*fit_lib.FIT_POLICIES, "auto") if self.fit else ("none", "full"))
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
@@ -170,7 +176,10 @@ class MemoryConfig:
                 f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
                 f"{self.resolved_seq_len}",
             )
-        model_flags.check_backend(self.attention, self.resolved_head_dim)
+        model_flags.check_backend(self.attention, self.resolved_head_dim)  # JAX only for a GPU kernel (cudnn, pallas)
+
+    def _check_policies(self) -> None:
+        """The checks that load the policies (and JAX): the specs and keys, the budget's policy, the model's size."""
         for module in self.policy_module:
             try:
                 registry.load_module(module)

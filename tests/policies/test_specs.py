@@ -92,6 +92,13 @@ def test_describe_one_policy_gives_its_keys_and_an_example_that_resolves():
         assert jremat.describe(name).startswith(f"{name}: ")
 
 
+def test_describe_reads_a_name_with_spaces_around_as_resolve_does():
+    assert jremat.describe(" every_k ") == jremat.describe("every_k")
+    assert jremat.resolve(" every_k ").spec == "every_k"
+    with pytest.raises(ValueError, match=r"not a spec: describe\('every_k'\)"):
+        jremat.describe(" every_k:k=2 ")
+
+
 def test_describe_refuses_what_is_not_a_policy_name():
     with pytest.raises(ValueError, match=r"unknown policy 'every_kk'; valid policies: .*every_k"):
         jremat.describe("every_kk")
