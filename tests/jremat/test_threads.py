@@ -12,6 +12,9 @@ import subprocess
 import sys
 import threading
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jremat
@@ -160,3 +163,51 @@ def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
     assert "full" in jremat.available()
     assert registry._builtins_loaded
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeypatch):
+    """More shapes than a decorated function keeps traces for, from several threads at once:
+    evictions race one another and lookups, yet every call succeeds with its own result."""
+    from jremat import _decorator
+
+    monkeypatch.setattr(_decorator, "_MAX_TRACES", 2)  # every new shape evicts
+    # Many static values, each hashed by Python code: an eviction's lookup of its key is long
+    # enough for other threads to evict in between.
+    statics = tuple(range(1, 61))
+    scaled_sin = lambda x, *scales: jnp.sin(x) * len(scales)
+    if filtered:
+        fn = jremat.filter_checkpoint(scaled_sin, "full")
+    else:
+        fn = jremat.checkpoint(scaled_sin, "full", static_argnums=tuple(range(1, len(statics) + 1)))
+    double_sin = lambda x: fn(x, *statics) / len(statics) * 2
+    threads, shapes, steps = 8, 6, 150
+    barrier = threading.Barrier(threads)
+    errors, wrong = [], []
+
+    def trace_many(i):
+        barrier.wait()
+        try:
+            for step in range(steps):
+                n = 1 + (i + step) % shapes
+                out = jax.eval_shape(lambda x: double_sin(x), jax.ShapeDtypeStruct((n,), jnp.float32))  # a new trace
+                if out.shape != (n,):
+                    wrong.append((i, n, out.shape))
+            x = jnp.full((1 + i % shapes,), 0.5 + i)
+            if not np.allclose(double_sin(x), np.sin(0.5 + i) * 2, rtol=1e-6):
+                wrong.append((i, "value"))
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: evictions interleave
+    try:
+        workers = [threading.Thread(target=trace_many, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not errors, errors[:3]
+    assert not wrong, wrong[:3]
