@@ -233,7 +233,9 @@ def filter_checkpoint(
     arguments (``jax.Array``, NumPy arrays and scalars) are the checkpoint's inputs; every other
     leaf (Python ``float`` / ``bool`` / ``int`` fields such as a dropout rate, ``inference=True``,
     functions, strings) is a constant of the trace, so Python code may branch on it. A new static
-    value (compared by type and value, or by identity where unhashable) traces again.
+    value (compared by type and value, or by identity where unhashable) traces again. Of the
+    output, likewise, only array leaves leave the checkpoint; the others (a Python ``int``, a
+    string, a function) are returned as ``fn`` returned them.
 
     ``fn`` may itself be a pytree holding arrays (an Equinox module, a bound method of one): its
     arrays are inputs too, and the returned wrapper is a pytree whose one child is ``fn``, so it
