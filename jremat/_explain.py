@@ -304,8 +304,11 @@ def _no_saving_line(
 STACK_DEPTH = 4
 
 
-def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
-    """The first positional argument whose structure, shapes and dtypes ``fn``'s output has, else ``None``."""
+def _chain_argnum(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[int] = ()) -> int | None:
+    """The first positional argument, not one of ``param_argnums``, whose structure, shapes and dtypes
+    ``fn``'s output has, else ``None``: a block's output is fed back as its activations, never as its
+    parameters."""
+    params = set(param_argnums)
     flat_fn, structs, _ = _flatten(fn, args, kwargs, ())
     try:
         out = jax.eval_shape(flat_fn, *structs)
@@ -315,7 +318,8 @@ def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
     for i, arg in enumerate(args):
         leaves = jax.tree.leaves(arg)
         if (
-            leaves
+            i not in params
+            and leaves
             and all(_is_dynamic(leaf) for leaf in leaves)
             and jax.tree.structure(arg) == jax.tree.structure(out)
             and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
@@ -395,7 +399,8 @@ def explain(
     except ValueError as err:
         return _failed(label, fn, err)
     stack = None
-    argnum = _chain_argnum(fn, args, kwargs) if compile and not isinstance(chosen, NoRemat) else None
+    param_argnums = tuple(param_argnums)  # read twice below
+    argnum = _chain_argnum(fn, args, kwargs, param_argnums) if compile and not isinstance(chosen, NoRemat) else None
     if argnum is not None:
         try:
             temps = _stack_temps(remat_fn, fn, argnum, args, kwargs, STACK_DEPTH)
