@@ -1,0 +1,352 @@
+"""Collectives in a compiled program: what a policy makes a sharded step communicate.
+
+On a mesh, XLA's SPMD partitioner turns every sharding mismatch into a collective: FSDP
+all-gathers each weight where a matmul uses it, tensor parallelism all-reduces a row-parallel
+matmul's output. A checkpoint that recomputes such a matmul in the backward pass re-issues the
+collective that fed it, unless the gathered value is among what it saves. :func:`collectives_report`
+compiles a function (nothing runs) and reads every collective from the optimized HLO.
+
+How it is read (and the limits):
+
+* every ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all`` and
+  ``collective-permute`` instruction, in every computation the entry reaches; an asynchronous
+  pair (``all-gather-start`` / ``all-gather-done``) counts once, at its ``-done``;
+* a ``while`` loop's body counts its trip count times (XLA's ``known_trip_count``, which
+  ``lax.scan`` loops carry); a loop without one counts once and a note says so; each branch of a
+  conditional counts once (an upper bound of what runs);
+* bytes are per device (an SPMD program is one device's share): the result buffer of each
+  collective, except ``reduce-scatter``, whose operand (the unscattered buffer) is counted;
+* the phase comes from the instruction's ``op_name`` metadata, which JAX writes from the
+  transformation stack: ``rematted_computation`` (the recomputation of a checkpoint, both remat
+  engines) is :data:`RECOMPUTE`, ``transpose(`` (the backward pass) :data:`BACKWARD`, anything
+  else :data:`FORWARD`. XLA may move a collective onto an operand from elsewhere (in a
+  ``lax.scan`` the re-gather of a weight lands on the loop's slice of the stacked weights, whose
+  metadata names the slice, not the checkpoint), so a recomputation's collective can be labelled
+  backward. The difference from the same program without remat (:meth:`CollectivesReport.reissued`)
+  does not depend on the labels: it is what a policy re-issues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import jax
+
+from jremat import _memory
+
+#: Collective kinds, in report order.
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+#: Phases of a collective.
+FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
+PHASES = (FORWARD, BACKWARD, RECOMPUTE)
+
+_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%?([\w.\-]+)")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (``f32[64,256]{1,0}``, or a tuple of them: summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _BITS:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BITS[dtype] // 8
+    return total
+
+
+def _kind(opcode: str) -> str | None:
+    """The collective kind of an opcode counted, ``None`` for other opcodes and ``-start`` halves."""
+    base = opcode.removesuffix("-done")
+    return base if base in KINDS else None
+
+
+def _phase(op_name: str) -> str:
+    if "rematted_computation" in op_name:
+        return RECOMPUTE
+    if "transpose(" in op_name:
+        return BACKWARD
+    return FORWARD
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      phase: :data:`FORWARD`, :data:`BACKWARD` or :data:`RECOMPUTE` (read from ``op_name``; see
+        the module docstring for its limits).
+      bytes: bytes per device of one execution (the result; a reduce-scatter's operand).
+      executions: how many times it runs per call of the program (loop trip counts multiplied).
+      instruction: its HLO instruction name.
+      computation: the HLO computation it is in.
+      op_name: its ``op_name`` metadata (``""`` if none).
+    """
+
+    kind: str
+    phase: str
+    bytes: int
+    executions: int
+    instruction: str
+    computation: str
+    op_name: str
+
+    @property
+    def total_bytes(self) -> int:
+        """``bytes * executions``."""
+        return self.bytes * self.executions
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivesReport:
+    """Every collective of a compiled program, per device (see :func:`collectives_report`).
+
+    Attributes:
+      collectives: one :class:`Collective` per instruction.
+      devices: the devices the program runs on (1: no mesh, no collectives).
+      notes: caveats (a loop whose trip count is unknown).
+    """
+
+    collectives: tuple[Collective, ...]
+    devices: int = 1
+    notes: tuple[str, ...] = ()
+
+    def _select(self, kind: str | None, phase: str | None):
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; valid phases: {', '.join(PHASES)}")
+        return [c for c in self.collectives if kind in (None, c.kind) and phase in (None, c.phase)]
+
+    def count(self, kind: str | None = None, phase: str | None = None) -> int:
+        """Executions per step of collectives of ``kind`` in ``phase`` (``None``: all).
+
+        Raises:
+          ValueError: on an unknown kind or phase.
+        """
+        return sum(c.executions for c in self._select(kind, phase))
+
+    def bytes(self, kind: str | None = None, phase: str | None = None) -> int:
+        """Bytes per device per step of collectives of ``kind`` in ``phase`` (``None``: all).
+
+        Raises:
+          ValueError: on an unknown kind or phase.
+        """
+        return sum(c.total_bytes for c in self._select(kind, phase))
+
+    def by_kind(self) -> dict[str, tuple[int, int]]:
+        """``{kind: (count, bytes)}`` for every kind present, in :data:`KINDS` order."""
+        return {k: (self.count(k), self.bytes(k)) for k in KINDS if self.count(k)}
+
+    def reissued(self, baseline: CollectivesReport) -> dict[str, tuple[int, int]]:
+        """``{kind: (count, bytes)}`` more than ``baseline`` (usually the program without remat),
+        for every kind where either differs (negative: fewer)."""
+        out = {}
+        for k in KINDS:
+            delta = (self.count(k) - baseline.count(k), self.bytes(k) - baseline.bytes(k))
+            if delta != (0, 0):
+                out[k] = delta
+        return out
+
+    def text(self, baseline: CollectivesReport | None = None) -> str:
+        """One line per kind: count and bytes per device per step, by phase, and the difference
+        from ``baseline`` when given; ``"no collectives"`` when there are none."""
+        if not self.collectives:
+            return f"no collectives ({self.devices} device{'s' if self.devices != 1 else ''})"
+        lines = []
+        extra = self.reissued(baseline) if baseline is not None else {}
+        for kind, (count, total) in self.by_kind().items():
+            phases = ", ".join(f"{p} {self.count(kind, p)}" for p in PHASES if self.count(kind, p))
+            more = ""
+            if baseline is not None:
+                dc, db = extra.get(kind, (0, 0))
+                more = f"; {dc:+d} ({'+' if db >= 0 else '-'}{_memory.format_bytes(abs(db))}) vs without remat"
+            lines.append(f"{kind}: {count} per step, {_memory.format_bytes(total)} per device ({phases}){more}")
+        return "\n".join(lines + list(self.notes))
+
+    def to_json(self) -> dict:
+        """Counts and bytes per kind and phase, devices and notes, as JSON-ready values."""
+        return {
+            "devices": self.devices,
+            "kinds": {
+                k: {"count": c, "bytes": b, "phases": {p: self.count(k, p) for p in PHASES if self.count(k, p)}}
+                for k, (c, b) in self.by_kind().items()
+            },
+            "notes": list(self.notes),
+        }
+
+
+def _parse(hlo_text: str):
+    """Per computation: its instructions as ``(name, shape, opcode, rest)``; and the entry's name."""
+    computations: dict[str, list] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")):
+            m = _COMPUTATION.match(line)
+            if m:
+                current = computations.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = m.group(1)
+            elif line.startswith("}"):
+                current = None
+            continue
+        if current is not None:
+            m = _INSTRUCTION.match(line)
+            if m:
+                current.append(m.groups())
+    return computations, entry
+
+
+def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
+    """Read the collectives of an optimized HLO module's text (``compiled.as_text()``).
+
+    Args:
+      hlo_text: the HLO module text.
+      devices: the number of devices the program runs on (recorded in the report).
+
+    Returns:
+      A :class:`CollectivesReport`.
+
+    Raises:
+      ValueError: if the text has no ``ENTRY`` computation.
+    """
+    computations, entry = _parse(hlo_text)
+    if entry is None:
+        raise ValueError("not an HLO module's text: no ENTRY computation found")
+    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
+    executions = {entry: 1}
+    notes = []
+    # A computation runs as often as all its call sites together (a loop body: times the trip count).
+    callers: dict[str, list] = {}
+    for caller, body in computations.items():
+        for _, _, opcode, rest in body:
+            if opcode.endswith("-done"):
+                continue  # the -start half already names the wrapped computation
+            called = _CALLED.findall(rest)
+            for group in _CALLED_LIST.findall(rest):
+                called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            trip, body_name = 1, None
+            if opcode == "while":
+                trip_match, body_match = _TRIP_COUNT.search(rest), _BODY.search(rest)
+                body_name = body_match.group(1) if body_match else None
+                if trip_match:
+                    trip = int(trip_match.group(1))
+                else:
+                    notes.append(f"a while loop in {caller} has no known trip count: its body is counted once")
+            for callee in called:
+                callers.setdefault(callee, []).append((caller, trip if callee == body_name else 1))
+
+    def count_of(name: str, seen: tuple = ()) -> int:
+        if name in executions:
+            return executions[name]
+        if name in seen:
+            return 0
+        total = sum(count_of(c, seen + (name,)) * trip for c, trip in callers.get(name, ()))
+        executions[name] = total
+        return total
+
+    found = []
+    for comp, body in computations.items():
+        runs = count_of(comp)
+        if not runs:
+            continue
+        for name, shape, opcode, rest in body:
+            kind = _kind(opcode)
+            if kind is None:
+                continue
+            size = shape_bytes(shape)
+            if kind == "reduce-scatter":
+                operands = rest.split(")", 1)[0]
+                size = sum(shape_bytes(shapes.get(m, "")) for m in _OPERAND.findall(operands))
+            op_name = _OP_NAME.search(rest)
+            op_name = op_name.group(1) if op_name else ""
+            found.append(Collective(kind, _phase(op_name), size, runs, name, comp, op_name))
+    return CollectivesReport(tuple(found), devices, tuple(dict.fromkeys(notes)))
+
+
+def compiled_collectives_report(compiled) -> CollectivesReport:
+    """The collectives of a compiled executable (``jax.jit(f).lower(...).compile()``).
+
+    Raises:
+      ValueError: if the executable's text is not HLO.
+    """
+    devices = set()
+    for sharding in jax.tree.leaves(getattr(compiled, "input_shardings", ())):
+        devices |= set(getattr(sharding, "device_set", ()))
+    return hlo_collectives(compiled.as_text(), max(len(devices), 1))
+
+
+def collectives_report(
+    fn: Callable, *args, compiler_options: dict | None = None, donate_argnums: int | tuple[int, ...] = (), **kwargs
+) -> CollectivesReport:
+    """Compile ``fn(*args, **kwargs)`` as :func:`jremat.memory_report` does (nothing runs) and
+    read every collective it issues per device and step.
+
+    Args:
+      fn: a function of pytrees of arrays, or one already jitted (with its own shardings), such
+        as ``jax.grad(loss)`` or a whole train step.
+      *args: arrays or :class:`jax.ShapeDtypeStruct`; their ``sharding`` places them on a mesh.
+      compiler_options: as in :func:`jremat.memory_report`.
+      donate_argnums: as in :func:`jremat.memory_report`.
+      **kwargs: keyword arguments, likewise.
+
+    Returns:
+      A :class:`CollectivesReport`: empty on one device; :meth:`CollectivesReport.reissued`
+      against the same function without remat gives what a policy re-issues.
+
+    Raises:
+      TypeError: if ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"collectives_report needs a callable, got {type(fn).__name__}")
+    compiled, _ = _memory.compile_for_analysis(
+        fn, *args, compiler_options=compiler_options, donate_argnums=donate_argnums, **kwargs
+    )
+    return compiled_collectives_report(compiled)
+
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "KINDS",
+    "PHASES",
+    "RECOMPUTE",
+    "Collective",
+    "CollectivesReport",
+    "collectives_report",
+    "compiled_collectives_report",
+    "hlo_collectives",
+    "shape_bytes",
+]

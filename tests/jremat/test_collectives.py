@@ -1,0 +1,135 @@
+"""jremat.collectives_report: collectives of a compiled program, per device, on 8 simulated devices.
+
+The 8-device checks need ``--xla_force_host_platform_device_count=8`` before JAX starts, so they
+run once in a subprocess (tests/jremat/mesh_checks.py) whose JSON figures the tests below assert
+on; the HLO reading itself is tested in-process on hand-written HLO text and on one device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jremat
+from jremat import _collectives
+from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
+
+# A hand-written module: an async all-gather pair (counted once), a reduce-scatter (operand
+# bytes), and a while loop of 3 trips whose body all-reduces and whose condition holds none.
+HLO = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %v = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%v), channel_id=1, to_apply=%add, metadata={op_name="jit(f)/transpose(jvp())/while/body/dot_general"}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%x), dimensions={0}, metadata={op_name="jit(f)/jvp()/sharding_constraint"}
+  %agd = f32[64]{0} all-gather-done(%ags), metadata={op_name="jit(f)/jvp()/sharding_constraint"}
+  %rs = f32[8]{0} reduce-scatter(%agd), dimensions={0}, to_apply=%add, metadata={op_name="jit(f)/transpose(jvp())/checkpoint/rematted_computation/dot_general"}
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]{0}) tuple(%zero, %rs)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_collectives_counts_async_pairs_once_loops_by_trip_count_and_phases():
+    report = _collectives.hlo_collectives(HLO, devices=8)
+    assert report.by_kind() == {"all-gather": (1, 256), "reduce-scatter": (1, 256), "all-reduce": (3, 96)}
+    assert report.count("all-gather", "forward") == 1
+    assert report.count("reduce-scatter", "recompute") == 1
+    assert report.count("all-reduce", "backward") == 3 and report.bytes("all-reduce", "forward") == 0
+    assert report.devices == 8 and not report.notes
+    # Without a known trip count the body counts once, and a note says so.
+    unknown = _collectives.hlo_collectives(HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""))
+    assert unknown.count("all-reduce") == 1 and "no known trip count" in unknown.notes[0]
+    # The difference from a baseline, per kind.
+    base = _collectives.CollectivesReport(tuple(c for c in report.collectives if c.kind != "all-gather"))
+    assert report.reissued(base) == {"all-gather": (1, 256)}
+    assert "all-gather: 1 per step, 256 B per device (forward 1); +1 (+256 B) vs without remat" in report.text(base)
+
+
+def test_report_rejects_unknown_kinds_phases_and_non_hlo():
+    report = _collectives.hlo_collectives(HLO)
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'; valid kinds: all-gather"):
+        report.count("gather")
+    with pytest.raises(ValueError, match="unknown phase 'fwd'; valid phases: forward, backward, recompute"):
+        report.bytes(phase="fwd")
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        _collectives.hlo_collectives("not hlo")
+    with pytest.raises(TypeError, match="collectives_report needs a callable, got int"):
+        jremat.collectives_report(3)
+
+
+def test_one_device_has_no_collectives():
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    report = jremat.collectives_report(jax.grad(lambda w: jnp.sum(jnp.tanh(w @ w))), x)
+    assert report.collectives == () and report.text() == "no collectives (1 device)"
+
+
+@pytest.fixture(scope="module")
+def checks():
+    """tests/jremat/mesh_checks.py on 8 simulated CPU devices: its JSON figures."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.jremat.mesh_checks", "collectives", "tie"],
+        cwd=REPO,
+        env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("device_count") == 8
+    return result
+
+
+def test_report_equals_a_direct_count_of_the_optimized_hlo(checks):
+    rows = {k: v for k, v in checks["collectives"].items() if "/" in k}
+    assert len(rows) >= 3 * 2 * 2 * 2  # meshes x layouts x engines x (at least two policies)
+    for key, row in rows.items():
+        assert row["report"] == row["direct"], key
+        assert row["devices"] == 8, key
+
+
+def test_recomputation_reissues_the_fsdp_all_gathers(checks):
+    rows = checks["collectives"]
+    for layout in ("unrolled", "scanned"):
+        for engine in ("classic", "remat3"):
+            none = rows[f"fsdp/{layout}/{engine}/none"]["report"]["all-gather"]
+            full = rows[f"fsdp/{layout}/{engine}/full"]["report"]["all-gather"]
+            # 4 layers x 2 weights gathered in the forward; full gathers each again in the backward.
+            assert none[0] == 8 and full[0] == 16 and full[1] == 2 * none[1], (layout, engine)
+    unrolled = rows["fsdp/unrolled/classic/full"]["phases"]["all-gather"]
+    assert unrolled == [8, 0, 8]  # forward, backward, recompute: the re-gathers are the recomputation's
+
+
+def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
+    rows = {k: v for k, v in checks["collectives"].items() if "/" in k}
+    assert {k.rsplit("/", 1)[1] for k in rows} >= {"none", "full", "dots", "dots_no_batch"}
+    for key, row in rows.items():
+        assert row["grad_rel_error"] <= 1e-5, key
+    assert checks["collectives"]["broken_grad_rel_error"] > 1e-4  # a wrong recomputation is caught
