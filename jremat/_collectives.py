@@ -296,6 +296,36 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
     return CollectivesReport(tuple(found), devices, tuple(dict.fromkeys(notes)))
 
 
+#: How to avoid re-issuing each kind of collective, for :func:`reissued_lines`.
+HOW_TO_AVOID = {
+    "all-gather": (
+        "the recomputation gathers its weights again; keep them with keep_gathered=true on the policy "
+        "(e.g. 'full:keep_gathered=true'), which keeps each checkpoint's gathered weights from its forward to its "
+        "backward pass, per device, as no remat does (a weight XLA gathers without a sharding constraint in the "
+        "model must be constrained to its gathered placement first)"
+    ),
+    "all-reduce": (
+        "the recomputation re-runs a tensor-parallel (row-parallel) matmul whose output XLA all-reduces; save "
+        "that matmul's output (dots, or its checkpoint_name with names:save=...)"
+    ),
+}
+
+
+def reissued_lines(label: str, report: CollectivesReport, baseline: CollectivesReport) -> list[str]:
+    """One line per collective kind ``report`` issues more of than ``baseline`` (the same program
+    without remat), with bytes per device per step and how to avoid them; ``[]`` when none."""
+    lines = []
+    for kind, (count, size) in report.reissued(baseline).items():
+        if count <= 0 and size <= 0:
+            continue
+        how = HOW_TO_AVOID.get(kind, "save the values whose recomputation issues them")
+        lines.append(
+            f"re-issued collectives ({label}): re-issues {count} {kind}{'s' if count != 1 else ''}, "
+            f"{_memory.format_bytes(size)} per step per device more than none; {how}"
+        )
+    return lines
+
+
 def compiled_collectives_report(compiled) -> CollectivesReport:
     """The collectives of a compiled executable (``jax.jit(f).lower(...).compile()``).
 
@@ -348,5 +378,6 @@ __all__ = [
     "collectives_report",
     "compiled_collectives_report",
     "hlo_collectives",
+    "reissued_lines",
     "shape_bytes",
 ]

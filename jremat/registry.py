@@ -68,6 +68,15 @@ class Param:
 
 REQUIRED = object()
 
+#: The key every policy of one function takes: also keep the gathered weights (jremat._gathered).
+KEEP_GATHERED = "keep_gathered"
+_KEEP_GATHERED_PARAM = Param(
+    "bool",
+    False,
+    "also keep each checkpoint's gathered weights (a sharding constraint on an input feeding a matmul), so "
+    "that the backward pass does not all-gather them again; costs their gathered bytes per device",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyEntry:
@@ -444,9 +453,11 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(raw_values) - set(entry.params))
+    # keep_gathered (jremat._gathered) is a key of every policy of one function.
+    universal = {} if entry.stack or KEEP_GATHERED in entry.params else {KEEP_GATHERED: _KEEP_GATHERED_PARAM}
+    unknown = sorted(set(raw_values) - set(entry.params) - set(universal))
     if unknown:
-        valid = ", ".join(entry.params) or "(none: this policy takes no keys)"
+        valid = ", ".join([*entry.params, *universal]) or "(none: this policy takes no keys)"
         raise ValueError(f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}")
     kwargs = {}
     for key, param in entry.params.items():
@@ -457,7 +468,14 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         else:
             kwargs[key] = param.default
     built = entry.factory(**kwargs)
-    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
+    given = {k: v for k, v in kwargs.items() if k in raw_values}
+    if universal and KEEP_GATHERED in raw_values:
+        from jremat._gathered import with_keep_gathered
+
+        keep = _convert(name, KEEP_GATHERED, _KEEP_GATHERED_PARAM, raw_values[KEEP_GATHERED])
+        built = with_keep_gathered(built, keep)
+        given[KEEP_GATHERED] = keep
+    return entry, built, canonical_spec(name, given, entry.params)
 
 
 def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] | None = None) -> str:

@@ -133,3 +133,67 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
     for key, row in rows.items():
         assert row["grad_rel_error"] <= 1e-5, key
     assert checks["collectives"]["broken_grad_rel_error"] > 1e-4  # a wrong recomputation is caught
+
+
+@pytest.fixture(scope="module")
+def fsdp_checks():
+    """The keep_gathered target and explain on the FSDP model (tests/jremat/mesh_checks.py)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain"],
+        cwd=REPO,
+        env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+def test_keep_gathered_issues_no_all_gather_more_than_none_at_full_s_temp(fsdp_checks, layout):
+    rows = {k.split("/", 1)[1]: v for k, v in fsdp_checks["keep_gathered"].items() if k.startswith(layout)}
+    none, full, kept = rows["none"], rows["full"], rows["full:keep_gathered=true"]
+    assert full["all-gather"][0] == 2 * none["all-gather"][0]  # full re-gathers every weight
+    assert kept["all-gather"] == none["all-gather"]  # 0 re-issued
+    assert kept["temp"] <= 1.05 * full["temp"] and kept["temp"] < none["temp"]
+    assert rows["dots:keep_gathered=true"]["all-gather"] == none["all-gather"]
+    assert rows["dots"]["all-gather"][0] > none["all-gather"][0]
+
+
+def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fsdp_checks):
+    full = fsdp_checks["explain"]["full"]
+    assert "re-issued collectives (full): re-issues 8 all-gathers, 32.00 KiB per step per device more than none" in full
+    assert "'full:keep_gathered=true'" in full
+    assert "collectives of the gradient, per device (8 devices):" in full
+    kept = fsdp_checks["explain"]["full:keep_gathered=true"]
+    assert "all-gather: 8 per step" in kept and "all-gathers" not in kept.split("re-issued", 1)[-1]
+    assert "keeps 2 gathered weights (sharding constraint -> matmul)" in kept
+
+
+def test_keep_gathered_is_a_key_of_every_single_function_policy():
+    assert jremat.registry.resolve("dots:keep_gathered=true").spec == "dots:keep_gathered=true"
+    assert isinstance(jremat.registry.resolve("none:keep_gathered=true"), jremat.NoRemat)
+    with pytest.raises(ValueError, match="keep_gathered must be true or false, got 'maybe'"):
+        jremat.registry.resolve("full:keep_gathered=maybe")
+    with pytest.raises(ValueError, match="valid keys: keep_gathered"):
+        jremat.registry.resolve("full:keep=1")
+
+
+def test_keep_gathered_saves_only_a_constrained_input_feeding_a_matmul():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.AbstractMesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+
+    def block(w, x):
+        gathered = jax.lax.with_sharding_constraint(w, replicated)  # kept: an input feeding a matmul
+        act = jax.lax.with_sharding_constraint(jnp.tanh(x), replicated)  # not kept: an activation
+        return act @ gathered
+
+    from jremat import _gathered
+
+    program = jremat.trace_program(block, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    found = _gathered.gathered_weights(program)
+    assert [program.ops[i].primitive for i in found] == ["sharding_constraint"]
+    assert min(found) == 0  # the weight's constraint, the first equation
