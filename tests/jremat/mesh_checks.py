@@ -46,20 +46,27 @@ ENGINES = ("classic", "remat3")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-def make_mesh(spec: str):
+def make_mesh(spec: str, axis_type=AxisType.Auto):
     sizes = dict.fromkeys(AXES, 1)
     sizes.update({k: int(v) for k, v in (part.split("=") for part in spec.split(","))})
-    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(axis_type,) * len(AXES))
 
 
 def block_fn(mesh):
     """One residual MLP block: its weights gathered to their tensor-parallel placement."""
 
+    explicit = AxisType.Explicit in mesh.axis_types
+    place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+
+    # Explicit axes (FSDP only there): a contraction over a sharded dimension needs its output
+    # sharding spelled out, so the weights are gathered whole.
+    tensor = None if explicit else "tensor"
+
     def block(w, x):
-        w1 = jax.lax.with_sharding_constraint(w["w1"], NamedSharding(mesh, P(None, "tensor")))
-        w2 = jax.lax.with_sharding_constraint(w["w2"], NamedSharding(mesh, P("tensor", None)))
+        w1 = place(w["w1"], NamedSharding(mesh, P(None, tensor)))
+        w2 = place(w["w2"], NamedSharding(mesh, P(tensor, None)))
         y = x + jnp.tanh(x @ w1) @ w2
-        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(("data", "fsdp"), None)))
+        return place(y, NamedSharding(mesh, P(("data", "fsdp"), None)))
 
     return block
 
@@ -185,8 +192,11 @@ def check_collectives() -> dict:
 def check_tie() -> dict:
     """All-reduces of ``full`` on the unrolled FSDP and TP models, tied and untied."""
     out = {}
-    for mesh_name in ("fsdp", "tp"):
-        mesh = make_mesh(MESHES[mesh_name])
+    for mesh_name in ("fsdp", "tp", "fsdp_explicit"):
+        # Explicit axes: the sharding is part of each value's type (a slice of a sharded
+        # dimension cannot be written there).
+        explicit = mesh_name.endswith("_explicit")
+        mesh = make_mesh(MESHES[mesh_name.removesuffix("_explicit")], AxisType.Explicit if explicit else AxisType.Auto)
         weights, x = arguments(mesh, "unrolled")
         for tie in (True, False):
             compiled = _compile(loss_fn(mesh, "unrolled", "full", tie=tie), weights, x)

@@ -197,3 +197,10 @@ def test_keep_gathered_saves_only_a_constrained_input_feeding_a_matmul():
     found = _gathered.gathered_weights(program)
     assert [program.ops[i].primitive for i in found] == ["sharding_constraint"]
     assert min(found) == 0  # the weight's constraint, the first equation
+
+
+def test_the_tie_costs_one_scalar_all_reduce_per_checkpoint_and_works_on_explicit_meshes(checks):
+    tie = checks["tie"]
+    for mesh in ("fsdp", "tp", "fsdp_explicit"):
+        # 4 tied checkpoints: one 4-byte all-reduce each (docs/sharding.md), none untied.
+        assert tie[f"{mesh}/tied"]["all-reduce"] - tie[f"{mesh}/untied"]["all-reduce"] == 4, mesh
