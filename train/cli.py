@@ -160,6 +160,9 @@ BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {
     "skip_cheap": ("min_flops_per_byte",),
 }
 
+#: Built-in policies of a layer stack (no keep_gathered key).
+STACK_POLICIES = frozenset({"nested"})
+
 
 def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
     """Flag name of every policy key: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
@@ -306,9 +309,11 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
             name, written = registry.parse_spec(spec)
             if name not in BUILTIN_POLICY_KEYS:
                 raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(BUILTIN_POLICY_KEYS))}")
-            unknown = sorted(set(written) - set(BUILTIN_POLICY_KEYS[name]))
+            # keep_gathered is a key of every policy of one function (the registry's KEEP_GATHERED).
+            keys = [*BUILTIN_POLICY_KEYS[name], *(() if name in STACK_POLICIES else ("keep_gathered",))]
+            unknown = sorted(set(written) - set(keys))
             if unknown:
-                valid = ", ".join(BUILTIN_POLICY_KEYS[name]) or "(none: this policy takes no keys)"
+                valid = ", ".join(keys) or "(none: this policy takes no keys)"
                 raise ValueError(
                     f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}"
                 )

@@ -110,6 +110,12 @@ class MemoryConfig:
         None, "with --fit: fix the sequences per optimizer step; choose the micro-batches"
     )
     finalists: int = option(3, "with --fit: how many candidates are timed")
+    mesh: str | None = option(
+        None,
+        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, as train.ptb's --mesh: compile the sharded "
+        "gradient step per policy and report per-device peak and temp and its collectives (count and bytes per "
+        "device, and what each policy re-issues beside none)",
+    )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
     )
@@ -127,6 +133,8 @@ class MemoryConfig:
             if problem:
                 raise UsageError(f"{flag} {path!r}: {problem}")
         require_choice("preset", self.preset, tuple(PRESETS))
+        if self.mesh is not None:
+            self._check_mesh()
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
@@ -191,6 +199,27 @@ class MemoryConfig:
             f"the model is too large: its parameters alone take {format_bytes(model_bytes)}, more than "
             f"{format_bytes(MAX_PARAMETER_BYTES)}, and this report is for one device (the largest hold under "
             "300 GiB); choose fewer --layers or a smaller --d-model / --d-ff / --max-seq-len",
+        )
+
+    def _check_mesh(self) -> None:
+        """``--mesh``: its syntax, the batch split, and the flags it does not combine with.
+
+        Raises:
+          UsageError: on a bad mesh, a batch that does not split, or ``--fit`` / ``--live`` / ``--timeline``.
+        """
+        for flag, given in (("--fit", self.fit), ("--live", self.live), ("--timeline", self.timeline)):
+            require(not given, f"{flag} measures one device: drop --mesh or {flag}")
+        from jremat.train import sharding  # imports JAX: only for a run that gives --mesh
+
+        try:
+            sizes = sharding.parse_mesh(self.mesh)
+        except ValueError as err:
+            raise UsageError(f"--mesh: {err}") from None
+        ways = sizes["data"] * sizes["fsdp"]
+        require(
+            self.batch_size % ways == 0,
+            f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
+            f"use a multiple of {ways}",
         )
 
     def model_config(self, policy: str) -> ModelConfig:
@@ -475,6 +504,71 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         raise UsageError(str(err)) from None
 
 
+def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
+    """``--mesh``: ``(policy, sharded_steps.DeviceMemory)`` per policy, compiled on the mesh (nothing runs).
+
+    Raises:
+      UsageError: on a mesh that does not fit the devices, or a batch or sequence that does not split.
+    """
+    from jremat.train import sharded_steps, sharding
+
+    try:
+        mesh = sharding.mesh_from_flag(config.mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    specs = list(dict.fromkeys(config.policy))
+    print(
+        f"compiling the sharded gradient step under {len(specs)} policies on --mesh {config.mesh}...", file=sys.stderr
+    )
+    rows = []
+    for spec in specs:
+        try:
+            memory = sharded_steps.sharded_step_memory(
+                config.model_config(spec), mesh, config.batch_size, config.resolved_seq_len
+            )
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        rows.append((spec, memory))
+    return rows
+
+
+def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:
+    """The ``--mesh`` table: per policy, per-device peak and temp, all-gathers and all-reduces (count and
+    bytes per device per step), and the collectives it issues beyond ``none``'s (when ``none`` is a row)."""
+    base = next((m for spec, m in rows if registry.parse_spec(spec)[0] == "none"), None)
+    header = (
+        f"{'policy':<28} {'peak/device':>12} {'temp/device':>12} {'all-gathers':>18} {'all-reduces':>18} "
+        f"{'other':>14}  re-issued beyond none"
+    )
+    lines = [header, "-" * len(header)]
+    for spec, m in rows:
+        c = m.collectives
+        cells = []
+        for kinds in (("all-gather",), ("all-reduce",), ("reduce-scatter", "all-to-all", "collective-permute")):
+            n, b = sum(c.count(k) for k in kinds), sum(c.bytes(k) for k in kinds)
+            cells.append(f"{n} / {format_bytes(b)}" if n else "0")
+        extra = c.reissued(base.collectives) if base is not None else {}
+        reissued = ", ".join(
+            f"{n:+d} {k} ({'+' if b >= 0 else '-'}{format_bytes(abs(b))})" for k, (n, b) in extra.items()
+        ) or ("none" if base is not None else "n/a (no none row)")
+        lines.append(
+            f"{spec:<28} {format_bytes(m.peak):>12} {format_bytes(m.temp):>12} {cells[0]:>18} {cells[1]:>18} "
+            f"{cells[2]:>14}  {reissued}"
+        )
+    first = rows[0][1]
+    lines.append(
+        f"gradient step on mesh {first.mesh} ({first.devices} devices), compiled only; every figure is per device "
+        f"(one device's share of the SPMD program); collectives as count / bytes per step (jremat.collectives_report)"
+    )
+    return "\n".join(lines)
+
+
+def mesh_row_json(spec: str, memory) -> dict:
+    """One ``--mesh --json`` object: the policy, per-device memory and collectives."""
+    out = {k: v for k, v in dataclasses.asdict(memory).items() if k != "collectives"}
+    return {"policy": spec, **out, "collectives": memory.collectives.to_json()}
+
+
 def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
     """The policies ``--fit`` searches, and whether ``auto``'s plans join them (``auto`` among them)."""
     auto = [s for s in config.policy if registry.parse_spec(s)[0] == "auto"]
@@ -541,6 +635,13 @@ def _main(argv: Sequence[str] | None) -> int:
             return 0
         if config.fit:
             return run_fit(config)
+        if config.mesh is not None:
+            mesh_rows = run_mesh(config)
+            if config.json:
+                print(json.dumps([mesh_row_json(spec, m) for spec, m in mesh_rows], indent=2))
+            else:
+                print(format_mesh_table(mesh_rows))
+            return 0
         rows, base = run(config)
         live_note = None
         if config.live:
