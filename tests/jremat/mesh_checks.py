@@ -208,31 +208,46 @@ def check_tie() -> dict:
     return out
 
 
-def check_keep_gathered() -> dict:
-    """FSDP=8, the 4-layer model with realistic proportions (8192 tokens per device, d 64): all-gathers
-    and per-device temp of each policy, compiled only, unrolled and scanned."""
-    mesh = make_mesh(MESHES["fsdp"])
+def _compiled_rows(mesh_names, policies) -> dict:
+    """Per ``mesh/layout/policy``: all-gathers and all-reduces ``[count, bytes]`` and per-device temp
+    of the 4-layer model with realistic proportions (65,536 tokens, d 64, f 256), compiled only."""
     out = {}
-    for layout in ("unrolled", "scanned"):
-        lead = (LAYERS,) if layout == "scanned" else ()
-        w = {
-            "w1": jax.ShapeDtypeStruct(
-                (*lead, 64, 256), jnp.float32, sharding=NamedSharding(mesh, P(*(None,) * len(lead), "fsdp"))
-            ),
-            "w2": jax.ShapeDtypeStruct(
-                (*lead, 256, 64), jnp.float32, sharding=NamedSharding(mesh, P(*(None,) * len(lead), "fsdp"))
-            ),
-        }
-        weights = w if layout == "scanned" else [w] * LAYERS
-        x = jax.ShapeDtypeStruct((8 * 8192, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
-        for policy in ("none", "full", "full:keep_gathered=true", "dots", "dots:keep_gathered=true"):
-            compiled = _compile(loss_fn(mesh, layout, policy), weights, x)
-            report = jremat.compiled_collectives_report(compiled)
-            out[f"{layout}/{policy}"] = {
-                "all-gather": [report.count("all-gather"), report.bytes("all-gather")],
-                "temp": compiled.memory_analysis().temp_size_in_bytes,
+    for mesh_name in mesh_names:
+        mesh = make_mesh(MESHES[mesh_name])
+        for layout in ("unrolled", "scanned"):
+            lead = (LAYERS,) if layout == "scanned" else ()
+            stacked = (None,) * len(lead)
+            w = {
+                "w1": jax.ShapeDtypeStruct(
+                    (*lead, 64, 256), jnp.float32, sharding=NamedSharding(mesh, P(*stacked, "fsdp", "tensor"))
+                ),
+                "w2": jax.ShapeDtypeStruct(
+                    (*lead, 256, 64), jnp.float32, sharding=NamedSharding(mesh, P(*stacked, "tensor", "fsdp"))
+                ),
             }
+            weights = w if layout == "scanned" else [w] * LAYERS
+            x = jax.ShapeDtypeStruct((8 * 8192, 64), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+            for policy in policies:
+                compiled = _compile(loss_fn(mesh, layout, policy), weights, x)
+                report = jremat.compiled_collectives_report(compiled)
+                out[f"{mesh_name}/{layout}/{policy}"] = {
+                    "all-gather": [report.count("all-gather"), report.bytes("all-gather")],
+                    "all-reduce": [report.count("all-reduce"), report.bytes("all-reduce")],
+                    "temp": compiled.memory_analysis().temp_size_in_bytes,
+                }
     return out
+
+
+def check_keep_gathered() -> dict:
+    """FSDP=8, the 4-layer model with realistic proportions: all-gathers and per-device temp of
+    each policy, compiled only, unrolled and scanned (``fsdp/`` dropped from the keys)."""
+    rows = _compiled_rows(["fsdp"], ("none", "full", "full:keep_gathered=true", "dots", "dots:keep_gathered=true"))
+    return {k.split("/", 1)[1]: v for k, v in rows.items()}
+
+
+def check_table() -> dict:
+    """The table of docs/sharding.md: every mesh, layout and policy (not run by the tests)."""
+    return _compiled_rows(list(MESHES), ("none", "full", "dots", "full:keep_gathered=true", "dots:keep_gathered=true"))
 
 
 def check_explain() -> dict:
@@ -253,6 +268,7 @@ CHECKS = {
     "tie": check_tie,
     "keep_gathered": check_keep_gathered,
     "explain": check_explain,
+    "table": check_table,
 }
 
 
