@@ -35,6 +35,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jremat
+import jremat.testing
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -260,6 +261,13 @@ def check_explain() -> dict:
             loss_fn(mesh, "unrolled", policy), weights, x, policy=policy, baseline=loss_fn(mesh, "unrolled", "none")
         )
         out[policy] = explanation.text()
+        grad = jax.grad(loss_fn(mesh, "unrolled", policy), argnums=(0, 1))
+        try:
+            jremat.testing.assert_no_reissued_collectives(grad, jax.grad(loss_fn(mesh, "unrolled", "none")), weights, x)
+        except AssertionError as err:
+            out[f"{policy} assert"] = str(err)
+        else:
+            out[f"{policy} assert"] = None
     return out
 
 

@@ -169,6 +169,22 @@ def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fs
     kept = fsdp_checks["explain"]["full:keep_gathered=true"]
     assert "all-gather: 8 per step" in kept and "all-gathers" not in kept.split("re-issued", 1)[-1]
     assert "keeps 2 gathered weights (sharding constraint -> matmul)" in kept
+    # jremat.testing.assert_no_reissued_collectives: fails on full, naming the re-gathers; holds when kept.
+    assert "re-issues 8 all-gathers" in fsdp_checks["explain"]["full assert"]
+    assert fsdp_checks["explain"]["full:keep_gathered=true assert"] is None
+
+
+def test_assert_no_reissued_collectives_rejects_unknown_kinds_and_holds_on_one_device():
+    import jremat.testing
+
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+
+    def f(w):
+        return jnp.sum(jnp.tanh(w @ w))
+
+    jremat.testing.assert_no_reissued_collectives(jax.grad(jremat.checkpoint(f, "full")), jax.grad(f), x)
+    with pytest.raises(ValueError, match=r"unknown collective kinds \['gather'\]"):
+        jremat.testing.assert_no_reissued_collectives(jax.grad(f), jax.grad(f), x, kinds=("gather",))
 
 
 def test_keep_gathered_is_a_key_of_every_single_function_policy():
