@@ -13,7 +13,8 @@ How it is read (and the limits):
   pair (``all-gather-start`` / ``all-gather-done``) counts once, at its ``-done``;
 * a ``while`` loop's body counts its trip count times (XLA's ``known_trip_count``, which
   ``lax.scan`` loops carry); a loop without one counts once and a note says so; each branch of a
-  conditional counts once (an upper bound of what runs);
+  conditional counts once (an upper bound of what runs), and a computation once per calling
+  computation (the module is read by :func:`jremat._xla_dump.parse_hlo`);
 * bytes are per device (an SPMD program is one device's share): the result buffer of each
   collective, except ``reduce-scatter``, whose operand (the unscattered buffer) is counted;
 * the phase comes from the instruction's ``op_name`` metadata, which JAX writes from the
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 import jax
 
-from jremat import _memory
+from jremat import _memory, _xla_dump
 
 #: Collective kinds, in report order.
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -61,15 +62,7 @@ _BITS = {
     "c64": 64,
     "c128": 128,
 }
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_OPERAND = re.compile(r"%?([\w.\-]+)")
 
 
 def shape_bytes(shape: str) -> int:
@@ -207,28 +200,6 @@ class CollectivesReport:
         }
 
 
-def _parse(hlo_text: str):
-    """Per computation: its instructions as ``(name, shape, opcode, rest)``; and the entry's name."""
-    computations: dict[str, list] = {}
-    entry = None
-    current = None
-    for line in hlo_text.splitlines():
-        if not line.startswith((" ", "\t")):
-            m = _COMPUTATION.match(line)
-            if m:
-                current = computations.setdefault(m.group(1), [])
-                if line.startswith("ENTRY"):
-                    entry = m.group(1)
-            elif line.startswith("}"):
-                current = None
-            continue
-        if current is not None:
-            m = _INSTRUCTION.match(line)
-            if m:
-                current.append(m.groups())
-    return computations, entry
-
-
 def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
     """Read the collectives of an optimized HLO module's text (``compiled.as_text()``).
 
@@ -242,57 +213,41 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
     Raises:
       ValueError: if the text has no ``ENTRY`` computation.
     """
-    computations, entry = _parse(hlo_text)
-    if entry is None:
+    hlo = _xla_dump.parse_hlo(hlo_text)
+    if hlo.entry is None:
         raise ValueError("not an HLO module's text: no ENTRY computation found")
-    shapes = {name: shape for body in computations.values() for name, shape, _, _ in body}
-    executions = {entry: 1}
-    notes = []
-    # A computation runs as often as all its call sites together (a loop body: times the trip count).
-    callers: dict[str, list] = {}
-    for caller, body in computations.items():
-        for _, _, opcode, rest in body:
-            if opcode.endswith("-done"):
-                continue  # the -start half already names the wrapped computation
-            called = _CALLED.findall(rest)
-            for group in _CALLED_LIST.findall(rest):
-                called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-            trip, body_name = 1, None
-            if opcode == "while":
-                trip_match, body_match = _TRIP_COUNT.search(rest), _BODY.search(rest)
-                body_name = body_match.group(1) if body_match else None
-                if trip_match:
-                    trip = int(trip_match.group(1))
-                else:
-                    notes.append(f"a while loop in {caller} has no known trip count: its body is counted once")
-            for callee in called:
-                callers.setdefault(callee, []).append((caller, trip if callee == body_name else 1))
+    trips = {body: trip for _, body, trip, _ in hlo.whiles.values()}
+    notes = [
+        f"a while loop in {hlo.computation[name]} has no known trip count: its body is counted once"
+        for name, (_, _, trip, _) in hlo.whiles.items()
+        if trip is None
+    ]
+    callers: dict = {}
+    for caller, callees in hlo.called.items():
+        for callee in callees:
+            callers.setdefault(callee, []).append(caller)
+    executions = {hlo.entry: 1}
 
-    def count_of(name: str, seen: tuple = ()) -> int:
-        if name in executions:
-            return executions[name]
-        if name in seen:
-            return 0
-        total = sum(count_of(c, seen + (name,)) * trip for c, trip in callers.get(name, ()))
-        executions[name] = total
-        return total
+    def count_of(name: str, seen: frozenset = frozenset()) -> int:
+        # A computation runs as often as its callers together (a loop body: times the trip count).
+        if name not in executions:
+            if name in seen:
+                return 0
+            runs = sum(count_of(c, seen | {name}) for c in callers.get(name, ()))
+            executions[name] = runs * (trips.get(name) or 1)
+        return executions[name]
 
     found = []
-    for comp, body in computations.items():
-        runs = count_of(comp)
+    for name, opcode in hlo.opcode.items():
+        kind = _kind(opcode)
+        runs = count_of(hlo.computation[name]) if kind else 0
         if not runs:
             continue
-        for name, shape, opcode, rest in body:
-            kind = _kind(opcode)
-            if kind is None:
-                continue
-            size = shape_bytes(shape)
-            if kind == "reduce-scatter":
-                operands = rest.split(")", 1)[0]
-                size = sum(shape_bytes(shapes.get(m, "")) for m in _OPERAND.findall(operands))
-            op_name = _OP_NAME.search(rest)
-            op_name = op_name.group(1) if op_name else ""
-            found.append(Collective(kind, _phase(op_name), size, runs, name, comp, op_name))
+        size = shape_bytes(hlo.shape[name])
+        if kind == "reduce-scatter":
+            size = sum(shape_bytes(hlo.shape.get(o, "")) for o in hlo.operands.get(name, ()))
+        op_name = hlo.op_name.get(name, "")
+        found.append(Collective(kind, _phase(op_name), size, runs, name, hlo.computation[name], op_name))
     return CollectivesReport(tuple(found), devices, tuple(dict.fromkeys(notes)))
 
 
