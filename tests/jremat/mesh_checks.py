@@ -271,12 +271,22 @@ def check_explain() -> dict:
     return out
 
 
+def check_timeline() -> dict:
+    """``memory_timeline`` of ``full``'s gradient on the unrolled FSDP model: its notes and peak."""
+    mesh = make_mesh(MESHES["fsdp"])
+    weights, x = arguments(mesh, "unrolled")
+    grad = jax.grad(loss_fn(mesh, "unrolled", "full"), argnums=(0, 1))
+    timeline = jremat.memory_timeline(grad, weights, x)
+    return {"notes": list(timeline.notes), "compiled_peak": timeline.compiled_peak_bytes}
+
+
 CHECKS = {
     "collectives": check_collectives,
     "tie": check_tie,
     "keep_gathered": check_keep_gathered,
     "explain": check_explain,
     "table": check_table,
+    "timeline": check_timeline,
 }
 
 

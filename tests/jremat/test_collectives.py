@@ -139,7 +139,7 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
 def fsdp_checks():
     """The keep_gathered target and explain on the FSDP model (tests/jremat/mesh_checks.py)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain"],
+        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain", "timeline"],
         cwd=REPO,
         env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
         capture_output=True,
@@ -220,3 +220,10 @@ def test_the_tie_costs_one_scalar_all_reduce_per_checkpoint_and_works_on_explici
     for mesh in ("fsdp", "tp", "fsdp_explicit"):
         # 4 tied checkpoints: one 4-byte all-reduce each (docs/sharding.md), none untied.
         assert tie[f"{mesh}/tied"]["all-reduce"] - tie[f"{mesh}/untied"]["all-reduce"] == 4, mesh
+
+
+def test_timeline_on_a_mesh_says_it_is_per_device(fsdp_checks):
+    timeline = fsdp_checks["timeline"]
+    assert any(
+        n.startswith("per device: one device's share of the SPMD program on 8 devices") for n in timeline["notes"]
+    )
