@@ -281,16 +281,22 @@ def reissued_lines(label: str, report: CollectivesReport, baseline: CollectivesR
     return lines
 
 
+def mesh_devices(tree) -> int:
+    """How many devices the shardings of a pytree of arrays or shape structs span (1: no mesh)."""
+    devices = set()
+    for leaf in jax.tree.leaves(tree):
+        sharding = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+        devices |= set(getattr(sharding, "device_set", ()))
+    return max(len(devices), 1)
+
+
 def compiled_collectives_report(compiled) -> CollectivesReport:
     """The collectives of a compiled executable (``jax.jit(f).lower(...).compile()``).
 
     Raises:
       ValueError: if the executable's text is not HLO.
     """
-    devices = set()
-    for sharding in jax.tree.leaves(getattr(compiled, "input_shardings", ())):
-        devices |= set(getattr(sharding, "device_set", ()))
-    return hlo_collectives(compiled.as_text(), max(len(devices), 1))
+    return hlo_collectives(compiled.as_text(), mesh_devices(getattr(compiled, "input_shardings", ())))
 
 
 def collectives_report(
@@ -333,6 +339,7 @@ __all__ = [
     "collectives_report",
     "compiled_collectives_report",
     "hlo_collectives",
+    "mesh_devices",
     "reissued_lines",
     "shape_bytes",
 ]

@@ -96,6 +96,8 @@ class Explanation:
       collectives: the collectives the compiled gradient issues with the policy, per device
         (:func:`jremat.collectives_report`; empty on one device); ``None``: not compiled.
       baseline_collectives: the same without remat.
+      devices: the devices the arguments' shardings span; on a mesh the residual and decision
+        bytes are global (traced, unsharded values) and the compiled temp is per device.
     """
 
     policy: str
@@ -118,6 +120,7 @@ class Explanation:
     baseline_stack_temp_bytes: int | None = None
     collectives: _collectives.CollectivesReport | None = None
     baseline_collectives: _collectives.CollectivesReport | None = None
+    devices: int = 1
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -146,9 +149,16 @@ class Explanation:
         for m in self.names:
             lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
         lines.extend(f"  matched: {line}" for line in self.matched)
+        mesh = self.devices > 1
+        if mesh:
+            lines.append(
+                f"  on {self.devices} devices: values and residuals are global (all devices together, unsharded); "
+                "compiled temp and collectives are per device"
+            )
         if self.saved_bytes is not None:
             lines.append(
-                f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
+                f"  residuals for the backward pass{' (global)' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
                 f"{_memory.format_bytes(self.saved_bytes)} with the policy"
             )
         if self.attention_forward_passes:
@@ -158,7 +168,8 @@ class Explanation:
             )
         if self.temp_bytes is not None:
             lines.append(
-                f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
+                f"  compiled temp of the gradient{' per device' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.temp_bytes)} with the policy"
             )
         if self.stack_temp_bytes is not None:
@@ -590,6 +601,7 @@ def explain_applied(
         *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
         collectives,
         baseline_collectives,
+        _collectives.mesh_devices(structs),
     )
 
 

@@ -60,7 +60,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _compile, _jax_compat, _memory, _program
+from jremat import _collectives, _compile, _jax_compat, _memory, _program
 from jremat._timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
@@ -516,10 +516,10 @@ def memory_timeline(
             report=report,
             top=top,
         )
-        devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in getattr(s, "device_set", ())}
-        if len(devices) > 1:
+        devices = _collectives.mesh_devices(compiled.input_shardings)
+        if devices > 1:
             note = (
-                f"per device: one device's share of the SPMD program on {len(devices)} devices (buffers are "
+                f"per device: one device's share of the SPMD program on {devices} devices (buffers are "
                 f"shards; all-gathered weights are kind {GATHERED!r})"
             )
             timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note))

@@ -277,7 +277,13 @@ def check_timeline() -> dict:
     weights, x = arguments(mesh, "unrolled")
     grad = jax.grad(loss_fn(mesh, "unrolled", "full"), argnums=(0, 1))
     timeline = jremat.memory_timeline(grad, weights, x)
-    return {"notes": list(timeline.notes), "compiled_peak": timeline.compiled_peak_bytes}
+    residuals = jremat.saved_residuals_report(loss_fn(mesh, "unrolled", "full"), weights, x)
+    return {
+        "notes": list(timeline.notes),
+        "compiled_peak": timeline.compiled_peak_bytes,
+        "residuals_devices": residuals.devices,
+        "residuals_table": residuals.table(),
+    }
 
 
 CHECKS = {

@@ -166,6 +166,8 @@ def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fs
     assert "re-issued collectives (full): re-issues 8 all-gathers, 32.00 KiB per step per device more than none" in full
     assert "'full:keep_gathered=true'" in full
     assert "collectives of the gradient, per device (8 devices):" in full
+    assert "on 8 devices: values and residuals are global (all devices together, unsharded)" in full
+    assert "residuals for the backward pass (global): " in full and "compiled temp of the gradient per device: " in full
     kept = fsdp_checks["explain"]["full:keep_gathered=true"]
     assert "all-gather: 8 per step" in kept and "all-gathers" not in kept.split("re-issued", 1)[-1]
     assert "keeps 2 gathered weights (sharding constraint -> matmul)" in kept
@@ -226,4 +228,12 @@ def test_timeline_on_a_mesh_says_it_is_per_device(fsdp_checks):
     timeline = fsdp_checks["timeline"]
     assert any(
         n.startswith("per device: one device's share of the SPMD program on 8 devices") for n in timeline["notes"]
+    )
+
+
+def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_global(fsdp_checks):
+    timeline = fsdp_checks["timeline"]
+    assert timeline["residuals_devices"] == 8
+    assert timeline["residuals_table"].endswith(
+        "bytes are global (unsharded values, all 8 devices together), not per device"
     )
