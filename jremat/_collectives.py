@@ -30,10 +30,14 @@ How it is read (and the limits):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import threading
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jremat import _memory, _xla_dump
 
@@ -251,6 +255,68 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
     return CollectivesReport(tuple(found), devices, tuple(dict.fromkeys(notes)))
 
 
+_price_lock = threading.Lock()
+#: Kinds :func:`collective_flops_per_byte` times; the others are priced as an all-gather.
+TIMED_KINDS = ("all-gather", "all-reduce", "reduce-scatter")
+
+
+def collective_flops_per_byte(
+    kind: str = "all-gather", devices=None, *, transfer_bytes: int = 4 * 2**20, matmul_size: int = 1024
+) -> float:
+    """FLOP-equivalents of one byte of a collective of ``kind`` across ``devices``, measured there.
+
+    Times the collective over all ``devices`` (one mesh axis through them) on ``transfer_bytes``
+    per device, in the report's byte convention (the result; a reduce-scatter's operand), and a
+    ``matmul_size``-square float32 matmul on one of them; the ratio prices communication in the
+    recompute cost model's unit, as :func:`jremat.offload_flops_per_byte` prices offloading.
+    ``all-to-all`` and ``collective-permute`` are priced as an all-gather. It does not credit the
+    overlap of communication with compute. Measured once per argument set and cached; threads
+    asking at once wait for one measurement.
+
+    Args:
+      kind: one of :data:`KINDS`.
+      devices: a :class:`jax.sharding.Mesh` or a sequence of devices (default: ``jax.devices()``).
+      transfer_bytes: bytes per device per collective timed.
+      matmul_size: the side of the matmul timed.
+
+    Raises:
+      ValueError: on an unknown kind, or fewer than two devices (no communication to price).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    devices = tuple(getattr(devices, "devices", np.asarray(jax.devices() if devices is None else devices)).flat)
+    if len(devices) < 2:
+        raise ValueError(f"collective_flops_per_byte needs at least 2 devices, got {len(devices)}")
+    with _price_lock:
+        return _measured_flops_per_byte(
+            kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes, matmul_size
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _measured_flops_per_byte(kind: str, devices: tuple, transfer_bytes: int, matmul_size: int) -> float:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jremat._host_offload import best_s
+
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("devices",))
+    split, whole = NamedSharding(mesh, PartitionSpec("devices")), NamedSharding(mesh, PartitionSpec())
+    per_device = max(transfer_bytes // 4, n)
+    if kind == "all-gather":  # each device ends with the whole array: transfer_bytes of result
+        data = jax.device_put(jnp.ones((per_device - per_device % n,), jnp.float32), split)
+        step = jax.jit(lambda x: x + 0, out_shardings=whole)
+    else:  # [n, m] split over devices, summed over n: all-reduce (whole) or reduce-scatter (split)
+        m = per_device if kind == "all-reduce" else per_device - per_device % n
+        data = jax.device_put(jnp.ones((n, m), jnp.float32), split)
+        step = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=whole if kind == "all-reduce" else split)
+    seconds = best_s(lambda: step(data))
+    a = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.float32), devices[0])
+    matmul = jax.jit(lambda x: x @ x)
+    flops_per_s = 2 * matmul_size**3 / best_s(lambda: matmul(a))
+    return seconds / (per_device * 4) * flops_per_s
+
+
 #: How to avoid re-issuing each kind of collective, for :func:`reissued_lines`.
 HOW_TO_AVOID = {
     "all-gather": (
@@ -336,6 +402,7 @@ __all__ = [
     "RECOMPUTE",
     "Collective",
     "CollectivesReport",
+    "collective_flops_per_byte",
     "collectives_report",
     "compiled_collectives_report",
     "hlo_collectives",

@@ -520,24 +520,65 @@ def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
     print(
         f"compiling the sharded gradient step under {len(specs)} policies on --mesh {config.mesh}...", file=sys.stderr
     )
+    compiled: dict = {}
+
+    def step_memory(model_cfg):
+        if model_cfg not in compiled:
+            compiled[model_cfg] = sharded_steps.sharded_step_memory(
+                model_cfg, mesh, config.batch_size, config.resolved_seq_len
+            )
+        return compiled[model_cfg]
+
     rows = []
     for spec in specs:
         try:
-            memory = sharded_steps.sharded_step_memory(
-                config.model_config(spec), mesh, config.batch_size, config.resolved_seq_len
-            )
+            if registry.parse_spec(spec)[0] == "auto":
+                plan = mesh_auto_plan(config, spec, mesh, step_memory)
+                rows.append((f"auto: {plan.candidate.describe(plan.n_layers)}", step_memory(plan.config)))
+            else:
+                rows.append((spec, step_memory(config.model_config(spec))))
         except ValueError as err:
             raise UsageError(str(err)) from None
-        rows.append((spec, memory))
     return rows
+
+
+def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> jremat.LayerPlan:
+    """``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
+    per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
+    re-gathering weights is priced at the all-gather's cost measured on this mesh
+    (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates.
+
+    Raises:
+      ValueError: on a bad budget, or when no plan fits.
+    """
+    from jremat.models.planning import plan_for_budget
+    from jremat.train import sharded_steps, sharding
+
+    base = config.model_config("none")
+    gathered = regather = 0
+    if mesh.shape[sharding.FSDP_AXIS] > 1:
+        gathered = sharding.gathered_layer_bytes(sharded_steps.abstract_params(base, mesh)[1], mesh)
+        regather = gathered * jremat.collective_flops_per_byte("all-gather", mesh)
+    budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
+    return plan_for_budget(
+        base,
+        config.batch_size,
+        budget,
+        config.resolved_seq_len,
+        measure_peak_bytes=lambda c: step_memory(c).peak,
+        offload=False,
+        gathered_bytes=gathered,
+        regather_flops=regather,
+    )
 
 
 def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:
     """The ``--mesh`` table: per policy, per-device peak and temp, all-gathers and all-reduces (count and
     bytes per device per step), and the collectives it issues beyond ``none``'s (when ``none`` is a row)."""
-    base = next((m for spec, m in rows if registry.parse_spec(spec)[0] == "none"), None)
+    base = next((m for spec, m in rows if spec == "none"), None)
+    width = max(28, *(len(spec) for spec, _ in rows))
     header = (
-        f"{'policy':<28} {'peak/device':>12} {'temp/device':>12} {'all-gathers':>18} {'all-reduces':>18} "
+        f"{'policy':<{width}} {'peak/device':>12} {'temp/device':>12} {'all-gathers':>18} {'all-reduces':>18} "
         f"{'other':>14}  re-issued beyond none"
     )
     lines = [header, "-" * len(header)]
@@ -552,7 +593,7 @@ def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:
             f"{n:+d} {k} ({'+' if b >= 0 else '-'}{format_bytes(abs(b))})" for k, (n, b) in extra.items()
         ) or ("none" if base is not None else "n/a (no none row)")
         lines.append(
-            f"{spec:<28} {format_bytes(m.peak):>12} {format_bytes(m.temp):>12} {cells[0]:>18} {cells[1]:>18} "
+            f"{spec:<{width}} {format_bytes(m.peak):>12} {format_bytes(m.temp):>12} {cells[0]:>18} {cells[1]:>18} "
             f"{cells[2]:>14}  {reissued}"
         )
     first = rows[0][1]

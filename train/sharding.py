@@ -453,6 +453,29 @@ class GatheredWeights:
         return jax.tree_util.tree_map_with_path(one, params)
 
 
+def gathered_layer_bytes(params: Any, mesh: Mesh) -> int:
+    """Per-device bytes of one layer's weight matrices gathered to their placement without ``fsdp``
+    (what :class:`GatheredWeights` makes a value of the layer's checkpoints), from the model's
+    parameters (arrays or shape structs; the stacked ``blocks``, layer axis first)."""
+    total = 0
+
+    def one(path, leaf):
+        nonlocal total
+        names = _path_names(path)
+        shape = tuple(getattr(leaf, "shape", ()))
+        if "blocks" not in names or len(shape) < 3 or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return
+        layer_shape = shape[1:]
+        spec = logical_to_spec(param_logical_axes(path, len(shape))[1:], layer_shape, mesh)
+        split = math.prod(
+            mesh.shape[a] for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
+        )
+        total += math.prod(layer_shape) * jnp.dtype(leaf.dtype).itemsize // split
+
+    jax.tree_util.tree_map_with_path(one, params)
+    return total
+
+
 def keeps_gathered(model_cfg: Any) -> bool:
     """Whether any policy of ``model_cfg`` (``remat_policy``, ``remat_layer_policies``) sets ``keep_gathered=true``,
     so that the model must make its gathered weights values of its checkpoints (:class:`GatheredWeights`)."""

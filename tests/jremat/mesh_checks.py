@@ -286,6 +286,22 @@ def check_timeline() -> dict:
     }
 
 
+def check_price() -> dict:
+    """``collective_flops_per_byte`` on the 8 devices: asked from 4 threads at once, one measurement each kind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        gathers = list(pool.map(lambda _: jremat.collective_flops_per_byte("all-gather"), range(4)))
+    start = time.perf_counter()
+    again = jremat.collective_flops_per_byte("all-gather")
+    return {
+        "all-gather": gathers,
+        "again": again,
+        "again_s": time.perf_counter() - start,
+        "all-reduce": jremat.collective_flops_per_byte("all-reduce"),
+    }
+
+
 CHECKS = {
     "collectives": check_collectives,
     "tie": check_tie,
@@ -293,6 +309,7 @@ CHECKS = {
     "explain": check_explain,
     "table": check_table,
     "timeline": check_timeline,
+    "price": check_price,
 }
 
 

@@ -139,7 +139,7 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
 def fsdp_checks():
     """The keep_gathered target and explain on the FSDP model (tests/jremat/mesh_checks.py)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain", "timeline"],
+        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain", "timeline", "price"],
         cwd=REPO,
         env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
         capture_output=True,
@@ -237,3 +237,49 @@ def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_global(fsdp_checks)
     assert timeline["residuals_table"].endswith(
         "bytes are global (unsharded values, all 8 devices together), not per device"
     )
+
+
+def test_plan_layers_prices_regathering_and_keeps_gathered_weights_where_they_fit():
+    from jremat._planner import Candidate, NameCost, plan_layers
+
+    costs = (NameCost("a", 100, 1e6),)
+
+    def plan(regather_flops, budget):
+        return plan_layers(
+            budget,
+            costs=costs,
+            n_layers=4,
+            block_input_bytes=10,
+            none_layer_bytes=110,
+            measure_peak_bytes=lambda c: (
+                1000
+                + c.remat_layers * (10 if c.keep_gathered else 0)
+                - 100 * c.remat_layers
+                + (len(c.save) * 100 * c.remat_layers)
+            ),
+            gathered_bytes=10,
+            regather_flops=regather_flops,
+        )
+
+    # Re-gathering priced: keeping the gathered weights (10 bytes a layer) costs no FLOPs.
+    kept = plan(5e6, 700).candidate
+    assert kept.keep_gathered and kept.remat_layers == 4 and kept.spec() == "full:keep_gathered=true"
+    # Not priced (one device): no such candidate.
+    assert not plan(0.0, 700).candidate.keep_gathered
+    # A budget only plain full fits: full, re-gathering.
+    assert plan(5e6, 600).candidate == Candidate((), 4)
+    assert Candidate(("a",), 2, (), True).spec() == "names:save=a,keep_gathered=true"
+
+
+def test_collective_flops_per_byte_needs_two_devices_and_a_known_kind():
+    with pytest.raises(ValueError, match="unknown collective kind 'gather'"):
+        jremat.collective_flops_per_byte("gather")
+    with pytest.raises(ValueError, match="needs at least 2 devices, got 1"):
+        jremat.collective_flops_per_byte("all-gather", jax.devices()[:1])
+
+
+def test_collective_price_is_measured_once_and_shared_by_threads(fsdp_checks):
+    price = fsdp_checks["price"]
+    assert len(set(price["all-gather"])) == 1 and price["all-gather"][0] > 0  # one measurement, four threads
+    assert price["again"] == price["all-gather"][0] and price["again_s"] < 0.01  # cached
+    assert price["all-reduce"] > 0

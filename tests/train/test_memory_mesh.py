@@ -20,6 +20,7 @@ from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 def mesh_rows():
     argv = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
     argv += ["--policy", "none", "--policy", "full", "--policy", "full:keep_gathered=true", "--json"]
+    argv += ["--policy", "auto", "--memory-budget", "0.5"]
     proc = subprocess.run(
         [sys.executable, "-m", "train.memory", *argv],
         cwd=REPO,
@@ -32,7 +33,10 @@ def mesh_rows():
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {row["policy"]: row for row in json.loads(proc.stdout)}
+    return {
+        row["policy"].split(":")[0] if row["policy"].startswith("auto") else row["policy"]: row
+        for row in json.loads(proc.stdout)
+    }
 
 
 def test_mesh_rows_are_per_device_with_collectives(mesh_rows):
@@ -62,3 +66,15 @@ def test_bad_mesh_input_exits_2_with_one_line(argv, message, capsys):
 def test_a_mesh_the_devices_do_not_fit_exits_2(capsys):
     assert memory.main(["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8"]) == 2
     assert "--mesh: mesh fsdp=8 has 8 devices but 1 are available" in capsys.readouterr().err
+
+
+def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mesh_rows):
+    none, full, auto = mesh_rows["none"], mesh_rows["full"], mesh_rows["auto"]
+    budget = full["peak"] + 0.5 * (none["peak"] - full["peak"])  # --memory-budget 0.5, per device
+    assert auto["peak"] <= budget
+    regathered = {
+        p: r["collectives"]["kinds"]["all-gather"]["bytes"] - none["collectives"]["kinds"]["all-gather"]["bytes"]
+        for p, r in mesh_rows.items()
+    }
+    assert regathered["auto"] < regathered["full"]
+    assert auto["policy"].startswith("auto: ")  # the row names the plan it chose
