@@ -160,6 +160,33 @@ BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {
     "skip_cheap": ("min_flops_per_byte",),
 }
 
+
+def check_mesh_flag(mesh: str, batch_size: int | None, seq_len: int | None) -> None:
+    """``--mesh``: its syntax, and that the batch and sequence split over it (``None``: not checked).
+
+    The device count is checked where the mesh is built. Imports JAX (only for a run that gives ``--mesh``).
+
+    Raises:
+      UsageError: on a bad mesh spec, or a batch or sequence length that does not split.
+    """
+    from jremat.train import sharding
+
+    try:
+        sizes = sharding.parse_mesh(mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    ways = sizes["data"] * sizes["fsdp"]
+    require(
+        batch_size is None or batch_size % ways == 0,
+        f"--batch-size {batch_size} does not split over --mesh {mesh} (data x fsdp = {ways}); use a multiple of {ways}",
+    )
+    require(
+        seq_len is None or seq_len % sizes["sequence"] == 0,
+        f"--seq-len {seq_len} does not split over --mesh {mesh} (sequence = {sizes['sequence']}); "
+        f"use a multiple of {sizes['sequence']}",
+    )
+
+
 #: Built-in policies of a layer stack (no keep_gathered key).
 STACK_POLICIES = frozenset({"nested"})
 

@@ -36,6 +36,7 @@ from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
     apply_policy_keys,
+    check_mesh_flag,
     option,
     require,
     require_choice,
@@ -209,18 +210,7 @@ class MemoryConfig:
         """
         for flag, given in (("--fit", self.fit), ("--live", self.live), ("--timeline", self.timeline)):
             require(not given, f"{flag} measures one device: drop --mesh or {flag}")
-        from jremat.train import sharding  # imports JAX: only for a run that gives --mesh
-
-        try:
-            sizes = sharding.parse_mesh(self.mesh)
-        except ValueError as err:
-            raise UsageError(f"--mesh: {err}") from None
-        ways = sizes["data"] * sizes["fsdp"]
-        require(
-            self.batch_size % ways == 0,
-            f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
-            f"use a multiple of {ways}",
-        )
+        check_mesh_flag(self.mesh, self.batch_size, self.seq_len)
 
     def model_config(self, policy: str) -> ModelConfig:
         """The :class:`ModelConfig` for one policy spec, with every override applied.

@@ -16,13 +16,13 @@ parallel MLP, whose row-parallel output XLA all-reduces), the batch over ``(data
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 import time
 
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
+from tests.device_checks import run_checks
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -313,15 +313,5 @@ CHECKS = {
 }
 
 
-def main(argv: list[str]) -> None:
-    names = argv or list(CHECKS)
-    result = {"device_count": jax.device_count(), "seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        result[name] = CHECKS[name]()
-        result["seconds"][name] = round(time.perf_counter() - start, 1)
-    print(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))

@@ -90,11 +90,10 @@ def test_one_device_has_no_collectives():
     assert report.collectives == () and report.text() == "no collectives (1 device)"
 
 
-@pytest.fixture(scope="module")
-def checks():
-    """tests/jremat/mesh_checks.py on 8 simulated CPU devices: its JSON figures."""
+def _mesh_checks(*names: str) -> dict:
+    """tests/jremat/mesh_checks.py's ``names`` on 8 simulated CPU devices: their JSON figures."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.jremat.mesh_checks", "collectives", "tie"],
+        [sys.executable, "-m", "tests.jremat.mesh_checks", *names],
         cwd=REPO,
         env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
         capture_output=True,
@@ -105,6 +104,12 @@ def checks():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result.pop("device_count") == 8
     return result
+
+
+@pytest.fixture(scope="module")
+def checks():
+    """Collectives, gradients and the tie on every mesh (tests/jremat/mesh_checks.py)."""
+    return _mesh_checks("collectives", "tie")
 
 
 def test_report_equals_a_direct_count_of_the_optimized_hlo(checks):
@@ -137,17 +142,8 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
 
 @pytest.fixture(scope="module")
 def fsdp_checks():
-    """The keep_gathered target and explain on the FSDP model (tests/jremat/mesh_checks.py)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.jremat.mesh_checks", "keep_gathered", "explain", "timeline", "price"],
-        cwd=REPO,
-        env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """The keep_gathered target, explain, the timeline and the price on the FSDP model."""
+    return _mesh_checks("keep_gathered", "explain", "timeline", "price")
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scanned"])
