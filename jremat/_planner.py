@@ -340,7 +340,6 @@ def plan_layers(
     apply: Callable[[Candidate], Any] = lambda c: c,
     step_flops: float = 0.0,
     offload_cost_per_byte: float | None = None,
-    gathered_bytes: int = 0,
     regather_flops: float = 0.0,
 ) -> LayerPlan:
     """The least-recompute layer plan whose measured step peak fits ``budget``.
@@ -360,11 +359,11 @@ def plan_layers(
       step_flops: FLOPs of the step without remat (for :attr:`LayerPlan.recompute_fraction`).
       offload_cost_per_byte: FLOP-equivalents per byte moved to the host and back; ``None``:
         no offloading.
-      gathered_bytes: on a mesh, the per-device bytes of one layer's gathered weights, which a
-        rematerialized layer keeps when its plan keeps them (``keep_gathered``).
       regather_flops: on a mesh, FLOP-equivalents of gathering one layer's weights again in the
-        backward pass (:func:`jremat.collective_flops_per_byte` times the bytes), charged to every
-        rematerialized layer that does not keep them; ``0`` (default): no mesh, no such candidates.
+        backward pass (:func:`jremat.collective_flops_per_byte` times their bytes), charged to every
+        rematerialized layer that does not keep them (``keep_gathered``); the peak of full remat
+        keeping them all is measured too, to price keeping them per layer. ``0`` (default): no
+        mesh, no such candidates.
 
     Raises:
       ValueError: on a bad budget, or when no plan fits (with the smallest achievable peak).
@@ -375,6 +374,9 @@ def plan_layers(
     costs = tuple(costs)
     none_cand, full_cand = Candidate((), 0), Candidate((), n_layers)
     none_peak, full_peak = int(measure_peak_bytes(none_cand)), int(measure_peak_bytes(full_cand))
+    kept_cand = Candidate((), n_layers, (), True)
+    kept_peak = int(measure_peak_bytes(kept_cand)) if regather_flops > 0 else full_peak
+    gathered_per_layer = max(kept_peak - full_peak, 0) / n_layers
     traced_span = max(none_layer_bytes - block_input_bytes, 1)
     bytes_per_traced_byte = max(none_peak - full_peak, 0) / (n_layers * traced_span)
     by_name = {c.name: c for c in costs}
@@ -384,7 +386,7 @@ def plan_layers(
             return none_peak
         kept = min(block_input_bytes + sum(by_name[n].bytes for n in cand.save), none_layer_bytes)
         extra = cand.remat_layers * (kept - block_input_bytes) + (n_layers - cand.remat_layers) * traced_span
-        gathered = cand.remat_layers * gathered_bytes if cand.keep_gathered else 0
+        gathered = cand.remat_layers * gathered_per_layer if cand.keep_gathered else 0
         return int(full_peak + bytes_per_traced_byte * extra + gathered)
 
     def cost(cand: Candidate) -> float:
@@ -392,7 +394,8 @@ def plan_layers(
         return cand.remat_layers * (sum(c.unsaved_flops for c in costs if c.name not in cand.save) + regather)
 
     def measure(cand: Candidate) -> int:
-        return none_peak if cand == none_cand else full_peak if cand == full_cand else measure_peak_bytes(cand)
+        known = {none_cand: none_peak, full_cand: full_peak, kept_cand: kept_peak}
+        return known[cand] if cand in known else measure_peak_bytes(cand)
 
     candidates = [none_cand]
     for subset in save_sets(costs):

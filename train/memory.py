@@ -523,8 +523,19 @@ def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
     for spec in specs:
         try:
             if registry.parse_spec(spec)[0] == "auto":
-                plan = mesh_auto_plan(config, spec, mesh, step_memory)
+                plan, gathered, regather = mesh_auto_plan(config, spec, mesh, step_memory)
                 rows.append((f"auto: {plan.candidate.describe(plan.n_layers)}", step_memory(plan.config)))
+                priced = (
+                    f"; re-gathering a layer's weights ({gathered:,} B per device) priced at {regather:,.0f} "
+                    "FLOP-equivalents, keeping them at their bytes"
+                    if gathered
+                    else ""
+                )
+                print(
+                    f"auto on mesh {config.mesh}: budget and peaks per device, tensor bytes/layer global (all devices "
+                    f"together){priced}\n{plan.table()}",
+                    file=sys.stderr,
+                )
             else:
                 rows.append((spec, step_memory(config.model_config(spec))))
         except ValueError as err:
@@ -532,8 +543,10 @@ def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
     return rows
 
 
-def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> jremat.LayerPlan:
-    """``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
+def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> tuple[jremat.LayerPlan, int, float]:
+    """``(plan, gathered bytes per layer per device, their re-gathering price in FLOP-equivalents)``.
+
+    ``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
     per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
     re-gathering weights is priced at the all-gather's cost measured on this mesh
     (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates.
@@ -550,16 +563,16 @@ def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> jremat
         gathered = sharding.gathered_layer_bytes(sharded_steps.abstract_params(base, mesh)[1], mesh)
         regather = gathered * jremat.collective_flops_per_byte("all-gather", mesh)
     budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
-    return plan_for_budget(
+    plan = plan_for_budget(
         base,
         config.batch_size,
         budget,
         config.resolved_seq_len,
         measure_peak_bytes=lambda c: step_memory(c).peak,
         offload=False,
-        gathered_bytes=gathered,
         regather_flops=regather,
     )
+    return plan, gathered, regather
 
 
 def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:

@@ -253,7 +253,6 @@ def test_plan_layers_prices_regathering_and_keeps_gathered_weights_where_they_fi
                 - 100 * c.remat_layers
                 + (len(c.save) * 100 * c.remat_layers)
             ),
-            gathered_bytes=10,
             regather_flops=regather_flops,
         )
 
