@@ -34,7 +34,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-POLICIES = ("none", "full", "every_k:k=4", "selective")
+POLICIES = ("none", "full", "every_k:k=4", "selective", "full:keep_gathered=true")
 BATCH, SEQ = 8, 16
 SEQUENCE_MESH = "fsdp=2,tensor=2,sequence=2"
 
