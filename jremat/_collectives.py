@@ -47,39 +47,21 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
 PHASES = (FORWARD, BACKWARD, RECOMPUTE)
 
-_BITS = {
-    "pred": 8,
-    "s4": 4,
-    "u4": 4,
-    "s8": 8,
-    "u8": 8,
-    "s16": 16,
-    "u16": 16,
-    "f16": 16,
-    "bf16": 16,
-    "s32": 32,
-    "u32": 32,
-    "f32": 32,
-    "s64": 64,
-    "u64": 64,
-    "f64": 64,
-    "c64": 64,
-    "c128": 128,
-}
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
 
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape string (``f32[64,256]{1,0}``, or a tuple of them: summed)."""
-    total = 0
+    total_bits = 0
     for dtype, dims in _ARRAY.findall(shape):
-        if dtype not in _BITS:
-            continue
+        # The element width is the type's first number (f32, bf16, s4, f8e4m3fn, c64); pred is a byte.
+        width = re.search(r"\d+", dtype)
+        bits = int(width.group()) if width else 8 if dtype == "pred" else 0
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        total += n * _BITS[dtype] // 8
-    return total
+        total_bits += n * bits
+    return total_bits // 8
 
 
 def _kind(opcode: str) -> str | None:

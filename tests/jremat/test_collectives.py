@@ -72,6 +72,13 @@ def test_hlo_collectives_counts_async_pairs_once_loops_by_trip_count_and_phases(
     assert "all-gather: 1 per step, 256 B per device (forward 1); +1 (+256 B) vs without remat" in report.text(base)
 
 
+def test_shape_bytes_reads_every_element_width():
+    assert (
+        _collectives.shape_bytes("(f32[2]{0}, bf16[4], f8e4m3fn[8], pred[2], s4[4], c64[1])") == 8 + 8 + 8 + 2 + 2 + 8
+    )
+    assert _collectives.shape_bytes("f32[]") == 4 and _collectives.shape_bytes("token[]") == 0
+
+
 def test_report_rejects_unknown_kinds_phases_and_non_hlo():
     report = _collectives.hlo_collectives(HLO)
     with pytest.raises(ValueError, match="unknown collective kind 'gather'; valid kinds: all-gather"):
