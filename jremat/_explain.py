@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jremat import _decisions, _jax_compat, _memory, _program, _residuals, attention, names, registry
+from jremat import _collectives, _decisions, _jax_compat, _memory, _program, _residuals, attention, names, registry
 from jremat._decisions import DECISIONS, EXCLUDE, OFFLOAD, RECOMPUTE, SAVE, Decision
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
@@ -93,6 +93,11 @@ class Explanation:
       stack_temp_bytes: XLA's compiled temp bytes of that stack's gradient, each copy
         checkpointed under the policy: the block's saving as it is used, in a stack.
       baseline_stack_temp_bytes: the same stack without remat.
+      collectives: the collectives the compiled gradient issues with the policy, per device
+        (:func:`jremat.collectives_report`; empty on one device); ``None``: not compiled.
+      baseline_collectives: the same without remat.
+      devices: the devices the arguments' shardings span; on a mesh the residual and decision
+        bytes are global (traced, unsharded values) and the compiled temp is per device.
     """
 
     policy: str
@@ -113,6 +118,9 @@ class Explanation:
     stack_argnum: int | None = None
     stack_temp_bytes: int | None = None
     baseline_stack_temp_bytes: int | None = None
+    collectives: _collectives.CollectivesReport | None = None
+    baseline_collectives: _collectives.CollectivesReport | None = None
+    devices: int = 1
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -141,9 +149,16 @@ class Explanation:
         for m in self.names:
             lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
         lines.extend(f"  matched: {line}" for line in self.matched)
+        mesh = self.devices > 1
+        if mesh:
+            lines.append(
+                f"  on {self.devices} devices: values and residuals are global (all devices together, unsharded); "
+                "compiled temp and collectives are per device"
+            )
         if self.saved_bytes is not None:
             lines.append(
-                f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
+                f"  residuals for the backward pass{' (global)' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
                 f"{_memory.format_bytes(self.saved_bytes)} with the policy"
             )
         if self.attention_forward_passes:
@@ -153,7 +168,8 @@ class Explanation:
             )
         if self.temp_bytes is not None:
             lines.append(
-                f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
+                f"  compiled temp of the gradient{' per device' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.temp_bytes)} with the policy"
             )
         if self.stack_temp_bytes is not None:
@@ -162,6 +178,9 @@ class Explanation:
                 f"{self.stack_argnum}): {_memory.format_bytes(self.baseline_stack_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.stack_temp_bytes)} with the policy on each"
             )
+        if self.collectives is not None and self.collectives.collectives:
+            lines.append(f"  collectives of the gradient, per device ({self.collectives.devices} devices):")
+            lines.extend(f"    {line}" for line in self.collectives.text(self.baseline_collectives).splitlines())
         lines.extend(self.messages)
         return "\n".join(lines)
 
@@ -175,6 +194,9 @@ class Explanation:
         out["names_found"] = list(self.names_found)
         out["messages"] = list(self.messages)
         out["matched"] = list(self.matched)
+        for field in ("collectives", "baseline_collectives"):
+            report = getattr(self, field)
+            out[field] = None if report is None else report.to_json()
         return out
 
 
@@ -211,9 +233,17 @@ def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[in
     owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     owners += [None] * (len(leaves) - len(owners))
     wanted = set(param_argnums)
-    structs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in dynamic]
+    structs = [
+        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=_mesh_sharding(leaves[i])) for i in dynamic
+    ]
     params = tuple(j for j, i in enumerate(dynamic) if owners[i] in wanted)
     return flat_fn, structs, params
+
+
+def _mesh_sharding(leaf):
+    """``leaf``'s sharding when it spans several devices (a mesh), else ``None``."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if len(getattr(sharding, "device_set", ())) > 1 else None
 
 
 def _gradient_program(flat_fn: Callable, structs: list, with_value: bool = False) -> Callable:
@@ -512,15 +542,20 @@ def explain_applied(
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
+    collectives = baseline_collectives = None
     if flat_base is not None:
         saved = _residuals.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
         base_saved = _residuals.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
         if compile and (temp_bytes is None or baseline_temp_bytes is None):
-            temps = []
+            temps, comms = [], []
             for f in (flat_remat, flat_base):
-                report = _memory.memory_report(_gradient_program(f, structs), *structs)
+                compiled, _ = _memory.compile_for_analysis(_gradient_program(f, structs), *structs)
+                report = _memory.compiled_memory_report(compiled)
                 temps.append(report.temp_bytes if report.available else None)
+                comms.append(_collectives.compiled_collectives_report(compiled))
             temp_bytes, baseline_temp_bytes = temps
+            collectives, baseline_collectives = comms
+            messages.extend(_collectives.reissued_lines(label, collectives, baseline_collectives))
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
     passes = base_passes = None
@@ -569,6 +604,9 @@ def explain_applied(
         passes,
         base_passes,
         *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
+        collectives,
+        baseline_collectives,
+        _collectives.mesh_devices(structs),
     )
 
 

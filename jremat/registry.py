@@ -69,6 +69,15 @@ class Param:
 
 REQUIRED = object()
 
+#: The key every policy of one function takes: also keep the gathered weights (jremat._gathered).
+KEEP_GATHERED = "keep_gathered"
+KEEP_GATHERED_PARAM = Param(
+    "bool",
+    False,
+    "also keep each checkpoint's gathered weights (a sharding constraint on an input feeding a matmul), so "
+    "that the backward pass does not all-gather them again; costs their gathered bytes per device",
+)
+
 
 class AlreadyRegisteredError(ValueError):
     """A policy name given to :func:`register` is taken."""
@@ -480,9 +489,18 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    kwargs = convert_values(name, entry.params, raw_values)
+    # keep_gathered (jremat._gathered) is a key of every policy of one function.
+    universal = {} if entry.stack or KEEP_GATHERED in entry.params else {KEEP_GATHERED: KEEP_GATHERED_PARAM}
+    kwargs = convert_values(name, {**entry.params, **universal}, raw_values)
+    keep = kwargs.pop(KEEP_GATHERED) if universal else False
     built = entry.factory(**kwargs)
-    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
+    given = {k: v for k, v in kwargs.items() if k in raw_values}
+    if universal and KEEP_GATHERED in raw_values:
+        from jremat._gathered import with_keep_gathered
+
+        built = with_keep_gathered(built, keep)
+        given[KEEP_GATHERED] = keep
+    return entry, built, canonical_spec(name, given, entry.params)
 
 
 def convert_values(name: str, params: dict[str, Param], raw_values: dict[str, Any]) -> dict[str, Any]:

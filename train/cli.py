@@ -149,6 +149,36 @@ BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {name: tuple(keys) for name, k
 BUILTIN_POLICY_KEYS_ALL = frozenset(key for keys in BUILTIN_POLICY_KEYS.values() for key in keys)
 
 
+def check_mesh_flag(mesh: str, batch_size: int | None, seq_len: int | None) -> None:
+    """``--mesh``: its syntax, and that the batch and sequence split over it (``None``: not checked).
+
+    The device count is checked where the mesh is built. Imports JAX (only for a run that gives ``--mesh``).
+
+    Raises:
+      UsageError: on a bad mesh spec, or a batch or sequence length that does not split.
+    """
+    from jremat.train import sharding
+
+    try:
+        sizes = sharding.parse_mesh(mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    ways = sizes["data"] * sizes["fsdp"]
+    require(
+        batch_size is None or batch_size % ways == 0,
+        f"--batch-size {batch_size} does not split over --mesh {mesh} (data x fsdp = {ways}); use a multiple of {ways}",
+    )
+    require(
+        seq_len is None or seq_len % sizes["sequence"] == 0,
+        f"--seq-len {seq_len} does not split over --mesh {mesh} (sequence = {sizes['sequence']}); "
+        f"use a multiple of {sizes['sequence']}",
+    )
+
+
+#: Built-in policies of a layer stack (no keep_gathered key).
+STACK_POLICIES = frozenset({"nested"})
+
+
 def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
     """Flag name of every policy key: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
 
@@ -302,6 +332,8 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     # A spec-valued key is written back as given: resolving it would load the policies (and JAX).
     params = {
         name: {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
+        # keep_gathered is a key of every policy of one function (the registry's KEEP_GATHERED).
+        | ({} if name in STACK_POLICIES else {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM})
         for name, table in BUILTIN_PARAMS.items()
     }
     specs = _given_specs(values)

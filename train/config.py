@@ -22,6 +22,7 @@ from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS, whole_step_head_
 from jremat.train import model_flags
 from jremat.train.cli import (
     UsageError,
+    check_mesh_flag,
     option,
     require,
     require_choice,
@@ -176,23 +177,7 @@ class TrainConfig:
         """The checks that read the policy registry (and so import JAX): the policy, --mesh, --memory-budget."""
         spec = self.policy_spec()  # raises UsageError on a bad policy
         if self.mesh is not None:  # syntax and divisibility here; the device count when the mesh is built
-            from jremat.train import sharding  # imports JAX: only for a run that gives --mesh
-
-            try:
-                sizes = sharding.parse_mesh(self.mesh)
-            except ValueError as err:
-                raise UsageError(f"--mesh: {err}") from None
-            ways = sizes["data"] * sizes["fsdp"]
-            require(
-                self.batch_size == AUTO_BATCH or self.batch_size % ways == 0,
-                f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
-                f"use a multiple of {ways}",
-            )
-            require(
-                self.seq_len % sizes["sequence"] == 0,
-                f"--seq-len {self.seq_len} does not split over --mesh {self.mesh} (sequence = {sizes['sequence']}); "
-                f"use a multiple of {sizes['sequence']}",
-            )
+            check_mesh_flag(self.mesh, None if self.batch_size == AUTO_BATCH else self.batch_size, self.seq_len)
         if self.memory_budget is not None:
             require(
                 registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,

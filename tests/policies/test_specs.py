@@ -19,7 +19,7 @@ from jremat import require_host_memory
         ("skip_cheap:min_flops_per_byte=inf", r"policy 'skip_cheap': min_flops_per_byte must be a finite number"),
         ("every_k:min_flops_per_byte=-inf", r"policy 'every_k': min_flops_per_byte must be a finite number"),
         ("every_k:j=2", r"unknown key 'j' for policy 'every_k'; valid keys: k, skip_cheap, min_flops_per_byte"),
-        ("full:k=2", r"unknown key 'k' for policy 'full'; valid keys: \(none"),
+        ("full:k=2", r"unknown key 'k' for policy 'full'; valid keys: keep_gathered"),
         ("every_k:k", r"malformed policy spec 'every_k:k': 'k' is not key=value"),
         ("every_k:", r"malformed policy spec 'every_k:': nothing after ':'"),
         ("every k", r"malformed policy spec 'every k': bad name"),
