@@ -26,6 +26,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "jremat.kernels": (),
     # Memory budgets: sizes and fractions such as "6GiB" or 0.5.
     "jremat._budget": ("Budget", "parse_budget"),
+    # Collectives of a compiled program on a mesh, and what a policy re-issues.
+    "jremat._collectives": (
+        "Collective",
+        "CollectivesReport",
+        "collective_flops_per_byte",
+        "collectives_report",
+        "compiled_collectives_report",
+    ),
     # Compiling: jit with the XLA options under which remat's savings survive.
     "jremat._compile": ("compiler_options", "jit"),
     # Decorators: a policy applied to a function or module, and custom policies.

@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
 
 from jremat import registry
+from jremat._cache import BoundedCache
 from jremat._policy import CallbackPolicy, Plan, PlanPolicy, Policy
 from jremat._program import Program
 
@@ -231,7 +233,9 @@ def filter_checkpoint(
     arguments (``jax.Array``, NumPy arrays and scalars) are the checkpoint's inputs; every other
     leaf (Python ``float`` / ``bool`` / ``int`` fields such as a dropout rate, ``inference=True``,
     functions, strings) is a constant of the trace, so Python code may branch on it. A new static
-    value (compared by type and value, or by identity where unhashable) traces again.
+    value (compared by type and value, or by identity where unhashable) traces again. Of the
+    output, likewise, only array leaves leave the checkpoint; the others (a Python ``int``, a
+    string, a function) are returned as ``fn`` returned them.
 
     ``fn`` may itself be a pytree holding arrays (an Equinox module, a bound method of one): its
     arrays are inputs too, and the returned wrapper is a pytree whose one child is ``fn``, so it
@@ -383,7 +387,7 @@ class _Static:
 _MAX_TRACES = 32
 
 
-def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, args: tuple, kwargs: dict):
+def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: BoundedCache, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` rematerialized the way ``jax.checkpoint`` calls a function."""
     nums = options.static_argnums
     if not all(-len(args) <= d < len(args) for d in nums):
@@ -410,8 +414,9 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
     n_leaves = len(leaves)  # not `leaves` in flat_fn: the cached trace must not keep this call's arrays alive
     # TypeError (JAX's) on a value JAX cannot trace
     key = (in_tree, tuple(jax.typeof(leaf) for leaf in traced_leaves), constants, statics, static_kwargs, cse)
-    flat = traced.get(key)
-    if flat is None:
+
+    def build():
+        static_out = [None]  # filtered: (out_tree, array positions, leaves) of the output, set by each trace
 
         def flat_fn(*dynamic_leaves):
             all_leaves = [None] * n_leaves
@@ -423,19 +428,34 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: dict, a
             full = list(a)
             for i, value in statics:
                 full.insert(i, value.value)
-            return fn(*full, **kw, **{k: value.value for k, value in static_kwargs})
+            out = fn(*full, **kw, **{k: value.value for k, value in static_kwargs})
+            if not options.filtered:
+                return out
+            # As eqx.filter_checkpoint: only array outputs leave the checkpoint; the rest (a Python
+            # int, a function) is returned as it is, from this trace (the call may reuse a cached one).
+            out_leaves, out_tree = jax.tree.flatten(out)
+            array_positions = tuple(i for i, leaf in enumerate(out_leaves) if _is_dynamic(leaf))
+            kept = [None if i in array_positions else leaf for i, leaf in enumerate(out_leaves)]
+            static_out[0] = (out_tree, array_positions, kept)
+            return [out_leaves[i] for i in array_positions]
 
-        flat = chosen.wrap(flat_fn, prevent_cse=cse)
-        if len(traced) >= _MAX_TRACES:
-            traced.pop(next(iter(traced)))
-        traced[key] = flat
+        return chosen.wrap(flat_fn, prevent_cse=cse), static_out
+
+    flat, static_out = traced.get(key, build)
     try:
-        return flat(*traced_leaves)
+        out = flat(*traced_leaves)
     except jax.errors.ConcretizationTypeError as err:
         if not options.filtered:
             traced_args = tuple(None if i in static_positions else a for i, a in enumerate(args))
             _note_traced_python_scalars(err, (traced_args, kwargs))
         raise
+    if not options.filtered:
+        return out
+    out_tree, array_positions, out_leaves = static_out[0]
+    out_leaves = list(out_leaves)
+    for i, value in zip(array_positions, out):
+        out_leaves[i] = value
+    return jax.tree.unflatten(out_tree, out_leaves)
 
 
 def _note_traced_python_scalars(err: Exception, arguments) -> None:
@@ -506,14 +526,17 @@ _NNX_CONTEXT = "jremat"
 def _function(fn: Callable, chosen: Policy, options: _Options) -> Callable:
     """Rematerialize a function; NNX graph nodes in its arguments and Linen ``self`` are lifted."""
     linen_lifted: list[Callable] = []
-    traced: dict = {}  # per argument structure, avals and static values: the rematerialized flat function
+    linen_lock = threading.Lock()
+    # per argument structure, avals and static values: the rematerialized flat function
+    traced = BoundedCache(_MAX_TRACES)
 
     @functools.wraps(fn)
     def rematerialized(*args, **kwargs):
         linen = sys.modules.get("flax.linen")
         if linen is not None and args and isinstance(args[0], linen.Module):
-            if not linen_lifted:  # a Linen method: lifted like nn.remat, on its first call
-                linen_lifted.append(_linen(fn, chosen, options.any_cse, ("__call__",)))
+            with linen_lock:
+                if not linen_lifted:  # a Linen method: lifted like nn.remat, on its first call
+                    linen_lifted.append(_linen(fn, chosen, options.any_cse, ("__call__",)))
             return linen_lifted[0](*args, **kwargs)
         if _has_graph_node((args, kwargs)):
             from flax.nnx.transforms import general

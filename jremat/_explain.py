@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jremat import _decisions, _jax_compat, _memory, _program, _residuals, attention, kernels, registry
+from jremat import _collectives, _decisions, _jax_compat, _memory, _program, _residuals, attention, kernels, registry
 from jremat._decisions import DECISIONS, EXCLUDE, OFFLOAD, RECOMPUTE, SAVE, Decision
 from jremat._decorator import policy as _decorate_with
 from jremat._decorator import split_static
@@ -108,9 +108,6 @@ class Explanation:
         a kernel inside a scan counts once; per layer where :func:`explain_applied` is given
         ``layers``); ``None`` when not measured.
       baseline_attention_forward_passes: the same without remat.
-      kernel_runs: every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a
-        ``custom_vjp`` kernel: :mod:`jremat.kernels`), with the policy and without remat; a kernel
-        run more often than without remat also gets a message naming how to keep it.
       stack_depth: :func:`explain` on a block whose output has the structure, shapes and dtypes
         of one positional argument: how many copies of it ran in sequence, the output of each
         fed to the next as that argument (``None``: not measured, the block does not chain).
@@ -118,6 +115,14 @@ class Explanation:
       stack_temp_bytes: XLA's compiled temp bytes of that stack's gradient, each copy
         checkpointed under the policy: the block's saving as it is used, in a stack.
       baseline_stack_temp_bytes: the same stack without remat.
+      collectives: the collectives the compiled gradient issues with the policy, per device
+        (:func:`jremat.collectives_report`; empty on one device); ``None``: not compiled.
+      baseline_collectives: the same without remat.
+      devices: the devices the arguments' shardings span; on a mesh the residual and decision
+        bytes are global (traced, unsharded values) and the compiled temp is per device.
+      kernel_runs: every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a
+        ``custom_vjp`` kernel: :mod:`jremat.kernels`), with the policy and without remat; a kernel
+        run more often than without remat also gets a message naming how to keep it.
     """
 
     policy: str
@@ -138,6 +143,9 @@ class Explanation:
     stack_argnum: int | None = None
     stack_temp_bytes: int | None = None
     baseline_stack_temp_bytes: int | None = None
+    collectives: _collectives.CollectivesReport | None = None
+    baseline_collectives: _collectives.CollectivesReport | None = None
+    devices: int = 1
     kernel_runs: tuple[KernelRuns, ...] = ()
 
     def count(self, decision: str) -> int:
@@ -167,9 +175,16 @@ class Explanation:
         for m in self.names:
             lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
         lines.extend(f"  matched: {line}" for line in self.matched)
+        mesh = self.devices > 1
+        if mesh:
+            lines.append(
+                f"  on {self.devices} devices: values and residuals are global (all devices together, unsharded); "
+                "compiled temp and collectives are per device"
+            )
         if self.saved_bytes is not None:
             lines.append(
-                f"  residuals for the backward pass: {_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
+                f"  residuals for the backward pass{' (global)' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
                 f"{_memory.format_bytes(self.saved_bytes)} with the policy"
             )
         if self.attention_forward_passes:
@@ -184,7 +199,8 @@ class Explanation:
             )
         if self.temp_bytes is not None:
             lines.append(
-                f"  compiled temp of the gradient: {_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
+                f"  compiled temp of the gradient{' per device' if mesh else ''}: "
+                f"{_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.temp_bytes)} with the policy"
             )
         if self.stack_temp_bytes is not None:
@@ -193,6 +209,9 @@ class Explanation:
                 f"{self.stack_argnum}): {_memory.format_bytes(self.baseline_stack_temp_bytes)} without remat, "
                 f"{_memory.format_bytes(self.stack_temp_bytes)} with the policy on each"
             )
+        if self.collectives is not None and self.collectives.collectives:
+            lines.append(f"  collectives of the gradient, per device ({self.collectives.devices} devices):")
+            lines.extend(f"    {line}" for line in self.collectives.text(self.baseline_collectives).splitlines())
         lines.extend(self.messages)
         return "\n".join(lines)
 
@@ -207,6 +226,9 @@ class Explanation:
         out["messages"] = list(self.messages)
         out["matched"] = list(self.matched)
         out["kernel_runs"] = [dataclasses.asdict(k) for k in self.kernel_runs]
+        for field in ("collectives", "baseline_collectives"):
+            report = getattr(self, field)
+            out[field] = None if report is None else report.to_json()
         return out
 
 
@@ -243,9 +265,17 @@ def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[in
     owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     owners += [None] * (len(leaves) - len(owners))
     wanted = set(param_argnums)
-    structs = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in dynamic]
+    structs = [
+        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=_mesh_sharding(leaves[i])) for i in dynamic
+    ]
     params = tuple(j for j, i in enumerate(dynamic) if owners[i] in wanted)
     return flat_fn, structs, params
+
+
+def _mesh_sharding(leaf):
+    """``leaf``'s sharding when it spans several devices (a mesh), else ``None``."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if len(getattr(sharding, "device_set", ())) > 1 else None
 
 
 def _gradient_program(flat_fn: Callable, structs: list, with_value: bool = False) -> Callable:
@@ -336,8 +366,11 @@ def _no_saving_line(
 STACK_DEPTH = 4
 
 
-def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
-    """The first positional argument whose structure, shapes and dtypes ``fn``'s output has, else ``None``."""
+def _chain_argnum(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[int] = ()) -> int | None:
+    """The first positional argument, not one of ``param_argnums``, whose structure, shapes and dtypes
+    ``fn``'s output has, else ``None``: a block's output is fed back as its activations, never as its
+    parameters."""
+    params = set(param_argnums)
     flat_fn, structs, _ = _flatten(fn, args, kwargs, ())
     try:
         out = jax.eval_shape(flat_fn, *structs)
@@ -347,7 +380,8 @@ def _chain_argnum(fn: Callable, args: tuple, kwargs: dict) -> int | None:
     for i, arg in enumerate(args):
         leaves = jax.tree.leaves(arg)
         if (
-            leaves
+            i not in params
+            and leaves
             and all(_is_dynamic(leaf) for leaf in leaves)
             and jax.tree.structure(arg) == jax.tree.structure(out)
             and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
@@ -427,7 +461,8 @@ def explain(
     except ValueError as err:
         return _failed(label, fn, err)
     stack = None
-    argnum = _chain_argnum(fn, args, kwargs) if compile and not isinstance(chosen, NoRemat) else None
+    param_argnums = tuple(param_argnums)  # read twice below
+    argnum = _chain_argnum(fn, args, kwargs, param_argnums) if compile and not isinstance(chosen, NoRemat) else None
     if argnum is not None:
         try:
             temps = _stack_temps(remat_fn, fn, argnum, args, kwargs, STACK_DEPTH)
@@ -545,15 +580,20 @@ def explain_applied(
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
+    collectives = baseline_collectives = None
     if flat_base is not None:
         saved = _residuals.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
         base_saved = _residuals.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
         if compile and (temp_bytes is None or baseline_temp_bytes is None):
-            temps = []
+            temps, comms = [], []
             for f in (flat_remat, flat_base):
-                report = _memory.memory_report(_gradient_program(f, structs), *structs)
+                compiled, _ = _memory.compile_for_analysis(_gradient_program(f, structs), *structs)
+                report = _memory.compiled_memory_report(compiled)
                 temps.append(report.temp_bytes if report.available else None)
+                comms.append(_collectives.compiled_collectives_report(compiled))
             temp_bytes, baseline_temp_bytes = temps
+            collectives, baseline_collectives = comms
+            messages.extend(_collectives.reissued_lines(label, collectives, baseline_collectives))
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
     passes = base_passes = None
@@ -598,6 +638,9 @@ def explain_applied(
         passes,
         base_passes,
         *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
+        collectives,
+        baseline_collectives,
+        _collectives.mesh_devices(structs),
         kernel_runs=runs,
     )
 

@@ -19,7 +19,8 @@ def host_offload_available() -> bool:
     return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
 
 
-def _best_s(fn, repeats: int = 5) -> float:
+def best_s(fn, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed), in seconds."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
@@ -56,10 +57,10 @@ def _measured_flops_per_byte(dtype: str, transfer_bytes: int, matmul_size: int) 
     to_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     to_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     data = jnp.ones((transfer_bytes // 4,), jnp.float32)
-    round_trip_s = _best_s(lambda: jax.device_put(jax.device_put(data, to_host), to_device))
+    round_trip_s = best_s(lambda: jax.device_put(jax.device_put(data, to_host), to_device))
     a = jnp.ones((matmul_size, matmul_size), jnp.dtype(dtype))
     matmul = jax.jit(lambda x: x @ x)
-    flops_per_s = 2 * matmul_size**3 / _best_s(lambda: matmul(a))
+    flops_per_s = 2 * matmul_size**3 / best_s(lambda: matmul(a))
     return round_trip_s / transfer_bytes * flops_per_s
 
 

@@ -172,15 +172,9 @@ def memory_report(
     """
     if not callable(fn):
         raise TypeError(f"memory_report needs a callable, got {type(fn).__name__}")
-    options = _compile.analysis_options() if compiler_options is None else compiler_options
-    if hasattr(fn, "lower"):
-        compiled = fn.lower(*args, **kwargs).compile(options or None)
-    else:
-        compiled = (
-            jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options or None)
-            .lower(*args, **kwargs)
-            .compile()
-        )
+    compiled, options = compile_for_analysis(
+        fn, *args, compiler_options=compiler_options, donate_argnums=donate_argnums, **kwargs
+    )
     report = compiled_memory_report(compiled)
     if options.get("xla_disable_hlo_passes") == _compile.CPU_HOISTING_PASS:
         report = dataclasses.replace(
@@ -192,6 +186,22 @@ def memory_report(
             ),
         )
     return report
+
+
+def compile_for_analysis(
+    fn: Callable, *args, compiler_options: dict | None = None, donate_argnums: int | tuple[int, ...] = (), **kwargs
+):
+    """``(compiled, options)``: ``fn(*args, **kwargs)`` compiled as :func:`memory_report` compiles it."""
+    options = _compile.analysis_options() if compiler_options is None else compiler_options
+    if hasattr(fn, "lower"):
+        compiled = fn.lower(*args, **kwargs).compile(options or None)
+    else:
+        compiled = (
+            jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options or None)
+            .lower(*args, **kwargs)
+            .compile()
+        )
+    return compiled, options
 
 
 # ---------------------------------------------------------------------------------------------

@@ -250,12 +250,17 @@ class Candidate:
     save: tuple[str, ...]
     remat_layers: int
     offload: tuple[str, ...] = ()
+    keep_gathered: bool = False
 
     def spec(self) -> str:
         """The policy spec of a rematerialized layer."""
         if self.offload:
-            return "offload:names=" + "+".join(self.offload) + (",save=" + "+".join(self.save) if self.save else "")
-        return "names:save=" + "+".join(self.save) if self.save else "full"
+            spec = "offload:names=" + "+".join(self.offload) + (",save=" + "+".join(self.save) if self.save else "")
+        else:
+            spec = "names:save=" + "+".join(self.save) if self.save else "full"
+        if self.keep_gathered:  # jremat._gathered: keep the layer's gathered weights (a mesh)
+            spec += (":" if spec == "full" else ",") + "keep_gathered=true"
+        return spec
 
     def describe(self, n_layers: int) -> str:
         """A one-line description."""
@@ -335,6 +340,7 @@ def plan_layers(
     apply: Callable[[Candidate], Any] = lambda c: c,
     step_flops: float = 0.0,
     offload_cost_per_byte: float | None = None,
+    regather_flops: float = 0.0,
 ) -> LayerPlan:
     """The least-recompute layer plan whose measured step peak fits ``budget``.
 
@@ -353,6 +359,11 @@ def plan_layers(
       step_flops: FLOPs of the step without remat (for :attr:`LayerPlan.recompute_fraction`).
       offload_cost_per_byte: FLOP-equivalents per byte moved to the host and back; ``None``:
         no offloading.
+      regather_flops: on a mesh, FLOP-equivalents of gathering one layer's weights again in the
+        backward pass (:func:`jremat.collective_flops_per_byte` times their bytes), charged to every
+        rematerialized layer that does not keep them (``keep_gathered``); the peak of full remat
+        keeping them all is measured too, to price keeping them per layer. ``0`` (default): no
+        mesh, no such candidates.
 
     Raises:
       ValueError: on a bad budget, or when no plan fits (with the smallest achievable peak).
@@ -363,6 +374,9 @@ def plan_layers(
     costs = tuple(costs)
     none_cand, full_cand = Candidate((), 0), Candidate((), n_layers)
     none_peak, full_peak = int(measure_peak_bytes(none_cand)), int(measure_peak_bytes(full_cand))
+    kept_cand = Candidate((), n_layers, (), True)
+    kept_peak = int(measure_peak_bytes(kept_cand)) if regather_flops > 0 else full_peak
+    gathered_per_layer = max(kept_peak - full_peak, 0) / n_layers
     traced_span = max(none_layer_bytes - block_input_bytes, 1)
     bytes_per_traced_byte = max(none_peak - full_peak, 0) / (n_layers * traced_span)
     by_name = {c.name: c for c in costs}
@@ -372,18 +386,23 @@ def plan_layers(
             return none_peak
         kept = min(block_input_bytes + sum(by_name[n].bytes for n in cand.save), none_layer_bytes)
         extra = cand.remat_layers * (kept - block_input_bytes) + (n_layers - cand.remat_layers) * traced_span
-        return int(full_peak + bytes_per_traced_byte * extra)
+        gathered = cand.remat_layers * gathered_per_layer if cand.keep_gathered else 0
+        return int(full_peak + bytes_per_traced_byte * extra + gathered)
 
     def cost(cand: Candidate) -> float:
-        return cand.remat_layers * sum(c.unsaved_flops for c in costs if c.name not in cand.save)
+        regather = 0.0 if cand.keep_gathered else regather_flops
+        return cand.remat_layers * (sum(c.unsaved_flops for c in costs if c.name not in cand.save) + regather)
 
     def measure(cand: Candidate) -> int:
-        return none_peak if cand == none_cand else full_peak if cand == full_cand else measure_peak_bytes(cand)
+        known = {none_cand: none_peak, full_cand: full_peak, kept_cand: kept_peak}
+        return known[cand] if cand in known else measure_peak_bytes(cand)
 
     candidates = [none_cand]
     for subset in save_sets(costs):
         moved = tuple(c.name for c in costs if c.offloaded and c.name not in subset)
         candidates.extend(Candidate(subset, g, moved) for g in range(1, n_layers + 1))
+        if regather_flops > 0:
+            candidates.extend(Candidate(subset, g, moved, True) for g in range(1, n_layers + 1))
     budget_bytes = budget.resolve(none_peak, floor_bytes=full_peak if budget.fraction is not None else 0)
     solution = solve(
         budget_bytes,

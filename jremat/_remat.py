@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import _tie, names, registry
+from jremat._builtin_keys import parse_nest
 from jremat._granularity import GRANULARITIES
 from jremat._policy import CallbackPolicy, Policy
 
@@ -133,26 +134,6 @@ class RematConfig:
         """
         self.layer_groups(n_layers)
         self.nest_size(n_layers)
-
-
-def parse_nest(value: Any) -> int | str | None:
-    """Check a :attr:`RematConfig.nest` value: ``None``, ``"auto"`` or a positive integer (or its text).
-
-    Raises:
-      ValueError: on anything else.
-    """
-    if value is None or value == "auto":
-        return value
-    message = f"nested: block must be 'auto' or a positive integer, got {value!r}"
-    if isinstance(value, bool):
-        raise ValueError(message)
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(message) from None
-    if number < 1 or (not isinstance(value, str) and number != value):
-        raise ValueError(message)
-    return number
 
 
 _GROUP_RE = re.compile(r"^\s*(\d+|rest)\s*:(.+)$")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _liveness, _program
+from jremat import _collectives, _engine, _jax_compat, _liveness, _program
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -102,10 +102,13 @@ class ResidualsReport:
       residuals: one :class:`SavedResidual` per distinct saved value.
       n_layers: how many layers the analysed function spans (1 for one block, ``L`` for the
         whole model); per-layer figures divide by it.
+      devices: the devices the arguments' shardings span. Residual sizes are of the traced
+        (global, unsharded) values, all devices together; on a mesh each device holds its share.
     """
 
     residuals: tuple[SavedResidual, ...]
     n_layers: int = 1
+    devices: int = 1
 
     def bytes_of(self, kind: str) -> int:
         """Total bytes of the residuals of ``kind``.
@@ -183,6 +186,8 @@ class ResidualsReport:
             lines.append(
                 f"total {kind}: {self.bytes_of(kind):,} bytes ({self.bytes_of(kind) / self.n_layers:,.0f} per layer)"
             )
+        if self.devices > 1:
+            lines.append(f"bytes are global (unsharded values, all {self.devices} devices together), not per device")
         return "\n".join(lines)
 
 
@@ -463,7 +468,7 @@ def saved_residuals_report(
                 tuple(aval.shape), _dtype_name(aval), nbytes, kind, name, primitive, source, plan_tag, stacked
             )
         )
-    return ResidualsReport(tuple(residuals), n_layers)
+    return ResidualsReport(tuple(residuals), n_layers, _collectives.mesh_devices((args, kwargs)))
 
 
 __all__ = [

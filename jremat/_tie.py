@@ -21,6 +21,11 @@ zeros, infinities and NaNs included) are unchanged bit for bit, yet XLA cannot f
 (float ``0 * x`` is not simplified). Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
 ``jax.hessian``'s outer pass, ``jax.linearize``) recomputes nothing, so there the checkpoint
 runs untied.
+
+On a mesh the element ``c`` reads lives on one device, so XLA's SPMD partitioner broadcasts it:
+each tied checkpoint costs one 4-byte all-reduce in its backward step (no SPMD-expressible scalar
+depends on the cotangent without one; docs/sharding.md has the counts). ``prevent_cse=False``
+builds the checkpoint untied, as ``jax.checkpoint`` with ``prevent_cse=False`` behaves.
 """
 
 from __future__ import annotations
@@ -75,12 +80,21 @@ def _tied_call(converted: Callable, consts: tuple, args: tuple):
         if float_cotangents:
             # One element of every cotangent: some may be zeros that XLA folds (an output the
             # loss does not use, such as state written back), never all of those that matter.
-            probe = jnp.isnan(sum(c.reshape(-1)[0].astype(jnp.float32) for c in float_cotangents))
+            probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
             residuals = [_times_exact_one(r, probe) for r in residuals]
         return jax.tree.unflatten(treedef, residuals)(cotangent)
 
     call.defvjp(call_fwd, call_bwd)
     return call(consts, args)
+
+
+def _one_element(cotangent):
+    """A scalar that depends on ``cotangent``: its first element; on a mesh of explicit axes, where
+    a slice of a sharded dimension cannot be expressed, its minimum (a reduction over every shard)."""
+    spec = getattr(getattr(jax.typeof(cotangent), "sharding", None), "spec", ())
+    if any(axis is not None for axis in spec):
+        return jnp.min(cotangent)
+    return cotangent.reshape(-1)[0]
 
 
 def _times_exact_one(value, probe):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import glob
 import os
 import re
@@ -59,12 +60,13 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _compile, _jax_compat, _memory, _program
+from jremat import _collectives, _compile, _jax_compat, _memory, _program
 from jremat._timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
     FORWARD,
     FORWARD_RESIDUAL,
+    GATHERED,
     GRADIENT,
     OTHER,
     OUTPUT,
@@ -370,6 +372,8 @@ def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward
                 kind = RECOMPUTATION  # forward math the backward pass does again (or re-casts)
             elif kind == FORWARD and e >= backward_start:
                 kind = FORWARD_RESIDUAL
+            if hlo.opcode.get(origin, "").removesuffix("-done") == "all-gather":
+                kind = GATHERED  # communication, not recomputed math, whichever pass gathers it
             if reserved_only or (kind == OTHER and alloc_kind == "output"):
                 kind = OUTPUT
         chain = hlo.source.get(origin, ())
@@ -504,7 +508,7 @@ def memory_timeline(
         with _persistent_cache_off():
             compiled = traced.lower().compile(options)
         report = _memory.compiled_memory_report(compiled)
-        return build_timeline(
+        timeline = build_timeline(
             _read_dump(folder, "-buffer-assignment.txt"),
             _read_dump(folder, "-live-range.txt"),
             _read_dump(folder, ".txt"),
@@ -512,6 +516,14 @@ def memory_timeline(
             report=report,
             top=top,
         )
+        devices = _collectives.mesh_devices(compiled.input_shardings)
+        if devices > 1:
+            note = (
+                f"per device: one device's share of the SPMD program on {devices} devices (buffers are "
+                f"shards; all-gathered weights are kind {GATHERED!r})"
+            )
+            timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note))
+        return timeline
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -17,7 +17,9 @@ RECOMPUTATION = "recomputation"
 GRADIENT = "gradient"
 OUTPUT = "output"
 OTHER = "other"
-BUFFER_KINDS = (ARGUMENT, FORWARD, FORWARD_RESIDUAL, RECOMPUTATION, GRADIENT, OUTPUT, OTHER)
+#: A weight all-gathered on a mesh (FSDP), in the forward pass or again for the backward pass.
+GATHERED = "gathered weight"
+BUFFER_KINDS = (ARGUMENT, FORWARD, FORWARD_RESIDUAL, RECOMPUTATION, GATHERED, GRADIENT, OUTPUT, OTHER)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import importlib.metadata
 import math
 import numbers
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,19 @@ class Param:
 
 REQUIRED = object()
 
+#: The key every policy of one function takes: also keep the gathered weights (jremat._gathered).
+KEEP_GATHERED = "keep_gathered"
+KEEP_GATHERED_PARAM = Param(
+    "bool",
+    False,
+    "also keep each checkpoint's gathered weights (a sharding constraint on an input feeding a matmul), so "
+    "that the backward pass does not all-gather them again; costs their gathered bytes per device",
+)
+
+
+class AlreadyRegisteredError(ValueError):
+    """A policy name given to :func:`register` is taken."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyEntry:
@@ -86,15 +100,15 @@ class PolicyEntry:
 
 
 _REGISTRY: dict[str, PolicyEntry] = {}
-# Guards every read and write of _REGISTRY; held only for the dict operation itself, never
-# across an import, so a policy module may register from any thread while built-ins load.
+# Guards every read and write of _REGISTRY and _FAILED_LOADS; held only for the dict operation
+# itself, never across an import: a module being imported may register or look a policy up from
+# any thread without waiting on a thread that is itself waiting for that import.
 _REGISTRY_LOCK = threading.Lock()
-# Held while the built-ins and entry points load: a lookup racing the first one waits for the
-# whole registry instead of seeing part of it. Re-entrant, so that a module being loaded may
-# itself look a policy up (it then sees the entries registered so far).
-_LOAD_LOCK = threading.RLock()
 _builtins_loaded = False
-_loading = False
+# Per thread: whether a loading pass runs (a lookup from a module it imports returns at once).
+_LOADING = threading.local()
+# The error of an entry point's last failed load, by entry point.
+_FAILED_LOADS: dict = {}
 _SPEC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -121,7 +135,7 @@ def register(name: str, *, doc: str, params: dict[str, Param] | None = None, sta
         entry = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
         with _REGISTRY_LOCK:
             if name in _REGISTRY:
-                raise ValueError(f"policy {name!r} is already registered")
+                raise AlreadyRegisteredError(f"policy {name!r} is already registered")
             _REGISTRY[name] = entry
         return factory
 
@@ -156,25 +170,55 @@ def scoped():
 
 
 def _load_builtins() -> None:
-    """Import the built-in policies and the entry points' modules, once, whichever thread asks first.
+    """Import the built-in policies and the entry points' modules before a thread's first lookup.
 
-    Other threads wait until loading has finished; the flag is set only then, so an import
-    that fails is tried again (and raises again) on the next lookup.
+    No lock of this module is held across an import. Each thread that looks up before loading has
+    finished imports them itself; Python's import locks run each module once, and make a thread
+    wait for a module another thread is importing, so a first lookup sees every policy. A lookup
+    made while a module is being imported by the same thread (a plugin that looks a policy up at
+    import) proceeds with the entries registered so far. The loaded flag is set once a pass has
+    found every module imported in full, so an import that fails is tried again (and raises
+    again) on the next lookup.
     """
-    global _builtins_loaded, _loading
-    if _builtins_loaded:
+    global _builtins_loaded
+    if _builtins_loaded or getattr(_LOADING, "active", False):
         return
-    with _LOAD_LOCK:
-        if _builtins_loaded or _loading:  # loaded meanwhile, or a lookup from a module this thread is loading
-            return
-        _loading = True
-        try:
-            importlib.import_module(BUILTIN_MODULE)
-            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                ep.load()
+    _LOADING.active = True
+    try:
+        importlib.import_module(BUILTIN_MODULE)
+        complete = not _initializing(BUILTIN_MODULE)
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            _load_entry_point(ep)
+            complete = complete and not _initializing(getattr(ep, "module", None))
+        if complete:  # not while this thread is still importing one of them
             _builtins_loaded = True
-        finally:
-            _loading = False
+    finally:
+        _LOADING.active = False
+
+
+def _initializing(module_name: str | None) -> bool:
+    """Whether the module is being imported (its body has not finished), by any thread."""
+    module = sys.modules.get(module_name) if module_name else None
+    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def _load_entry_point(ep) -> None:
+    """``ep.load()``; after a failed load, a retry that fails only on the names the failed one
+    registered raises the plugin's own error again."""
+    try:
+        ep.load()
+    except AlreadyRegisteredError:
+        with _REGISTRY_LOCK:
+            failed = _FAILED_LOADS.get(ep)
+        if failed is None:
+            raise
+        raise failed from None
+    except Exception as err:
+        with _REGISTRY_LOCK:
+            _FAILED_LOADS[ep] = err
+        raise
+    with _REGISTRY_LOCK:
+        _FAILED_LOADS.pop(ep, None)
 
 
 def load_module(module_name: str) -> None:
@@ -229,12 +273,13 @@ def describe(name: str | None = None) -> str:
         return "\n".join(lines)
     if not isinstance(name, str):
         raise TypeError(f"describe takes a policy name (a string such as 'every_k'), got {type(name).__name__}")
-    bare = name.strip().partition(":")[0]
-    if bare != name.strip() and bare in registered:
+    stripped = name.strip()
+    bare = stripped.partition(":")[0]
+    if bare != stripped and bare in registered:
         raise ValueError(f"describe takes a policy name, not a spec: describe({bare!r}) for {name!r}")
-    if name not in registered:
+    if stripped not in registered:
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registered))}")
-    return _describe_one(registered[name])
+    return _describe_one(registered[stripped])
 
 
 def _describe_one(entry: PolicyEntry) -> str:
@@ -444,20 +489,44 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(raw_values) - set(entry.params))
+    # keep_gathered (jremat._gathered) is a key of every policy of one function.
+    universal = {} if entry.stack or KEEP_GATHERED in entry.params else {KEEP_GATHERED: KEEP_GATHERED_PARAM}
+    kwargs = convert_values(name, {**entry.params, **universal}, raw_values)
+    keep = kwargs.pop(KEEP_GATHERED) if universal else False
+    built = entry.factory(**kwargs)
+    given = {k: v for k, v in kwargs.items() if k in raw_values}
+    if universal and KEEP_GATHERED in raw_values:
+        from jremat._gathered import with_keep_gathered
+
+        built = with_keep_gathered(built, keep)
+        given[KEEP_GATHERED] = keep
+    return entry, built, canonical_spec(name, given, entry.params)
+
+
+def convert_values(name: str, params: dict[str, Param], raw_values: dict[str, Any]) -> dict[str, Any]:
+    """Every key's value for policy ``name``: each given value parsed and checked, defaults for the rest.
+
+    Args:
+      name: the policy's name, for the messages.
+      params: the policy's keys.
+      raw_values: the given values, as spec text or typed values.
+
+    Raises:
+      ValueError: a key ``params`` lacks, a bad value, or a required key not given.
+    """
+    unknown = sorted(set(raw_values) - set(params))
     if unknown:
-        valid = ", ".join(entry.params) or "(none: this policy takes no keys)"
+        valid = ", ".join(params) or "(none: this policy takes no keys)"
         raise ValueError(f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}")
     kwargs = {}
-    for key, param in entry.params.items():
+    for key, param in params.items():
         if key in raw_values:
             kwargs[key] = _convert(name, key, param, raw_values[key])
         elif param.default is REQUIRED:
             raise ValueError(f"policy {name!r} needs key {key!r} ({param.help})")
         else:
             kwargs[key] = param.default
-    built = entry.factory(**kwargs)
-    return entry, built, canonical_spec(name, {k: v for k, v in kwargs.items() if k in raw_values}, entry.params)
+    return kwargs
 
 
 def canonical_spec(name: str, values: dict[str, Any], params: dict[str, Param] | None = None) -> str:

@@ -450,6 +450,42 @@ def _linen_rebuilt(module, chosen: Policy):
     return _decorate_with(chosen)(type(module))(**fields)
 
 
+def assert_no_reissued_collectives(
+    remat_fn: Callable, baseline_fn: Callable, *args: Any, kinds: Iterable[str] = ("all-gather",), **kwargs: Any
+) -> None:
+    """Assert that ``remat_fn`` issues no more collectives of ``kinds`` per step than ``baseline_fn``.
+
+    Both are compiled (nothing runs, :func:`jremat.collectives_report`) with the same arguments,
+    whose shardings place them on a mesh: typically the gradient of a model with remat and the
+    same gradient without it. On one device both issue none and the assertion holds.
+
+    Args:
+      remat_fn: the function with remat applied.
+      baseline_fn: the same function without remat.
+      *args: arrays or :class:`jax.ShapeDtypeStruct` (with their ``sharding``).
+      kinds: the collective kinds checked (:data:`jremat._collectives.KINDS`).
+      **kwargs: keyword arguments of both.
+
+    Raises:
+      AssertionError: naming each kind re-issued, its count and bytes per device per step beyond the
+        baseline's, and how to avoid it.
+      ValueError: on an unknown kind.
+    """
+    from jremat import _collectives
+
+    kinds = tuple(kinds)
+    unknown = [k for k in kinds if k not in _collectives.KINDS]
+    if unknown:
+        raise ValueError(f"unknown collective kinds {unknown}; valid kinds: {', '.join(_collectives.KINDS)}")
+    report = _collectives.collectives_report(remat_fn, *args, **kwargs)
+    baseline = _collectives.collectives_report(baseline_fn, *args, **kwargs)
+    wanted = dataclasses.replace(report, collectives=tuple(c for c in report.collectives if c.kind in kinds))
+    base = dataclasses.replace(baseline, collectives=tuple(c for c in baseline.collectives if c.kind in kinds))
+    lines = _collectives.reissued_lines(getattr(remat_fn, "__name__", "remat_fn"), wanted, base)
+    if lines:
+        raise AssertionError("\n".join(lines))
+
+
 __all__ = [
     "CAUSE_RANDOM",
     "CAUSE_STATE",
@@ -458,6 +494,7 @@ __all__ = [
     "PolicyExample",
     "RematMismatch",
     "assert_kernels_not_rerun",
+    "assert_no_reissued_collectives",
     "assert_remat_exact",
     "policies",
     "policy_examples",

@@ -131,7 +131,9 @@ class Block(nnx.Module):
         return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE)
 
 
-def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy, activation_sharding=None):
+def make_block_fn(
+    graphdef, config: jremat.RematConfig, policy: jremat.Policy, activation_sharding=None, weight_sharding=None
+):
     """The pure per-layer function ``(block_params, x, key) -> x`` with remat marked.
 
     Args:
@@ -142,14 +144,20 @@ def make_block_fn(graphdef, config: jremat.RematConfig, policy: jremat.Policy, a
         residual stream ``[batch, seq, d_model]`` at the block input, between the attention and
         MLP sublayers and at the block output, e.g. a ``jax.lax.with_sharding_constraint`` that
         shards it along the sequence axis (sequence parallelism, see ``train.sharding``).
+      weight_sharding: ``None`` (default, no-op) or a function ``params -> params`` applied to one
+        layer's parameters inside each sublayer's checkpoint, e.g. a sharding constraint to their
+        gathered (FSDP-unsharded) placement: the gathered weights are then values of the
+        checkpoint, which a policy with ``keep_gathered=true`` keeps for the backward pass instead
+        of gathering them again (``train.sharding.GatheredWeights``).
     """
     constrain = activation_sharding if activation_sharding is not None else (lambda x: x)
+    gather = weight_sharding if weight_sharding is not None else (lambda p: p)
 
     def attention_part(params, x, key):
-        return nnx.merge(graphdef, params).attention_sublayer(x, key)
+        return nnx.merge(graphdef, gather(params)).attention_sublayer(x, key)
 
     def mlp_part(params, x, key):
-        return nnx.merge(graphdef, params).mlp_sublayer(x, key)
+        return nnx.merge(graphdef, gather(params)).mlp_sublayer(x, key)
 
     attention_part = jremat.remat_at(attention_part, "sublayer", config, policy=policy)
     mlp_part = jremat.remat_at(mlp_part, "sublayer", config, policy=policy)
@@ -171,11 +179,14 @@ class GPT(nnx.Module):
       activation_sharding: ``None`` (default) or a hashable function ``x -> x`` applied to the
         residual stream between sublayers (see :func:`make_block_fn`); kept as a static
         attribute, so it is part of the graph definition.
+      weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied to
+        each layer's parameters in its sublayers (see :func:`make_block_fn`), likewise static.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, activation_sharding=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, activation_sharding=None, weight_sharding=None):
         self.cfg = cfg
         self.activation_sharding = activation_sharding
+        self.weight_sharding = weight_sharding
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         init = nnx.initializers.normal(0.02)
@@ -212,7 +223,7 @@ class GPT(nnx.Module):
         remat = cfg.remat_config()
         graphdef, stacked = nnx.split(self.blocks)
         return jremat.run_layers(
-            lambda policy: make_block_fn(graphdef, remat, policy, self.activation_sharding),
+            lambda policy: make_block_fn(graphdef, remat, policy, self.activation_sharding, self.weight_sharding),
             stacked,
             x,
             jremat.layer_keys(key, cfg.n_layers),

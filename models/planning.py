@@ -55,6 +55,7 @@ def plan_for_budget(
     measure_peak_bytes: Callable[[ModelConfig], int] | None = None,
     offload: bool | None = None,
     offload_cost_per_byte: float | None = None,
+    regather_flops: float = 0.0,
 ) -> LayerPlan:
     """The least-recompute plan for ``cfg`` whose compiled step peak fits ``budget``.
 
@@ -70,6 +71,9 @@ def plan_for_budget(
         with ``pinned_host`` memory (:func:`jremat.host_offload_available`).
       offload_cost_per_byte: FLOP-equivalents per offloaded byte; default: measured by
         :func:`jremat.offload_flops_per_byte`.
+      regather_flops: on a mesh, as in :func:`jremat.plan_layers` (with a ``measure_peak_bytes``
+        that compiles the sharded step): plans that keep each layer's gathered weights are
+        candidates, and re-gathering is priced.
 
     Returns:
       The :class:`jremat.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
@@ -97,6 +101,7 @@ def plan_for_budget(
         apply=lambda cand: apply_candidate(cand, cfg),
         step_flops=step_flops(none_cfg, batch_size, seq_len),
         offload_cost_per_byte=offload_cost_per_byte if offload else None,
+        regather_flops=regather_flops,
     )
 
 

@@ -9,7 +9,8 @@ function keeps without remat): :func:`jremat.plan_function`. In the CLIs,
 
 from __future__ import annotations
 
-from jremat import Budget, Param, Plan, PlanPolicy, Program, parse_budget, plan_function, register
+from jremat import Budget, Plan, PlanPolicy, Program, plan_function, register
+from jremat._builtin_keys import BUILTIN_PARAMS
 from jremat._planner import as_budget
 
 
@@ -29,11 +30,7 @@ class BudgetPlan(PlanPolicy):
     "function: keep the ops that save the most recompute FLOPs while they fit in budget bytes (or that "
     "fraction of the no-remat residuals). In the CLIs (--policy auto --memory-budget B): pick which names "
     "to save and how many layers to remat so the compiled step's peak fits B.",
-    params={
-        "budget": Param(
-            "str", "0.5", "a size (6GiB, 512MiB) or a fraction in (0, 1]", parse=parse_budget, format=lambda b: b.text
-        )
-    },
+    params=BUILTIN_PARAMS["auto"],
 )
 def auto_policy(budget) -> BudgetPlan:
     """Build the per-function ``auto`` policy."""

@@ -14,8 +14,9 @@ choice is made from the traced program, so it is the same however often JAX call
 
 from __future__ import annotations
 
-from jremat import Param, Plan, PlanPolicy, Program, kernels, register
-from jremat.policies.skip_cheap import DEFAULT_MIN_FLOPS_PER_BYTE, is_cheap
+from jremat import Plan, PlanPolicy, Program, kernels, register
+from jremat._builtin_keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat.policies.skip_cheap import is_cheap
 
 
 class EveryK(PlanPolicy):
@@ -46,13 +47,7 @@ class EveryK(PlanPolicy):
     "every_k",
     doc="Number the compute ops of the checkpointed function from 0 in program order and save "
     "the outputs of ops 0, k, 2k, ...; recompute the rest. skip_cheap=true numbers only non-cheap ops.",
-    params={
-        "k": Param("int", 4, "save one compute op in every k", min=1),
-        "skip_cheap": Param("bool", False, "number only ops that skip_cheap would keep"),
-        "min_flops_per_byte": Param(
-            "float", DEFAULT_MIN_FLOPS_PER_BYTE, "cheapness threshold when skip_cheap=true", min=0.0
-        ),
-    },
+    params=BUILTIN_PARAMS["every_k"],
 )
 def every_k_policy(k: int, skip_cheap: bool, min_flops_per_byte: float) -> EveryK:
     """Build the ``every_k`` policy."""

@@ -34,7 +34,6 @@ from jax.extend import core as jcore
 
 from jremat import (
     CallbackPolicy,
-    Param,
     Plan,
     PlanPolicy,
     Program,
@@ -43,9 +42,9 @@ from jremat import (
     require_host_memory,
 )
 from jremat import _engine as engine
+from jremat._builtin_keys import BUILTIN_PARAMS
 from jremat._program import SHAPE_ONLY_PRIMITIVES, ProgramCache, evaluate_tagged, jaxpr_tags
 from jremat.names import check_found
-from jremat.registry import REQUIRED
 
 
 def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bool) -> Callable:
@@ -298,7 +297,7 @@ class OffloadNames(CallbackPolicy):
 @register(
     "names",
     doc="Save exactly the values tagged with the listed names (checkpoint_name); recompute everything else.",
-    params={"save": Param("names", REQUIRED, "checkpoint_name tags to save, joined by '+'")},
+    params=BUILTIN_PARAMS["names"],
 )
 def names_policy(save: tuple[str, ...]) -> SaveNames:
     """Build the ``names`` policy."""
@@ -310,7 +309,7 @@ def names_policy(save: tuple[str, ...]) -> SaveNames:
     doc="Save every computed value except those tagged with the listed names and the values holding "
     "the same data (their reshapes, transposes and unnamed producers through shape-only ops); "
     "never saves dropout masks.",
-    params={"exclude": Param("names", REQUIRED, "checkpoint_name tags not to save, joined by '+'")},
+    params=BUILTIN_PARAMS["names_except"],
 )
 def names_except_policy(exclude: tuple[str, ...]) -> SaveAllExcept:
     """Build the ``names_except`` policy."""
@@ -322,10 +321,7 @@ def names_except_policy(exclude: tuple[str, ...]) -> SaveAllExcept:
     doc="Move the values tagged names= to host memory (pinned_host) and back for the backward pass, "
     "save the values tagged save= on the device, recompute everything else. Errors on a backend "
     "without host memory.",
-    params={
-        "names": Param("names", REQUIRED, "tensor names to offload to host, joined by '+'"),
-        "save": Param("names", (), "tensor names to keep on the device, joined by '+'"),
-    },
+    params=BUILTIN_PARAMS["offload"],
 )
 def offload_policy(names: tuple[str, ...], save: tuple[str, ...]) -> OffloadNames:
     """Build the ``offload`` policy."""

@@ -17,23 +17,8 @@ It is a layer-stack entry (``stack=True``), not a policy of one function: it sta
 
 from __future__ import annotations
 
-from jremat import Param, register, resolve
-from jremat._remat import parse_nest
-
-
-def _parse_block(raw: str):
-    try:
-        return parse_nest(raw)
-    except ValueError:
-        raise ValueError(f"policy 'nested': block must be 'auto' or a positive integer, got {raw!r}") from None
-
-
-def _parse_layer(raw: str) -> str:
-    try:
-        resolve(raw.replace(";", ","))  # refuses a nested layer= (a layer-stack spec)
-    except ValueError as err:
-        raise ValueError(f"policy 'nested': layer={raw!r}: {err}") from None
-    return raw
+from jremat import register
+from jremat._builtin_keys import BUILTIN_PARAMS
 
 
 @register(
@@ -41,14 +26,9 @@ def _parse_layer(raw: str) -> str:
     doc="Stack-level sqrt(n) checkpointing: groups of block= consecutive layers (auto: the divisor of L "
     "closest to sqrt(L)) each save only their input; inside a group each layer uses layer= (default "
     "none: all of the group's activations while it is differentiated).",
-    params={
-        "block": Param(
-            "str", "auto", "layers per group: auto or an integer dividing n_layers", parse=_parse_block, format=str
-        ),
-        "layer": Param("spec", "none", "per-layer policy inside a group (';' for ',')", parse=_parse_layer),
-    },
+    params=BUILTIN_PARAMS["nested"],
     stack=True,
 )
 def nested_policy(block, layer: str) -> dict:
     """The :class:`jremat.RematConfig` fields of ``nested``: the per-layer policy and the group size."""
-    return {"policy": layer.replace(";", ","), "nest": _parse_block(str(block))}
+    return {"policy": layer.replace(";", ","), "nest": BUILTIN_PARAMS["nested"]["block"].parse(str(block))}

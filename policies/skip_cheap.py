@@ -16,9 +16,8 @@ kept kernel runs once.
 
 from __future__ import annotations
 
-from jremat import Op, Param, Plan, PlanPolicy, Program, kernels, register
-
-DEFAULT_MIN_FLOPS_PER_BYTE = 8.0
+from jremat import Op, Plan, PlanPolicy, Program, kernels, register
+from jremat._builtin_keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
 
 
 def is_cheap(op: Op, min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE) -> bool:
@@ -44,11 +43,7 @@ class SkipCheap(PlanPolicy):
     "skip_cheap",
     doc="Never save outputs of cheap ops (elementwise, shape-only, or fewer than "
     "min_flops_per_byte recompute FLOPs per byte kept); save everything costlier, e.g. matmuls.",
-    params={
-        "min_flops_per_byte": Param(
-            "float", DEFAULT_MIN_FLOPS_PER_BYTE, "recompute FLOPs per saved byte below which an op is cheap", min=0.0
-        )
-    },
+    params=BUILTIN_PARAMS["skip_cheap"],
 )
 def skip_cheap_policy(min_flops_per_byte: float) -> SkipCheap:
     """Build the ``skip_cheap`` policy."""

@@ -24,7 +24,8 @@ import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from jremat import registry
+from jremat import Budget, registry
+from jremat._builtin_keys import BUILTIN_PARAMS
 from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
@@ -143,22 +144,39 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
 
 
 #: The keys of every built-in policy (:mod:`jremat.policies`), by policy name: what the CLIs check
-#: flags against before JAX is imported (:func:`check_before_imports`; the registry's own entries
-#: load the policies, and JAX). ``tests/train/test_cli.py`` holds it equal to the registry's.
-BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {
-    "auto": ("budget",),
-    "dots": (),
-    "dots_no_batch": (),
-    "every_k": ("k", "skip_cheap", "min_flops_per_byte"),
-    "full": (),
-    "names": ("save",),
-    "names_except": ("exclude",),
-    "nested": ("block", "layer"),
-    "none": (),
-    "offload": ("names", "save"),
-    "selective": (),
-    "skip_cheap": ("min_flops_per_byte",),
-}
+#: flags against before JAX is imported (:func:`check_before_imports`).
+BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {name: tuple(keys) for name, keys in BUILTIN_PARAMS.items()}
+BUILTIN_POLICY_KEYS_ALL = frozenset(key for keys in BUILTIN_POLICY_KEYS.values() for key in keys)
+
+
+def check_mesh_flag(mesh: str, batch_size: int | None, seq_len: int | None) -> None:
+    """``--mesh``: its syntax, and that the batch and sequence split over it (``None``: not checked).
+
+    The device count is checked where the mesh is built. Imports JAX (only for a run that gives ``--mesh``).
+
+    Raises:
+      UsageError: on a bad mesh spec, or a batch or sequence length that does not split.
+    """
+    from jremat.train import sharding
+
+    try:
+        sizes = sharding.parse_mesh(mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    ways = sizes["data"] * sizes["fsdp"]
+    require(
+        batch_size is None or batch_size % ways == 0,
+        f"--batch-size {batch_size} does not split over --mesh {mesh} (data x fsdp = {ways}); use a multiple of {ways}",
+    )
+    require(
+        seq_len is None or seq_len % sizes["sequence"] == 0,
+        f"--seq-len {seq_len} does not split over --mesh {mesh} (sequence = {sizes['sequence']}); "
+        f"use a multiple of {sizes['sequence']}",
+    )
+
+
+#: Built-in policies of a layer stack (no keep_gathered key).
+STACK_POLICIES = frozenset({"nested"})
 
 
 def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
@@ -241,7 +259,7 @@ def build_parser(
     add_config_flags(parser, config_cls)
     if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
         group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
-        keys = {k for keys in BUILTIN_POLICY_KEYS.values() for k in keys} if builtin_keys_only else None
+        keys = BUILTIN_POLICY_KEYS_ALL if builtin_keys_only else None
         for key, flag in sorted(key_flags(config_cls, keys).items()):
             helps = [] if keys else sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
             group.add_argument(
@@ -263,12 +281,19 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     argv = list(sys.argv[1:] if argv is None else argv)
     load_policy_modules(argv)
     values = vars(build_parser(config_cls, prog, description, epilog).parse_args(argv))
-    keys = tuple((k.split("__", 1)[1], v) for k, v in values.items() if k.startswith("policykey__"))
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if not k.startswith("policykey__")}
+    values, keys = _split_policy_keys(values)
     if keys:
-        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls))
+        params = {name: entry.params for name, entry in registry.entries().items()}
+        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls), params)
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
+
+
+def _split_policy_keys(parsed: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
+    """Parsed flags as config field values (repeatable flags as tuples), and the policy-key flags as pairs."""
+    keys = tuple((k.split("__", 1)[1], v) for k, v in parsed.items() if k.startswith("policykey__"))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in parsed.items() if not k.startswith("policykey__")}
+    return values, keys
 
 
 def _given_specs(values: dict[str, Any]) -> tuple[str, ...]:
@@ -285,12 +310,14 @@ def key_flags(config_cls: type, keys: Iterable[str] | None = None) -> dict[str, 
 def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) -> None:
     """The argument mistakes that are found without JAX: a CLI calls this before it imports JAX.
 
-    Checks what the parser checks (unknown flags, malformed numbers, invalid choices) and each
-    ``--policy``'s spec syntax, name and keys against the built-in policies
-    (:data:`BUILTIN_POLICY_KEYS`), with the messages :func:`parse` gives. Values the parser
-    cannot judge (``--steps 0``, ``--k 0``, a key given twice) are left to :func:`parse`. Nothing
-    is checked for ``--help``, or when more than the built-ins may be named (``--policy-module``,
-    a package's ``jremat.policies`` entry point): :func:`parse` checks those with the registry.
+    Checks what the parser checks (unknown flags, malformed numbers, invalid choices); each
+    ``--policy``'s spec syntax, name, keys and values against the built-in policies
+    (:data:`jremat._builtin_keys.BUILTIN_PARAMS`), with the policy-key flags applied; and the
+    config's own value checks that need no JAX (its ``check_arguments``, when it has one), with
+    the messages :func:`parse` gives. A spec given as a key's value (``nested``'s ``layer=``)
+    is left to :func:`parse`. Nothing is checked for ``--help``, or when more than the
+    built-ins may be named (``--policy-module``, a package's ``jremat.policies`` entry point):
+    :func:`parse` checks those with the registry.
 
     Raises:
       UsageError: the first mistake found.
@@ -301,19 +328,49 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     if importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP):
         return
     values = vars(build_parser(config_cls, prog, "", builtin_keys_only=True).parse_args(argv))
-    for spec in _given_specs(values):
+    values, keys = _split_policy_keys(values)
+    # A spec-valued key is written back as given: resolving it would load the policies (and JAX).
+    params = {
+        name: {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
+        # keep_gathered is a key of every policy of one function (the registry's KEEP_GATHERED).
+        | ({} if name in STACK_POLICIES else {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM})
+        for name, table in BUILTIN_PARAMS.items()
+    }
+    specs = _given_specs(values)
+    for spec in specs:
         try:
-            name, written = registry.parse_spec(spec)
-            if name not in BUILTIN_POLICY_KEYS:
-                raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(BUILTIN_POLICY_KEYS))}")
-            unknown = sorted(set(written) - set(BUILTIN_POLICY_KEYS[name]))
-            if unknown:
-                valid = ", ".join(BUILTIN_POLICY_KEYS[name]) or "(none: this policy takes no keys)"
-                raise ValueError(
-                    f"unknown key {', '.join(map(repr, unknown))} for policy {name!r}; valid keys: {valid}"
-                )
+            name = registry.parse_spec(spec)[0]
+            if name not in params:
+                raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(params))}")
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
+    require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL), params)
+    for spec in specs:
+        name, written = registry.parse_spec(spec)
+        try:
+            registry.convert_values(name, params[name], {**dict(k for k in keys if k[0] in params[name]), **written})
+        except ValueError as err:
+            raise UsageError(f"bad policy {spec!r}: {err}") from None
+    check = getattr(config_cls, "check_arguments", None)
+    if check is not None:
+        check(unchecked_config(config_cls, values))
+
+
+def unchecked_config(config_cls: type, values: dict[str, Any]) -> Any:
+    """An instance of the dataclass ``config_cls`` with ``values`` (defaults for the rest), not validated.
+
+    For a config's own checks before JAX is imported: ``__post_init__`` is not run.
+    """
+    config = object.__new__(config_cls)
+    for field in dataclasses.fields(config_cls):
+        if field.name in values:
+            value = values[field.name]
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        else:
+            value = field.default_factory()
+        object.__setattr__(config, field.name, value)
+    return config
 
 
 def exit_on_argument_error(config_cls: type, module: str) -> None:
@@ -330,38 +387,57 @@ def exit_on_argument_error(config_cls: type, module: str) -> None:
         raise SystemExit(EXIT_USAGE) from None
 
 
-def require_keys_given_once(specs: Sequence[str], keys: Sequence[tuple[str, str]], flags: dict[str, str]) -> None:
-    """A key written in a ``--policy`` spec and given as a flag must have one value in both.
+def require_keys_given_once(
+    specs: Sequence[str],
+    keys: Sequence[tuple[str, str]],
+    flags: dict[str, str],
+    params: dict[str, dict[str, registry.Param]],
+) -> None:
+    """Each policy-key flag's value must be valid for every spec that takes the key, and a key
+    written in a ``--policy`` spec and given as a flag must have one value in both.
 
-    ``--policy every_k:k=4 --k 4`` is accepted; ``--policy every_k:k=4 --k 2`` is refused. Specs
-    that do not parse, and values that are not valid, are left to the spec's own checks.
+    Values are compared as the key reads them: ``--policy every_k:k=4 --k 4`` and
+    ``--policy auto:budget=1GiB --budget 1024MiB`` are accepted, ``--policy every_k:k=4 --k 2`` is
+    refused, and ``--policy every_k:k=4 --k 4.0`` gets the key's own error (not an integer). Specs that do not parse, or name a policy
+    ``params`` lacks, are left to the spec's own checks.
 
     Args:
       specs: the ``--policy`` specs the user gave.
       keys: the policy-key flags given, as ``(key, raw value)`` pairs.
       flags: each key's flag (``{"k": "--k"}``), for the message.
+      params: each policy's keys, by policy name.
 
     Raises:
-      UsageError: naming the flag, the spec and both values.
+      UsageError: a flag's value that the key refuses, with the flag and the key's own message;
+        or two different values, naming the flag, the spec and both values.
     """
     for spec in specs:
         try:
-            written = registry.parse_spec(spec)[1]
-            canonical = registry.normalize_spec(spec)
+            name, written = registry.parse_spec(spec)
         except ValueError:
             continue
+        table = params.get(name, {})
         for key, value in keys:
-            if key not in written or value == written[key]:
+            if key not in table:
+                continue
+            flag = flags.get(key, flag_name(key))
+            try:
+                given = registry.convert_values(name, {key: table[key]}, {key: value})[key]
+            except ValueError as err:
+                raise UsageError(f"{flag} {value}: {err}") from None
+            if key not in written:
                 continue
             try:
-                same = registry.normalize_spec(spec, **{key: value}) == canonical
-            except ValueError:
-                same = False
-            if not same:
-                raise UsageError(
-                    f"{flags.get(key, flag_name(key))} {value} conflicts with {key}={written[key]} in --policy "
-                    f"{spec}; give it once"
-                )
+                ours = registry.convert_values(name, {key: table[key]}, {key: written[key]})[key]
+            except ValueError as err:
+                raise UsageError(f"bad policy {spec!r}: {err}") from None
+            if _comparable(ours) != _comparable(given):
+                raise UsageError(f"{flag} {value} conflicts with {key}={written[key]} in --policy {spec}; give it once")
+
+
+def _comparable(value: Any) -> Any:
+    """A parsed key value as compared for sameness: a budget by its bytes or fraction, not its text."""
+    return (value.bytes, value.fraction) if isinstance(value, Budget) else value
 
 
 def run_main(body: Callable[[], int]) -> int:

@@ -22,6 +22,7 @@ from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS, whole_step_head_
 from jremat.train import model_flags
 from jremat.train.cli import (
     UsageError,
+    check_mesh_flag,
     option,
     require,
     require_choice,
@@ -96,6 +97,18 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        self.check_arguments()
+        self._check_policy()
+
+    def check_arguments(self) -> None:
+        """Fill in the preset's defaults and check every value that needs no policy (nor JAX).
+
+        Run by ``__post_init__``, and by the CLI on its flags before JAX is imported
+        (:func:`train.cli.check_before_imports`).
+
+        Raises:
+          UsageError: the first bad value.
+        """
         if isinstance(self.ckpt_dir, str) and self.ckpt_dir.strip().lower() in ("none", ""):
             object.__setattr__(self, "ckpt_dir", None)  # --ckpt-dir none: no checkpoints (not a folder named none)
         if self.preset not in PRESETS:
@@ -118,9 +131,6 @@ class TrainConfig:
             object.__setattr__(self, "seq_len", model_flags.positions(self))
         if self.steps is None and self.epochs is None:
             object.__setattr__(self, "steps", DEFAULT_STEPS[self.preset])
-        self._validate()
-
-    def _validate(self) -> None:
         if self.batch_size == AUTO_BATCH:
             require(
                 self.memory_budget is not None,
@@ -162,25 +172,12 @@ class TrainConfig:
         )
         require_choice("granularity", self.granularity, jremat.GRANULARITIES)
         require(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir (the directory to resume from)")
+
+    def _check_policy(self) -> None:
+        """The checks that read the policy registry (and so import JAX): the policy, --mesh, --memory-budget."""
         spec = self.policy_spec()  # raises UsageError on a bad policy
         if self.mesh is not None:  # syntax and divisibility here; the device count when the mesh is built
-            from jremat.train import sharding  # imports JAX: only for a run that gives --mesh
-
-            try:
-                sizes = sharding.parse_mesh(self.mesh)
-            except ValueError as err:
-                raise UsageError(f"--mesh: {err}") from None
-            ways = sizes["data"] * sizes["fsdp"]
-            require(
-                self.batch_size == AUTO_BATCH or self.batch_size % ways == 0,
-                f"--batch-size {self.batch_size} does not split over --mesh {self.mesh} (data x fsdp = {ways}); "
-                f"use a multiple of {ways}",
-            )
-            require(
-                self.seq_len % sizes["sequence"] == 0,
-                f"--seq-len {self.seq_len} does not split over --mesh {self.mesh} (sequence = {sizes['sequence']}); "
-                f"use a multiple of {sizes['sequence']}",
-            )
+            check_mesh_flag(self.mesh, None if self.batch_size == AUTO_BATCH else self.batch_size, self.seq_len)
         if self.memory_budget is not None:
             require(
                 registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,

@@ -7,16 +7,20 @@ checks before JAX is imported, then the CLI's ``main``.
 
 from __future__ import annotations
 
+import os
 import runpy
+import sys
 
-from jremat.train.usage import exit_without_train_extra
+from jremat.train import usage
 
 
 def _run(cli: str, module: str) -> int:
-    exit_without_train_extra(cli)
-    # The module's ``__main__`` block ends in ``sys.exit(main())``; sys.argv[0] stays the script's
-    # name, so usage lines and errors say ``jremat-ptb``.
-    runpy.run_module(module, run_name="__main__")
+    usage.exit_without_train_extra(cli)
+    # The module runs as ``python -m`` runs it: as sys.modules["__main__"] (what type hints, pickle
+    # and dataclasses look its names up in), with sys.argv[0] its file; usage lines and errors
+    # still say ``jremat-ptb``. Its ``__main__`` block ends in ``sys.exit(main())``.
+    usage.console_script = os.path.basename(sys.argv[0])
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -36,6 +36,7 @@ from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
     apply_policy_keys,
+    check_mesh_flag,
     option,
     require,
     require_choice,
@@ -110,6 +111,12 @@ class MemoryConfig:
         None, "with --fit: fix the sequences per optimizer step; choose the micro-batches"
     )
     finalists: int = option(3, "with --fit: how many candidates are timed")
+    mesh: str | None = option(
+        None,
+        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, as train.ptb's --mesh: compile the sharded "
+        "gradient step per policy and report per-device peak and temp and its collectives (count and bytes per "
+        "device, and what each policy re-issues beside none)",
+    )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
     )
@@ -122,11 +129,21 @@ class MemoryConfig:
     )
 
     def __post_init__(self):
+        self.check_arguments()
         for flag, path in (("--timeline", self.timeline), ("--plot", self.plot)):
             problem = None if path is None else timeline_plot.png_path_problem(path)
             if problem:
                 raise UsageError(f"{flag} {path!r}: {problem}")
+        if not self.policy:
+            object.__setattr__(self, "policy", (*fit_lib.FIT_POLICIES, "auto") if self.fit else ("none", "full"))
+        self._check_policies()
+
+    def check_arguments(self) -> None:
+        """Check every value that needs no policy and no model, as ``TrainConfig.check_arguments`` does
+        (JAX only to ask for a GPU kernel's device); raises :class:`UsageError`."""
         require_choice("preset", self.preset, tuple(PRESETS))
+        if self.mesh is not None:
+            self._check_mesh()
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
@@ -135,8 +152,6 @@ class MemoryConfig:
         require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.granularity is not None:
             require_choice("granularity", self.granularity, jremat.GRANULARITIES)
-        if not self.policy:
-            object.__setattr__(self, "policy", (*fit_lib.FIT_POLICIES, "auto") if self.fit else ("none", "full"))
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
@@ -170,7 +185,10 @@ class MemoryConfig:
                 f"--remat-head-chunks {self.remat_head_chunks} does not divide the sequence length "
                 f"{self.resolved_seq_len}",
             )
-        model_flags.check_backend(self.attention, self.resolved_head_dim)
+        model_flags.check_backend(self.attention, self.resolved_head_dim)  # JAX only for a GPU kernel (cudnn, pallas)
+
+    def _check_policies(self) -> None:
+        """The checks that load the policies (and JAX): the specs and keys, the budget's policy, the model's size."""
         for module in self.policy_module:
             try:
                 registry.load_module(module)
@@ -192,6 +210,16 @@ class MemoryConfig:
             f"{format_bytes(MAX_PARAMETER_BYTES)}, and this report is for one device (the largest hold under "
             "300 GiB); choose fewer --layers or a smaller --d-model / --d-ff / --max-seq-len",
         )
+
+    def _check_mesh(self) -> None:
+        """``--mesh``: its syntax, the batch split, and the flags it does not combine with.
+
+        Raises:
+          UsageError: on a bad mesh, a batch that does not split, or ``--fit`` / ``--live`` / ``--timeline``.
+        """
+        for flag, given in (("--fit", self.fit), ("--live", self.live), ("--timeline", self.timeline)):
+            require(not given, f"{flag} measures one device: drop --mesh or {flag}")
+        check_mesh_flag(self.mesh, self.batch_size, self.seq_len)
 
     def model_config(self, policy: str) -> ModelConfig:
         """The :class:`ModelConfig` for one policy spec, with every override applied.
@@ -478,6 +506,125 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         raise UsageError(str(err)) from None
 
 
+def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
+    """``--mesh``: ``(policy, sharded_steps.DeviceMemory)`` per policy, compiled on the mesh (nothing runs).
+
+    Raises:
+      UsageError: on a mesh that does not fit the devices, or a batch or sequence that does not split.
+    """
+    from jremat.train import sharded_steps, sharding
+
+    try:
+        mesh = sharding.mesh_from_flag(config.mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
+    specs = list(dict.fromkeys(config.policy))
+    print(
+        f"compiling the sharded gradient step under {len(specs)} policies on --mesh {config.mesh}...", file=sys.stderr
+    )
+    compiled: dict = {}
+
+    def step_memory(model_cfg):
+        if model_cfg not in compiled:
+            compiled[model_cfg] = sharded_steps.sharded_step_memory(
+                model_cfg, mesh, config.batch_size, config.resolved_seq_len
+            )
+        return compiled[model_cfg]
+
+    rows = []
+    for spec in specs:
+        try:
+            if registry.parse_spec(spec)[0] == "auto":
+                plan, gathered, regather = mesh_auto_plan(config, spec, mesh, step_memory)
+                rows.append((f"auto: {plan.candidate.describe(plan.n_layers)}", step_memory(plan.config)))
+                priced = (
+                    f"; re-gathering a layer's weights ({gathered:,} B per device) priced at {regather:,.0f} "
+                    "FLOP-equivalents, keeping them at their bytes"
+                    if gathered
+                    else ""
+                )
+                print(
+                    f"auto on mesh {config.mesh}: budget and peaks per device, tensor bytes/layer global (all devices "
+                    f"together){priced}\n{plan.table()}",
+                    file=sys.stderr,
+                )
+            else:
+                rows.append((spec, step_memory(config.model_config(spec))))
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    return rows
+
+
+def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> tuple[jremat.LayerPlan, int, float]:
+    """``(plan, gathered bytes per layer per device, their re-gathering price in FLOP-equivalents)``.
+
+    ``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
+    per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
+    re-gathering weights is priced at the all-gather's cost measured on this mesh
+    (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates.
+
+    Raises:
+      ValueError: on a bad budget, or when no plan fits.
+    """
+    from jremat.models.planning import plan_for_budget
+    from jremat.train import sharded_steps, sharding
+
+    base = config.model_config("none")
+    gathered = regather = 0
+    if mesh.shape[sharding.FSDP_AXIS] > 1:
+        gathered = sharding.gathered_layer_bytes(sharded_steps.abstract_params(base, mesh)[1], mesh)
+        regather = gathered * jremat.collective_flops_per_byte("all-gather", mesh)
+    budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
+    plan = plan_for_budget(
+        base,
+        config.batch_size,
+        budget,
+        config.resolved_seq_len,
+        measure_peak_bytes=lambda c: step_memory(c).peak,
+        offload=False,
+        regather_flops=regather,
+    )
+    return plan, gathered, regather
+
+
+def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:
+    """The ``--mesh`` table: per policy, per-device peak and temp, all-gathers and all-reduces (count and
+    bytes per device per step), and the collectives it issues beyond ``none``'s (when ``none`` is a row)."""
+    base = next((m for spec, m in rows if spec == "none"), None)
+    width = max(28, *(len(spec) for spec, _ in rows))
+    header = (
+        f"{'policy':<{width}} {'peak/device':>12} {'temp/device':>12} {'all-gathers':>18} {'all-reduces':>18} "
+        f"{'other':>14}  re-issued beyond none"
+    )
+    lines = [header, "-" * len(header)]
+    for spec, m in rows:
+        c = m.collectives
+        cells = []
+        for kinds in (("all-gather",), ("all-reduce",), ("reduce-scatter", "all-to-all", "collective-permute")):
+            n, b = sum(c.count(k) for k in kinds), sum(c.bytes(k) for k in kinds)
+            cells.append(f"{n} / {format_bytes(b)}" if n else "0")
+        extra = c.reissued(base.collectives) if base is not None else {}
+        reissued = ", ".join(
+            f"{n:+d} {k} ({'+' if b >= 0 else '-'}{format_bytes(abs(b))})" for k, (n, b) in extra.items()
+        ) or ("none" if base is not None else "n/a (no none row)")
+        lines.append(
+            f"{spec:<{width}} {format_bytes(m.peak):>12} {format_bytes(m.temp):>12} {cells[0]:>18} {cells[1]:>18} "
+            f"{cells[2]:>14}  {reissued}"
+        )
+    first = rows[0][1]
+    lines.append(
+        f"gradient step on mesh {first.mesh} ({first.devices} devices), compiled only; every figure is per device "
+        f"(one device's share of the SPMD program); collectives as count / bytes per step (jremat.collectives_report)"
+    )
+    return "\n".join(lines)
+
+
+def mesh_row_json(spec: str, memory) -> dict:
+    """One ``--mesh --json`` object: the policy, per-device memory and collectives."""
+    out = {k: v for k, v in dataclasses.asdict(memory).items() if k != "collectives"}
+    return {"policy": spec, **out, "collectives": memory.collectives.to_json()}
+
+
 def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
     """The policies ``--fit`` searches, and whether ``auto``'s plans join them (``auto`` among them)."""
     auto = [s for s in config.policy if registry.parse_spec(s)[0] == "auto"]
@@ -544,6 +691,13 @@ def _main(argv: Sequence[str] | None) -> int:
             return 0
         if config.fit:
             return run_fit(config)
+        if config.mesh is not None:
+            mesh_rows = run_mesh(config)
+            if config.json:
+                print(json.dumps([mesh_row_json(spec, m) for spec, m in mesh_rows], indent=2))
+            else:
+                print(format_mesh_table(mesh_rows))
+            return 0
         rows, base = run(config)
         live_note = None
         if config.live:

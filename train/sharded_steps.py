@@ -22,10 +22,13 @@ import jremat
 from jremat import compiled_memory_report
 from jremat.models import GPT, ModelConfig, cross_entropy_loss
 from jremat.train.sharding import (
+    FSDP_AXIS,
     ActivationSharding,
+    GatheredWeights,
     batch_sharding,
     check_batch,
     format_mesh,
+    keeps_gathered,
     replicated,
     state_shardings,
 )
@@ -36,10 +39,19 @@ from jremat.train.sharding import (
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
     """``(graphdef, params)`` of :class:`models.GPT` with sequence-parallel activations, as shapes (nothing allocated).
 
+    Under ``fsdp`` with a policy that sets ``keep_gathered=true`` the model also constrains each
+    layer's weights to their gathered placement in its checkpoints (:class:`GatheredWeights`).
+
     The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
     """
+    # A policy that keeps gathered weights needs them as values of the checkpoints (GatheredWeights).
+    gathered = GatheredWeights(mesh) if keeps_gathered(model_cfg) and mesh.shape[FSDP_AXIS] > 1 else None
     graphdef, shapes = nnx.split(
-        nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0), activation_sharding=ActivationSharding(mesh)))
+        nnx.eval_shape(
+            lambda: GPT(
+                model_cfg, rngs=nnx.Rngs(0), activation_sharding=ActivationSharding(mesh), weight_sharding=gathered
+            )
+        )
     )
     shardings = state_shardings(shapes, mesh)
     return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -158,6 +170,7 @@ class DeviceMemory:
       peak: the figure to compare with device memory (``argument + output + temp - alias``
         unless the backend reports a usable peak of its own).
       peak_source: how :attr:`peak` was obtained (see :class:`jremat.MemoryReport`).
+      collectives: the step's collectives per device (:func:`jremat.collectives_report`).
     """
 
     mesh: str
@@ -168,6 +181,7 @@ class DeviceMemory:
     alias: int
     peak: int
     peak_source: str
+    collectives: jremat.CollectivesReport | None = None
 
     def format(self) -> str:
         """One line: ``mesh data=4,fsdp=2 (8 devices), per device: peak ... temp ... args ... out ...``."""
@@ -209,7 +223,8 @@ def sharded_step_memory(
             state_shardings(opt_shapes, mesh),
         )
         lowered = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key)
-    report = compiled_memory_report(lowered.compile(), platform=mesh.devices.flat[0].platform)
+    compiled = lowered.compile()
+    report = compiled_memory_report(compiled, platform=mesh.devices.flat[0].platform)
     if not report.available:
         raise ValueError(f"no per-device memory figures for mesh {format_mesh(mesh)}: {'; '.join(report.notes)}")
     return DeviceMemory(
@@ -221,4 +236,5 @@ def sharded_step_memory(
         alias=report.alias_bytes,
         peak=report.peak_bytes,
         peak_source=report.peak_source,
+        collectives=jremat.compiled_collectives_report(compiled),
     )

@@ -13,6 +13,11 @@ import sys
 #: The exit code of every CLI for a user mistake (bad flag, bad value, missing file).
 EXIT_USAGE = 2
 
+#: The console script (``jremat-ptb``) that started this process, if one did: set by
+#: :mod:`train.console` before it runs the CLI's module, during which ``sys.argv[0]`` is the
+#: module's file (as under ``python -m``).
+console_script: str | None = None
+
 
 def program_name(module: str) -> str:
     """How the user started the CLI ``module`` (e.g. ``"train.ptb"``), for its usage line and errors.
@@ -20,7 +25,7 @@ def program_name(module: str) -> str:
     ``jremat-ptb`` when started by its console script, ``python -m jremat.train.ptb`` when run by
     that name, else ``python -m train.ptb`` (a checkout's root, and calls of ``main`` from Python).
     """
-    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    script = console_script or (os.path.basename(sys.argv[0]) if sys.argv else "")
     if script.startswith("jremat-"):
         return script
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)

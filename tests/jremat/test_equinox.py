@@ -213,3 +213,39 @@ def test_bad_arguments_are_refused():
         jremat.filter_checkpoint(Block.__call__, "full", prevent_cse=(True,))
     with pytest.raises(ValueError, match="unknown policy"):
         jremat.filter_checkpoint(Block.__call__, "no_such_policy")
+
+
+def scale_and_kind(x):
+    """A block returning arrays next to non-array values: a Python int, a string, a function."""
+    return {"y": jnp.sin(x) * 2, "kind": "mlp", "act": jax.nn.relu, "width": 3}
+
+
+@pytest.mark.parametrize("spec", ["full", "every_k:k=2"])
+def test_non_array_outputs_are_returned_unchanged(remat_engine, spec):
+    """As ``eqx.filter_checkpoint``: only array outputs leave the checkpoint; a Python int, a string
+    and a function come back as they were returned, on the first call, a cached trace's call, and
+    under ``jit`` and ``grad``; ``jremat.checkpoint`` keeps ``jax.checkpoint``'s outputs."""
+    x = jnp.linspace(-1.0, 1.0, 4)
+    pair = lambda x: (x * 2, 3)
+    expected = eqx.filter_checkpoint(pair)(x)
+    checkpointed = jremat.filter_checkpoint(pair, spec)
+    for _ in range(2):  # the second call reuses the first one's trace
+        got = checkpointed(x)
+        assert type(got[1]) is int and got[1] == expected[1] == 3
+        np.testing.assert_array_equal(got[0], expected[0])
+    block = jremat.filter_checkpoint(scale_and_kind, spec)
+    for _ in range(2):
+        out = block(x)
+        assert (out["kind"], out["act"], out["width"]) == ("mlp", jax.nn.relu, 3) and type(out["width"]) is int
+        np.testing.assert_allclose(out["y"], jnp.sin(x) * 2, rtol=1e-6)
+
+    def loss(x):
+        out = block(x)
+        assert out["act"] is jax.nn.relu and out["kind"] == "mlp"  # static inside jit's trace too
+        return jnp.sum(out["act"](out["y"]) ** 2) * out["width"]
+
+    plain_loss = lambda x: jnp.sum(jax.nn.relu(jnp.sin(x) * 2) ** 2) * 3
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), jax.grad(plain_loss)(x), rtol=1e-6)
+    # jremat.checkpoint traces the output as jax.checkpoint does: the int comes back a JAX value.
+    traced_int = jax.checkpoint(pair)(x)[1]
+    assert type(traced_int) is not int and type(jremat.checkpoint(pair, spec)(x)[1]) is type(traced_int)

@@ -181,3 +181,16 @@ def test_a_policy_that_keeps_more_than_none_is_said_to():
     assert any(m.startswith("more than none (full): compiled temp") and "2,000,000" in m for m in more.messages)
     less = explain_applied(remat_mlp, *ARGS, policy="full", baseline=mlp, temp_bytes=1, baseline_temp_bytes=1_000_000)
     assert not any(m.startswith("more than none") for m in less.messages)
+
+
+def test_a_stack_feeds_the_output_back_as_activations_not_as_parameters():
+    """A square block whose weight has the activations' shape: the stack feeds the output back as x
+    (argument 1), never as the weight named in param_argnums, whatever comes first."""
+    w, x = jnp.eye(16) * 0.1, jnp.ones((16, 16))
+    report = jremat.explain(lambda w, x: x + jnp.tanh(jnp.sin(x @ w) @ w), "full", w, x, param_argnums=(0,))
+    assert report.stack_argnum == 1
+    # Without param_argnums both arguments qualify: the first is taken.
+    assert jremat.explain(lambda w, x: x + jnp.tanh(jnp.sin(x @ w) @ w), "full", w, x).stack_argnum == 0
+    # With the only matching argument a parameter, there is no stack to measure.
+    alone = jremat.explain(lambda w, b: jnp.tanh(w) + b.sum(), "full", w, jnp.ones(3), param_argnums=(0,))
+    assert alone.stack_depth is None

@@ -6,12 +6,16 @@ Each run is a fresh Python process, since one that has looked a policy up before
 left to race on; its threads are released together by a barrier.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import threading
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jremat
@@ -160,3 +164,167 @@ def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
     assert "full" in jremat.available()
     assert registry._builtins_loaded
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeypatch):
+    """More shapes than a decorated function keeps traces for, from several threads at once:
+    evictions race one another and lookups, yet every call succeeds with its own result."""
+    from jremat import _decorator
+
+    monkeypatch.setattr(_decorator, "_MAX_TRACES", 2)  # every new shape evicts
+    # Many static values, each hashed by Python code: an eviction's lookup of its key is long
+    # enough for other threads to evict in between.
+    statics = tuple(range(1, 61))
+    scaled_sin = lambda x, *scales: jnp.sin(x) * len(scales)
+    if filtered:
+        fn = jremat.filter_checkpoint(scaled_sin, "full")
+    else:
+        fn = jremat.checkpoint(scaled_sin, "full", static_argnums=tuple(range(1, len(statics) + 1)))
+    double_sin = lambda x: fn(x, *statics) / len(statics) * 2
+    threads, shapes, steps = 8, 6, 150
+    barrier = threading.Barrier(threads)
+    errors, wrong = [], []
+
+    def trace_many(i):
+        barrier.wait()
+        try:
+            for step in range(steps):
+                n = 1 + (i + step) % shapes
+                out = jax.eval_shape(lambda x: double_sin(x), jax.ShapeDtypeStruct((n,), jnp.float32))  # a new trace
+                if out.shape != (n,):
+                    wrong.append((i, n, out.shape))
+            x = jnp.full((1 + i % shapes,), 0.5 + i)
+            if not np.allclose(double_sin(x), np.sin(0.5 + i) * 2, rtol=1e-6):
+                wrong.append((i, "value"))
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: evictions interleave
+    try:
+        workers = [threading.Thread(target=trace_many, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not errors, errors[:3]
+    assert not wrong, wrong[:3]
+
+
+#: One process: thread B imports the plugin module ``plug`` (an entry point of the policy group),
+#: whose body looks a policy up; meanwhile thread A's first lookup loads the entry points (and so
+#: imports ``plug``), and thread C's first lookup must see ``plug``'s policy. Events and sleeps
+#: force the order: A and C look up while B is inside ``plug``'s body, and B looks up after them.
+PLUGIN_SCRIPT = r"""
+import builtins, importlib, os, sys, threading, time
+
+sys.path.insert(0, sys.argv[1])
+import jremat
+import jremat.policies  # the built-ins imported already: A goes straight to the entry point
+from jremat import registry
+
+
+class PlugEntryPoint:
+    module = "plug"
+
+    def load(self):
+        return importlib.import_module("plug")
+
+
+registry.importlib.metadata.entry_points = lambda group: [PlugEntryPoint()]
+builtins.plug_inside = threading.Event()
+builtins.plug_may_look_up = threading.Event()
+seen = {}
+
+
+def record(name, fn):
+    def run():
+        try:
+            seen[name] = fn()
+        except Exception as err:
+            seen[name] = f"{type(err).__name__}: {err}"
+    return threading.Thread(target=run, name=name, daemon=True)
+
+
+def first_lookup():
+    builtins.plug_inside.wait()
+    return sorted(jremat.available())
+
+
+def b_imports_plug():
+    import plug
+
+    return plug.resolved
+
+
+b = record("B", b_imports_plug)
+a, c = record("A", first_lookup), record("C", first_lookup)
+for thread in (b, a, c):
+    thread.start()
+builtins.plug_inside.wait()
+time.sleep(0.5)  # A and C are loading the entry points (waiting for plug's import)
+builtins.plug_may_look_up.set()
+for thread in (a, b, c):
+    thread.join(timeout=20)
+    if thread.is_alive():
+        print(f"deadlock: thread {thread.name} still waits", flush=True)
+        os._exit(3)
+print(repr(seen))
+"""
+
+PLUGIN_MODULE = """
+import builtins
+
+import jremat
+
+jremat.register("plugged", doc="registered by the plugin")(lambda: jremat.resolve("full"))
+builtins.plug_inside.set()
+builtins.plug_may_look_up.wait()
+resolved = jremat.resolve("full").spec  # a lookup while this module is being imported
+"""
+
+
+def test_a_plugin_that_looks_up_at_import_does_not_deadlock_a_first_lookup(tmp_path):
+    """No lock of jremat is held while an entry point's module is imported: a plugin whose import
+    (in one thread) looks a policy up completes while other threads' first lookups wait for that
+    import, and those lookups see the plugin's policies."""
+    (tmp_path / "plug.py").write_text(PLUGIN_MODULE)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", PLUGIN_SCRIPT, str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process hung")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    seen = eval(proc.stdout.strip().splitlines()[-1])
+    assert seen["B"] == "full"
+    for first in ("A", "C"):
+        assert "plugged" in seen[first] and "full" in seen[first], seen[first]
+
+
+def test_a_plugin_that_fails_after_registering_reports_its_own_error_again(monkeypatch, tmp_path):
+    """An entry point whose module registers a policy and then raises: every lookup raises the
+    plugin's error, not the retry's 'already registered'."""
+    from jremat import registry
+
+    (tmp_path / "half_plug.py").write_text(
+        'import jremat\njremat.register("half", doc="half")(lambda: None)\nraise RuntimeError("half_plug is broken")\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "half_plug", raising=False)
+    entry_point = importlib.metadata.EntryPoint(name="half", value="half_plug", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    monkeypatch.setattr(registry, "_FAILED_LOADS", {})
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [entry_point])
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="half_plug is broken"):
+            jremat.available()
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
+    assert "full" in jremat.available()

@@ -19,7 +19,7 @@ from jremat import require_host_memory
         ("skip_cheap:min_flops_per_byte=inf", r"policy 'skip_cheap': min_flops_per_byte must be a finite number"),
         ("every_k:min_flops_per_byte=-inf", r"policy 'every_k': min_flops_per_byte must be a finite number"),
         ("every_k:j=2", r"unknown key 'j' for policy 'every_k'; valid keys: k, skip_cheap, min_flops_per_byte"),
-        ("full:k=2", r"unknown key 'k' for policy 'full'; valid keys: \(none"),
+        ("full:k=2", r"unknown key 'k' for policy 'full'; valid keys: keep_gathered"),
         ("every_k:k", r"malformed policy spec 'every_k:k': 'k' is not key=value"),
         ("every_k:", r"malformed policy spec 'every_k:': nothing after ':'"),
         ("every k", r"malformed policy spec 'every k': bad name"),
@@ -90,6 +90,13 @@ def test_describe_one_policy_gives_its_keys_and_an_example_that_resolves():
     assert "layer stack" in jremat.describe("nested")
     for name in jremat.available():  # every entry, built-in or not, describes itself
         assert jremat.describe(name).startswith(f"{name}: ")
+
+
+def test_describe_reads_a_name_with_spaces_around_as_resolve_does():
+    assert jremat.describe(" every_k ") == jremat.describe("every_k")
+    assert jremat.resolve(" every_k ").spec == "every_k"
+    with pytest.raises(ValueError, match=r"not a spec: describe\('every_k'\)"):
+        jremat.describe(" every_k:k=2 ")
 
 
 def test_describe_refuses_what_is_not_a_policy_name():

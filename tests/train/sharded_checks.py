@@ -8,12 +8,11 @@ object with the measured figures (the test asserts on them). Checks: ``grads``, 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
+from tests.device_checks import run_checks
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -35,7 +34,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-POLICIES = ("none", "full", "every_k:k=4", "selective")
+POLICIES = ("none", "full", "every_k:k=4", "selective", "full:keep_gathered=true")
 BATCH, SEQ = 8, 16
 SEQUENCE_MESH = "fsdp=2,tensor=2,sequence=2"
 
@@ -224,21 +223,5 @@ CHECKS = {
 }
 
 
-def main(argv: list[str]) -> int:
-    """Run the named checks (default: all) and print their results as one JSON object."""
-    names = argv or list(CHECKS)
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        print(f"unknown check {unknown[0]!r}; valid: {', '.join(CHECKS)}", file=sys.stderr)
-        return 2
-    result = {"device_count": jax.device_count(), "seconds": {}}
-    for name in names:
-        start = time.perf_counter()
-        result[name] = CHECKS[name]()
-        result["seconds"][name] = round(time.perf_counter() - start, 1)
-    print(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))

@@ -6,10 +6,12 @@ import dataclasses
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from jremat import registry
+from jremat._builtin_keys import BUILTIN_PARAMS
 from jremat.train import cli, ptb
 from jremat.train import memory as train_memory
 from jremat.train.bench.config import BenchConfig
@@ -131,6 +133,36 @@ def test_a_key_in_the_spec_and_as_a_flag_with_one_value_is_accepted(parse_config
     assert parse_config(["--policy", "every_k:k=4", "--k", value]) == "every_k:k=4"
 
 
+@_EVERY_CLI
+@pytest.mark.parametrize(
+    "spec, flag, value, same",
+    [
+        (
+            "auto:budget=1GiB",
+            "--budget",
+            "1024MiB",
+            lambda spec: registry.parse_spec(spec)[1]["budget"] in ("1GiB", "1024MiB"),
+        ),
+        ("auto:budget=0.5", "--budget", "0.50", lambda spec: spec in ("auto:budget=0.5", "auto:budget=0.50")),
+        ("every_k:min_flops_per_byte=8", "--min-flops-per-byte", "8.0", lambda spec: spec.endswith("=8.0")),
+        ("names:save=q+k", "--save", "q++k", lambda spec: spec == "names:save=q+k"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_key_given_twice_is_compared_as_the_key_reads_it(parse_config, spec, flag, value, same):
+    """A size by its bytes, a number as a number, names as the list: one value written two ways is accepted."""
+    assert same(parse_config(["--policy", spec, flag, value]))
+
+
+@_EVERY_CLI
+def test_a_key_given_twice_with_an_invalid_flag_value_gets_the_keys_own_error(parse_config):
+    with pytest.raises(cli.UsageError) as info:
+        parse_config(["--policy", "every_k:k=4", "--k", "4.0"])
+    assert str(info.value) == "--k 4.0: policy 'every_k': k must be an integer, got '4.0'"
+    with pytest.raises(cli.UsageError, match=r"^--budget 2GiB conflicts with budget=1GiB in --policy auto:budget=1GiB"):
+        parse_config(["--policy", "auto:budget=1GiB", "--budget", "2GiB"])
+
+
 def test_a_conflict_names_the_renamed_key_flag():
     """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
 
@@ -149,11 +181,12 @@ def test_a_conflict_names_the_renamed_key_flag():
 
 def test_the_builtin_policy_keys_are_the_registrys():
     builtins = {
-        name: tuple(entry.params)
+        name: entry.params
         for name, entry in registry.entries().items()
         if entry.factory.__module__.startswith("jremat.policies.")
     }
-    assert cli.BUILTIN_POLICY_KEYS == builtins
+    assert builtins == BUILTIN_PARAMS  # the registry's entries hold the declarations the early check reads
+    assert cli.BUILTIN_POLICY_KEYS == {name: tuple(params) for name, params in builtins.items()}
 
 
 _CONFIGS = {"train.ptb": TrainConfig, "train.memory": train_memory.MemoryConfig, "train.bench": BenchConfig}
@@ -185,11 +218,36 @@ def test_mistakes_found_before_imports_read_as_parse_reports_them(module, argv):
 
 
 @pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        ("train.ptb", ["--policy", "every_k", "--k", "0"], "--k 0: policy 'every_k': k must be >= 1, got '0'"),
+        ("train.memory", ["--policy", "every_k:k=4", "--k", "4.0"], "--k 4.0: policy 'every_k': k must be an integer"),
+        ("train.bench", ["--policy", "every_k:k=4", "--k", "2"], "--k 2 conflicts with k=4 in --policy every_k:k=4"),
+        ("train.ptb", ["--policy", "auto:budget=1GiB", "--budget", "1.5"], "--budget 1.5: memory budget '1.5' is not"),
+        ("train.memory", ["--policy", "names"], "bad policy 'names': policy 'names' needs key 'save'"),
+        ("train.memory", ["--policy", "nested:block=0"], "bad policy 'nested:block=0': policy 'nested': block must be"),
+        ("train.memory", ["--fit"], "--fit needs --memory-budget"),
+        ("train.memory", ["--remat-head-chunks", "-1"], "--remat-head-chunks must be an integer >= 0, got -1"),
+        ("train.ptb", ["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+        ("train.ptb", ["--steps", "0"], "--steps must be a positive integer, got 0"),
+        ("train.bench", ["--time-rounds", "0"], "--time-rounds must be a positive integer, got 0"),
+    ],
+    ids=str,
+)
+def test_bad_values_are_found_before_imports_as_parse_reports_them(module, argv, message):
+    with pytest.raises(cli.UsageError) as early:
+        cli.check_before_imports(_CONFIGS[module], argv, prog=module)
+    with pytest.raises(cli.UsageError) as late:
+        cli.parse(_CONFIGS[module], argv, prog=module, description="")
+    assert str(early.value) == str(late.value)
+    assert str(early.value).startswith(message)
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["--preset", "tiny", "--policy", "every_k:k=4", "--k", "4"],
-        ["--steps", "0"],  # a value only TrainConfig judges
-        ["--policy", "every_k:k=4", "--k", "2"],  # a key twice: parse compares the values
+        ["--policy", "auto:budget=1GiB", "--budget", "1024MiB"],  # one size, written two ways
         ["--policy-module", "no.such.module", "--policy", "mine"],  # more than the built-ins: parse checks
         ["--policy", "nosuch", "--help"],
     ],
@@ -199,6 +257,14 @@ def test_what_is_left_to_parse_passes_before_imports(argv):
     cli.check_before_imports(TrainConfig, argv, prog="train.ptb")
 
 
+def test_a_spec_given_as_a_keys_value_is_left_to_parse():
+    """``nested``'s ``layer=`` is resolved by the registry (which loads the policies, and JAX)."""
+    argv = ["--policy", "nested:layer=nosuch"]
+    cli.check_before_imports(TrainConfig, argv, prog="train.ptb")
+    with pytest.raises(cli.UsageError, match="unknown policy 'nosuch'"):
+        cli.parse(TrainConfig, argv, prog="train.ptb", description="")
+
+
 @pytest.mark.parametrize(
     "module, argv, message",
     [
@@ -206,6 +272,14 @@ def test_what_is_left_to_parse_passes_before_imports(argv):
         ("train.ptb", ["--policy", "nosuch"], "error: bad policy 'nosuch': unknown policy 'nosuch'; valid policies: "),
         ("train.memory", ["--policy", "every_k:j=2"], "error: bad policy 'every_k:j=2': unknown key 'j'"),
         ("train.bench", ["--parts"], "error: argument --parts: expected one argument"),
+        ("train.ptb", ["--policy", "every_k", "--k", "0"], "error: --k 0: policy 'every_k': k must be >= 1"),
+        ("train.memory", ["--fit"], "error: --fit needs --memory-budget"),
+        ("train.ptb", ["--policy", "names"], "error: bad policy 'names': policy 'names' needs key 'save'"),
+        ("train.memory", ["--remat-head-chunks", "-1"], "error: --remat-head-chunks must be an integer >= 0"),
+        ("train.ptb", ["--batch-size", "0"], "error: --batch-size must be a positive integer, got 0"),
+        ("train.ptb", ["--steps", "0"], "error: --steps must be a positive integer, got 0"),
+        ("train.bench", ["--time-rounds", "0"], "error: --time-rounds must be a positive integer, got 0"),
+        ("train.memory", ["--policy", "every_k:k=4", "--k", "4.0"], "error: --k 4.0: policy 'every_k': k must be"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v[:20],
 )
@@ -222,3 +296,45 @@ def test_an_argument_error_exits_2_in_one_line_before_jax_is_imported(module, ar
     assert "jremat.train.cli" in imported  # the import log is read right
     assert not {"jax", "flax", "optax", "orbax", "tqdm"} & set(imported)
     assert elapsed_s < 5  # well under a second on an idle machine; JAX and Flax alone take one or more
+
+
+_CONSOLE_RUN = """
+import sys
+from jremat.train import cli, console
+
+seen = {}
+check = cli.check_before_imports
+
+
+def spy(config_cls, argv, *, prog):
+    main = sys.modules["__main__"]
+    seen.update(main_holds_config=getattr(main, config_cls.__name__, None) is config_cls, prog=prog)
+    return check(config_cls, argv, prog=prog)
+
+
+cli.check_before_imports = spy
+sys.argv = ["/somewhere/bin/jremat-memory", *sys.argv[1:]]
+try:
+    console.memory()
+except SystemExit as exit_:
+    print(seen["main_holds_config"], seen["prog"], exit_.code)
+"""
+
+
+def test_a_console_script_runs_its_cli_as_the_main_module_under_its_own_name():
+    """``MemoryConfig.__module__`` is ``__main__``: its names (type hints, dataclass fields) are looked
+    up in ``sys.modules["__main__"]``, which must be the CLI's module, not the console wrapper."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CONSOLE_RUN, "--batch-size", "0"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["True", "jremat-memory", "2"], done.stderr
+    assert done.stderr.strip() == "error: --batch-size must be a positive integer, got 0"
+
+
+def test_the_installed_console_script_names_itself_in_errors():
+    script = Path(sys.executable).with_name("jremat-memory")
+    if not script.exists():
+        pytest.skip("jremat-memory is not installed beside this Python")
+    done = subprocess.run([str(script), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: unrecognized arguments: --bogus (see jremat-memory --help)"

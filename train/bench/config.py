@@ -146,9 +146,21 @@ class BenchConfig:
     )
 
     def __post_init__(self):
-        object.__setattr__(self, "parts", tuple(p.strip() for item in self.parts for p in item.split(",") if p.strip()))
+        self.check_arguments()
         object.__setattr__(self, "policy", apply_policy_keys(self.policy, self.policy_keys))
         object.__setattr__(self, "policy_keys", ())
+
+    def check_arguments(self) -> None:
+        """Fill in the sizes of ``--quick`` or the full run, and check every value but the policies (JAX
+        only to ask for a GPU kernel's device).
+
+        Run by ``__post_init__``, and by the CLI on its flags before JAX is imported
+        (:func:`train.cli.check_before_imports`).
+
+        Raises:
+          UsageError: the first bad value.
+        """
+        object.__setattr__(self, "parts", tuple(p.strip() for item in self.parts for p in item.split(",") if p.strip()))
         for name, value in (QUICK_SIZES if self.quick else FULL_SIZES).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

@@ -1,0 +1,80 @@
+"""``python -m train.memory --mesh``: per-device memory and collectives of the sharded step, per policy.
+
+Runs the CLI in a subprocess on 8 simulated CPU devices (the device count is fixed before JAX
+starts); bad input is checked in-process, before any compile.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jremat.train import memory
+from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
+from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
+
+
+@pytest.fixture(scope="module")
+def mesh_rows():
+    argv = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
+    argv += ["--policy", "none", "--policy", "full", "--policy", "full:keep_gathered=true", "--json"]
+    argv += ["--policy", "auto", "--memory-budget", "0.5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.memory", *argv],
+        cwd=REPO,
+        env=dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS} {FAST_COMPILE_XLA_FLAGS}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {
+        row["policy"].split(":")[0] if row["policy"].startswith("auto") else row["policy"]: row
+        for row in json.loads(proc.stdout)
+    }
+
+
+def test_mesh_rows_are_per_device_with_collectives(mesh_rows):
+    none, full = mesh_rows["none"], mesh_rows["full"]
+    assert none["devices"] == 8 and none["mesh"] == "fsdp=8"
+    assert 0 < full["temp"] < none["temp"] and full["peak"] < none["peak"]
+    gathers = {p: r["collectives"]["kinds"]["all-gather"]["count"] for p, r in mesh_rows.items()}
+    # full gathers the layers' weights again in the backward pass; keep_gathered keeps them.
+    assert gathers["full"] > gathers["none"] >= gathers["full:keep_gathered=true"]
+    assert mesh_rows["full"]["collectives"]["kinds"]["all-gather"]["phases"]["recompute"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesh", "fsdp=8", "--fit", "--memory-budget", "1GiB"], "--fit measures one device: drop --mesh or --fit"),
+        (["--mesh", "model=2"], "--mesh: unknown mesh axis 'model'"),
+        (["--mesh", "fsdp=3", "--batch-size", "8"], "--batch-size 8 does not split over --mesh fsdp=3"),
+    ],
+)
+def test_bad_mesh_input_exits_2_with_one_line(argv, message, capsys):
+    assert memory.main(["--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_mesh_the_devices_do_not_fit_exits_2(capsys):
+    assert memory.main(["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8"]) == 2
+    assert "--mesh: mesh fsdp=8 has 8 devices but 1 are available" in capsys.readouterr().err
+
+
+def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mesh_rows):
+    none, full, auto = mesh_rows["none"], mesh_rows["full"], mesh_rows["auto"]
+    budget = full["peak"] + 0.5 * (none["peak"] - full["peak"])  # --memory-budget 0.5, per device
+    assert auto["peak"] <= budget
+    regathered = {
+        p: r["collectives"]["kinds"]["all-gather"]["bytes"] - none["collectives"]["kinds"]["all-gather"]["bytes"]
+        for p, r in mesh_rows.items()
+    }
+    assert regathered["auto"] < regathered["full"]
+    assert auto["policy"].startswith("auto: ")  # the row names the plan it chose
