@@ -118,7 +118,8 @@ def equation_flops(eqn) -> float:
 
     ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. ``conv``: 2 x output
     elements x kernel elements / output features. Reductions: input elements. Nested
-    checkpoint / custom-derivative calls: the sum over their body. Shape-only ops: 0.
+    checkpoint / custom-derivative calls: the sum over their body; a ``scan``: its body times
+    its length. Shape-only ops: 0.
     ``dynamic_update_slice``: one per element written (the update; XLA writes in place).
     A kernel (a ``pallas_call``, an FFI call): its price (:func:`jremat.kernel_cost`).
     Everything else (elementwise): one FLOP per output element.
@@ -140,7 +141,9 @@ def equation_flops(eqn) -> float:
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
     subs = subjaxprs(eqn)
     if subs:
-        return float(sum(equation_flops(e) for sub in subs for e in sub.eqns))
+        # A scan's outputs cost its body times its length (a while loop's count is unknown: once).
+        trips = eqn.params["length"] if name == "scan" else 1
+        return float(trips * sum(equation_flops(e) for sub in subs for e in sub.eqns))
     if name == "dynamic_update_slice":
         return float(math.prod(eqn.invars[1].aval.shape))
     if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod"):

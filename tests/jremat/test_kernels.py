@@ -26,6 +26,8 @@ def forward_runs(framework, kernel, spec, scan) -> int:
 def test_selective_runs_the_kernel_once_per_layer_in_plain_jax(remat_engine, kernel, scan):
     assert forward_runs("jax", kernel, None, scan) == km.LAYERS
     assert forward_runs("jax", kernel, "selective", scan) == km.LAYERS
+    # skip_cheap keeps it by its price: a scan costs its body times its length.
+    assert forward_runs("jax", kernel, "skip_cheap", scan) == km.LAYERS
     assert forward_runs("jax", kernel, "full", scan) == 2 * km.LAYERS  # the count can tell
 
 
@@ -152,7 +154,7 @@ def test_explain_names_every_kernel_a_built_in_policy_runs_again(policy):
     name = jremat.registry.parse_spec(policy)[0]
     if name in RERUNS:
         assert reruns == {"flash": (2, 1)}
-    elif name in ("none", "selective", "names", "offload"):
+    elif name in ("none", "selective", "names", "offload", "skip_cheap"):
         assert reruns == {}
 
 
