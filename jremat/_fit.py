@@ -815,8 +815,8 @@ def fit_search_budgets(
         # Calibrated once the first probes are compiled: on a mesh, the collectives are priced on its devices.
         if models[-1] is None:
             search.progress("calibrate the time model")
-            models.append(calibrate_time_model(dtype, search.devices or None))
-        elif search.devices and not models[-1].collective_s_per_byte:
+            models.append(calibrate_time_model(dtype))
+        if search.devices and not models[-1].collective_s_per_byte:
             search.progress("measure the collectives' rates on the mesh")
             models.append(with_collective_rates(models[-1], search.devices))
         return models[-1]

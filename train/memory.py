@@ -115,7 +115,8 @@ class MemoryConfig:
         None,
         "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, as train.ptb's --mesh: compile the sharded "
         "gradient step per policy and report per-device peak and temp and its collectives (count and bytes per "
-        "device, and what each policy re-issues beside none)",
+        "device, and what each policy re-issues beside none); with --fit, search the sharded train step against a "
+        "per-device budget, batches per data-parallel shard",
     )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"

@@ -305,8 +305,8 @@ def check_price() -> dict:
 
 def check_fit() -> dict:
     """``jremat.fit_search`` of a gradient-descent step of the unrolled FSDP model, batches per data
-    shard (8 rows each), under ``none`` and ``full`` with a given time model (nothing calibrated):
-    every probe's figures, the searched policies, and the time model's terms."""
+    shard (8 rows each), under ``none`` and ``full`` with a given time model (nothing calibrated),
+    under each remat engine: every probe's figures, the searched policies, the time model's terms."""
     mesh = make_mesh(MESHES["fsdp"])
     weights, _ = arguments(mesh, "unrolled")
     w_sharding = jax.tree.map(lambda a: a.sharding, weights)
@@ -326,30 +326,39 @@ def check_fit() -> dict:
 
     rate = 2.0**-30
     model = jremat.TimeModel(2.0**30, 2.0**30, (("all-gather", rate), ("all-reduce", rate), ("reduce-scatter", rate)))
-    result = jremat.fit_search(
-        build, ["none", "full"], "1GiB", time_model=model, max_batch_size=4, finalists=1, rounds=1, calls_per_round=1
-    )
-    probes = {f"{p.policy}@{p.batch_size}": p for p in result.probes}
-    full, kept = probes["full@4"], probes["full:keep_gathered=true@4"]
-    return {
-        "probes": {
-            k: {"devices": p.devices, "collectives": [list(c) for c in p.collectives]} for k, p in probes.items()
-        },
-        "collective_s": {"full": model.collective_s(full.collectives), "kept": model.collective_s(kept.collectives)},
-        # All else equal: the same FLOPs and bytes, each candidate's collectives.
-        "step_s_same_work": {
-            name: model.step_s(full.flops / full.devices, full.bytes_accessed, p.collectives)
-            for name, p in (("full", full), ("kept", kept))
-        },
-        "predicted_equals_model": all(
-            abs(r.predicted_tokens_per_s - r.probe.batch_size / model.probe_s(r.probe))
-            <= 1e-9 * r.predicted_tokens_per_s
-            for r in result.rows
-        ),
-        "rows": [r.probe.policy for r in result.rows],
-        "table": result.table(),
-        "winner_peak": result.winner.probe.peak_bytes,
-    }
+    out = {}
+    for engine in ENGINES:
+        jax.config.update("jax_remat3", engine == "remat3")
+        try:
+            result = jremat.fit_search(
+                build, ["none", "full"], "1GiB", time_model=model, max_batch_size=4, finalists=1, rounds=1
+            )
+        finally:
+            jax.config.update("jax_remat3", False)
+        probes = {f"{p.policy}@{p.batch_size}": p for p in result.probes}
+        full, kept = probes["full@4"], probes["full:keep_gathered=true@4"]
+        out[engine] = {
+            "probes": {
+                k: {"devices": p.devices, "collectives": [list(c) for c in p.collectives]} for k, p in probes.items()
+            },
+            "collective_s": {
+                "full": model.collective_s(full.collectives),
+                "kept": model.collective_s(kept.collectives),
+            },
+            # All else equal: the same FLOPs and bytes, each candidate's collectives.
+            "step_s_same_work": {
+                name: model.step_s(full.flops / full.devices, full.bytes_accessed, p.collectives)
+                for name, p in (("full", full), ("kept", kept))
+            },
+            "predicted_equals_model": all(
+                abs(r.predicted_tokens_per_s - r.probe.batch_size / model.probe_s(r.probe))
+                <= 1e-9 * r.predicted_tokens_per_s
+                for r in result.rows
+            ),
+            "rows": [r.probe.policy for r in result.rows],
+            "table": result.table(),
+        }
+    return out
 
 
 CHECKS = {

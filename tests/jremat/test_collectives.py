@@ -153,8 +153,9 @@ def fsdp_checks():
     return _mesh_checks("keep_gathered", "explain", "timeline", "price", "fit")
 
 
-def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_them(fsdp_checks):
-    fit = fsdp_checks["fit"]
+@pytest.mark.parametrize("engine", ["classic", "remat3"])
+def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_them(fsdp_checks, engine):
+    fit = fsdp_checks["fit"][engine]
     # The first probe all-gathers, so full's keep_gathered variant joined the candidates by itself.
     assert "full:keep_gathered=true" in fit["rows"]
     probes = fit["probes"]
