@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Collective",
         "CollectivesReport",
         "collective_flops_per_byte",
+        "collective_s_per_byte",
         "collectives_report",
         "compiled_collectives_report",
     ),
@@ -51,7 +52,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "calibrate_time_model",
         "fit_search",
         "fit_search_budgets",
+        "keep_gathered_variants",
         "measure_throughput",
+        "with_collective_rates",
     ),
     # FLOPs of traced programs (scan bodies times their length).
     "jremat._flops": ("jaxpr_flops", "program_flops"),

@@ -238,8 +238,40 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
 
 
 _price_lock = threading.Lock()
-#: Kinds :func:`collective_flops_per_byte` times; the others are priced as an all-gather.
+#: Kinds :func:`collective_s_per_byte` times; the others are priced as an all-gather.
 TIMED_KINDS = ("all-gather", "all-reduce", "reduce-scatter")
+
+
+def _devices_for_price(kind: str, devices, name: str) -> tuple:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    devices = tuple(getattr(devices, "devices", np.asarray(jax.devices() if devices is None else devices)).flat)
+    if len(devices) < 2:
+        raise ValueError(f"{name} needs at least 2 devices, got {len(devices)}")
+    return devices
+
+
+def collective_s_per_byte(kind: str = "all-gather", devices=None, *, transfer_bytes: int = 4 * 2**20) -> float:
+    """Seconds per byte (per device) of a collective of ``kind`` across ``devices``, measured there.
+
+    Times the collective over all ``devices`` (one mesh axis through them) on ``transfer_bytes``
+    per device, in the report's byte convention (the result; a reduce-scatter's operand).
+    ``all-to-all`` and ``collective-permute`` are priced as an all-gather. It does not credit the
+    overlap of communication with compute. Measured once per argument set and cached; threads
+    asking at once wait for one measurement. :func:`jremat.fit_search` prices a step's
+    collectives with it.
+
+    Args:
+      kind: one of :data:`KINDS`.
+      devices: a :class:`jax.sharding.Mesh` or a sequence of devices (default: ``jax.devices()``).
+      transfer_bytes: bytes per device per collective timed.
+
+    Raises:
+      ValueError: on an unknown kind, or fewer than two devices (no communication to price).
+    """
+    devices = _devices_for_price(kind, devices, "collective_s_per_byte")
+    with _price_lock:
+        return _measured_s_per_byte(kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes)
 
 
 def collective_flops_per_byte(
@@ -247,13 +279,10 @@ def collective_flops_per_byte(
 ) -> float:
     """FLOP-equivalents of one byte of a collective of ``kind`` across ``devices``, measured there.
 
-    Times the collective over all ``devices`` (one mesh axis through them) on ``transfer_bytes``
-    per device, in the report's byte convention (the result; a reduce-scatter's operand), and a
-    ``matmul_size``-square float32 matmul on one of them; the ratio prices communication in the
-    recompute cost model's unit, as :func:`jremat.offload_flops_per_byte` prices offloading.
-    ``all-to-all`` and ``collective-permute`` are priced as an all-gather. It does not credit the
-    overlap of communication with compute. Measured once per argument set and cached; threads
-    asking at once wait for one measurement.
+    :func:`collective_s_per_byte` times the FLOP rate of a ``matmul_size``-square float32 matmul
+    on one of the devices: communication in the recompute cost model's unit, as
+    :func:`jremat.offload_flops_per_byte` prices offloading. Measured once per argument set and
+    cached; threads asking at once wait for one measurement.
 
     Args:
       kind: one of :data:`KINDS`.
@@ -264,19 +293,14 @@ def collective_flops_per_byte(
     Raises:
       ValueError: on an unknown kind, or fewer than two devices (no communication to price).
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; valid kinds: {', '.join(KINDS)}")
-    devices = tuple(getattr(devices, "devices", np.asarray(jax.devices() if devices is None else devices)).flat)
-    if len(devices) < 2:
-        raise ValueError(f"collective_flops_per_byte needs at least 2 devices, got {len(devices)}")
+    devices = _devices_for_price(kind, devices, "collective_flops_per_byte")
     with _price_lock:
-        return _measured_flops_per_byte(
-            kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes, matmul_size
-        )
+        seconds = _measured_s_per_byte(kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes)
+        return seconds * _matmul_flops_per_s(devices[0], matmul_size)
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_flops_per_byte(kind: str, devices: tuple, transfer_bytes: int, matmul_size: int) -> float:
+def _measured_s_per_byte(kind: str, devices: tuple, transfer_bytes: int) -> float:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jremat._host_offload import best_s
@@ -292,11 +316,16 @@ def _measured_flops_per_byte(kind: str, devices: tuple, transfer_bytes: int, mat
         m = per_device if kind == "all-reduce" else per_device - per_device % n
         data = jax.device_put(jnp.ones((n, m), jnp.float32), split)
         step = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=whole if kind == "all-reduce" else split)
-    seconds = best_s(lambda: step(data))
-    a = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.float32), devices[0])
+    return best_s(lambda: step(data)) / (per_device * 4)
+
+
+@functools.lru_cache(maxsize=16)
+def _matmul_flops_per_s(device, matmul_size: int) -> float:
+    from jremat._host_offload import best_s
+
+    a = jax.device_put(jnp.ones((matmul_size, matmul_size), jnp.float32), device)
     matmul = jax.jit(lambda x: x @ x)
-    flops_per_s = 2 * matmul_size**3 / best_s(lambda: matmul(a))
-    return seconds / (per_device * 4) * flops_per_s
+    return 2 * matmul_size**3 / best_s(lambda: matmul(a))
 
 
 #: How to avoid re-issuing each kind of collective, for :func:`reissued_lines`.
@@ -385,6 +414,7 @@ __all__ = [
     "Collective",
     "CollectivesReport",
     "collective_flops_per_byte",
+    "collective_s_per_byte",
     "collectives_report",
     "compiled_collectives_report",
     "hlo_collectives",

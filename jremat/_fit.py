@@ -8,7 +8,8 @@ then where the line crosses the budget (at most 16 times the largest fitting bat
 every third step while the line does not close in, and it stops when the largest fitting batch
 is known to within ``batch_tolerance``. Candidates that are one program at several batches count
 once (the largest batch), as do labels that compile to the same program. A time model (FLOPs and
-bytes over two device rates measured once) ranks the candidates; the best few are run on the
+bytes over two device rates measured once, and on a mesh each collective's bytes over its rate
+measured once on the mesh) ranks the candidates; the best few are run on the
 device in interleaved rounds. The fastest measured wins, unless others are within the noise of
 its rounds: then a fixed rule chooses among them (fewer FLOPs per example, then the larger batch,
 then the time model's order), and the result says so.
@@ -16,6 +17,15 @@ then the time model's order), and the result says so.
 Every figure in the decision but the finalists' measured times is deterministic: compiled
 peaks, traced FLOPs, XLA's byte counts and the time model's rates, which are rounded to powers of
 two, so hosts of one kind rank the same candidates.
+
+On a mesh (a step whose arguments are sharded over several devices) every figure is per device:
+the compiled peak of an SPMD program is one device's, so the budget is a device's memory; FLOPs
+are the traced (global) FLOPs over the device count; the collectives the compiled program issues
+(:func:`jremat.collectives_report`) are priced at seconds per byte measured on the mesh
+(:func:`jremat.collective_s_per_byte`), so a policy that gathers weights again in the backward
+pass is predicted slower than one that keeps them; and when the steps all-gather (FSDP), the
+``keep_gathered=true`` variant of every policy spec that takes the key (:func:`keep_gathered_variants`)
+is a candidate too.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jremat import registry
 from jremat._budget import Budget, as_budget
+from jremat._collectives import KINDS, TIMED_KINDS, collective_s_per_byte, compiled_collectives_report
 from jremat._compile import cost_analysis, fast_analysis_compile, hlo_fingerprint
 from jremat._flops import jaxpr_flops
 from jremat._memory import compiled_memory_report, format_bytes
@@ -72,14 +84,44 @@ class FitStep:
 
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
-    """Predicted step seconds ``flops / flops_per_s + bytes / bytes_per_s`` (rates are powers of two)."""
+    """Predicted step seconds ``flops / flops_per_s + bytes / bytes_per_s``, plus on a mesh each
+    collective's bytes times its seconds per byte (rates are powers of two).
+
+    Attributes:
+      flops_per_s: one device's matmul FLOP rate.
+      bytes_per_s: one device's copy bandwidth.
+      collective_s_per_byte: ``((kind, seconds per byte per device), ...)`` measured on the mesh
+        (:func:`jremat.collective_s_per_byte`); a kind not listed is priced as an all-gather.
+        ``()``: no mesh.
+    """
 
     flops_per_s: float
     bytes_per_s: float
+    collective_s_per_byte: tuple[tuple[str, float], ...] = ()
 
-    def step_s(self, flops: float, bytes_accessed: float) -> float:
-        """The predicted seconds of a step with these FLOPs and bytes moved."""
-        return flops / self.flops_per_s + bytes_accessed / self.bytes_per_s
+    def collective_s(self, collectives: Sequence[tuple[str, int, int]]) -> float:
+        """Predicted seconds of ``(kind, count, bytes per device)`` collectives (:attr:`FitProbe.collectives`).
+
+        Raises:
+          FitError: collectives to price and no rate for them (a model without ``collective_s_per_byte``).
+        """
+        total = sum(b for _, _, b in collectives)
+        if not total:
+            return 0.0
+        rates = dict(self.collective_s_per_byte)
+        if not rates:
+            raise FitError("the time model has no collective rates (collective_s_per_byte) to price a mesh's step")
+        fallback = rates.get("all-gather", max(rates.values()))
+        return sum(b * rates.get(kind, fallback) for kind, _, b in collectives)
+
+    def step_s(self, flops: float, bytes_accessed: float, collectives: Sequence[tuple[str, int, int]] = ()) -> float:
+        """The predicted seconds of a step with these FLOPs and bytes moved (per device), and
+        these collectives (:meth:`collective_s`)."""
+        return flops / self.flops_per_s + bytes_accessed / self.bytes_per_s + self.collective_s(collectives)
+
+    def probe_s(self, probe: FitProbe) -> float:
+        """The predicted seconds of one call of a probe's step, per device (FLOPs over its devices)."""
+        return self.step_s(probe.flops / probe.devices, probe.bytes_accessed, probe.collectives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +140,10 @@ class FitProbe:
       fingerprint: the optimized HLO's hash (:func:`jremat._compile.hlo_fingerprint`): two labels
         with the same one are the same program, and only the first is a candidate.
       program: :attr:`FitStep.program`, or the policy label.
+      devices: the devices the step's arguments span (1: no mesh); :attr:`peak_bytes` and
+        :attr:`bytes_accessed` are one device's, :attr:`flops` the whole program's.
+      collectives: ``(kind, count, bytes per device)`` per collective kind the compiled step issues
+        per call (:func:`jremat.collectives_report`); ``()`` on one device.
     """
 
     policy: str
@@ -108,6 +154,13 @@ class FitProbe:
     bytes_accessed: float = 0.0
     fingerprint: str = ""
     program: str = ""
+    devices: int = 1
+    collectives: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes per device of every collective of one call."""
+        return sum(b for _, _, b in self.collectives)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -190,13 +243,17 @@ class FitResult:
         """Policy, batch, micro-batches, compiled peak, tokens/s and ratio to the best, one line each."""
         unit = "tokens/s" if self.tokens_per_example > 1 else "examples/s"
         best = self.winner.tokens_per_s
+        devices = max(r.probe.devices for r in self.rows)
+        mesh = devices > 1
         lines = [
             f"fit for budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)"
+            + (" per device" if mesh else "")
             + (f", global batch {self.global_batch}" if self.global_batch else "")
             + f": {len(self.probes)} probes compiled, {sum(r.finalist for r in self.rows)} timed, "
             f"search {self.search_s:.1f} s, digest {self.digest}",
-            f"  {'policy':<44} {'batch':>6} {'micro':>6} {'peak':>11} {'predicted ' + unit:>22} "
-            f"{'measured ' + unit:>22} {'ratio':>7}",
+            f"  {'policy':<44} {'batch':>6} {'micro':>6} {'peak/device' if mesh else 'peak':>11} "
+            + (f"{'comm/device':>11} " if mesh else "")
+            + f"{'predicted ' + unit:>22} {'measured ' + unit:>22} {'ratio':>7}",
         ]
         for r in self.rows:
             p = r.probe
@@ -205,18 +262,25 @@ class FitResult:
             mark = (" <- winner" if r is self.winner else "") + (f" ({r.origin})" if r.origin != "search" else "")
             lines.append(
                 f"  {p.policy:<44} {p.batch_size:>6} {p.micro_batches:>6} {format_bytes(p.peak_bytes):>11} "
-                f"{r.predicted_tokens_per_s:>22,.1f} {measured:>22} {ratio:>7}{mark}"
+                + (f"{format_bytes(p.collective_bytes):>11} " if mesh else "")
+                + f"{r.predicted_tokens_per_s:>22,.1f} {measured:>22} {ratio:>7}{mark}"
             )
         if self.margin is not None:
             lines.append(
                 f"  runner-up / winner per round: {self.margin[0]:.3f}..{self.margin[1]:.3f} (quartiles); "
                 "a range that holds 1.0 means the two are within the machine's noise"
             )
+        if mesh:
+            lines.append(
+                f"  on a mesh of {devices} devices: peaks and the budget are per device (a compiled SPMD program's "
+                "peak is one device's); comm/device = bytes of the collectives one call issues per device, priced "
+                "in the prediction at the time model's rates per collective kind (measured on the mesh)"
+            )
         lines.append(f"  {self.decision}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """The result as JSON values (rows with their probe fields)."""
+        """The result as JSON values (rows with their probe fields, and every probe compiled)."""
         return {
             "budget_bytes": self.budget_bytes,
             "global_batch": self.global_batch,
@@ -230,6 +294,7 @@ class FitResult:
             "decision": self.decision,
             "winner": _row_json(self.winner, self.winner),
             "rows": [_row_json(r, self.winner) for r in self.rows],
+            "probes": [dataclasses.asdict(p) for p in self.probes],
         }
 
 
@@ -265,8 +330,10 @@ def _best_time_s(fn, *args, repeats: int = 5) -> float:
     return min(times)
 
 
-def calibrate_time_model(dtype: str = "float32") -> TimeModel:
-    """Measure this device's matmul FLOP rate in ``dtype`` and its copy bandwidth, rounded to powers of two.
+def calibrate_time_model(dtype: str = "float32", devices: Sequence | None = None) -> TimeModel:
+    """Measure this device's matmul FLOP rate in ``dtype`` and its copy bandwidth, rounded to powers of two;
+    with two or more ``devices``, also each timed collective kind's seconds per byte across them
+    (:func:`with_collective_rates`).
 
     The rounding makes machines of one kind agree on the model (the finalists it picks) unless a
     rate sits near a power of two.
@@ -279,7 +346,41 @@ def calibrate_time_model(dtype: str = "float32") -> TimeModel:
     x = jnp.ones((64 * 2**20 // 4,), jnp.float32)
     copy = jax.jit(lambda v: v * 2.0)
     bytes_per_s = 2 * x.nbytes / _best_time_s(copy, x)
-    return TimeModel(_power_of_two(flops_per_s), _power_of_two(bytes_per_s))
+    model = TimeModel(_power_of_two(flops_per_s), _power_of_two(bytes_per_s))
+    return with_collective_rates(model, devices) if devices is not None and len(devices) > 1 else model
+
+
+def with_collective_rates(model: TimeModel, devices: Sequence) -> TimeModel:
+    """``model`` with the seconds per byte of each timed collective kind across ``devices``
+    (:func:`jremat.collective_s_per_byte`: measured once per mesh and cached), rounded to powers of two.
+
+    Raises:
+      ValueError: fewer than two devices.
+    """
+    rates = tuple((kind, _power_of_two(collective_s_per_byte(kind, devices))) for kind in TIMED_KINDS)
+    return dataclasses.replace(model, collective_s_per_byte=rates)
+
+
+def keep_gathered_variants(policies: Sequence[str]) -> list[str]:
+    """The ``keep_gathered=true`` variant of each policy spec that takes the key and does not set it.
+
+    Those are the registered policies of one function (:data:`jremat.registry.KEEP_GATHERED`), but
+    ``none`` (it keeps everything already) and ``auto`` (its plans choose it per layer); labels that
+    are not policy specs have none.
+    """
+    out = []
+    for label in policies:
+        try:
+            name, values = registry.parse_spec(label)
+            entry = registry.entries().get(name)
+            if entry is None or entry.stack or name in ("none", "auto") or registry.KEEP_GATHERED in values:
+                continue
+            variant = registry.normalize_spec(label, **{registry.KEEP_GATHERED: True})
+        except ValueError:
+            continue
+        if variant not in policies and variant not in out:
+            out.append(variant)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,8 +401,21 @@ def _as_fit_step(built, key) -> FitStep | None:
     return FitStep(step, tuple(args))
 
 
+def _devices(tree) -> tuple:
+    """The devices the shardings of ``tree``'s leaves span, by id (``()``: none sharded)."""
+    found = set()
+    for leaf in jax.tree.leaves(tree):
+        found |= set(getattr(getattr(leaf, "sharding", None), "device_set", ()))
+    return tuple(sorted(found, key=lambda d: d.id))
+
+
+def _collectives(compiled) -> tuple[tuple[str, int, int], ...]:
+    report = compiled_collectives_report(compiled)
+    return tuple((k, report.count(k), report.bytes(k)) for k in KINDS if report.count(k))
+
+
 def _compile(fit_step: FitStep):
-    """``(peak, flops, bytes accessed, fingerprint)`` from a compile-only analysis.
+    """``(peak, flops, bytes accessed, fingerprint, devices, collectives)`` from a compile-only analysis.
 
     Nothing of the compile is kept: JAX caches an executable for as long as its lowering lives,
     and a search makes dozens (the step is lowered again to be run).
@@ -318,16 +432,26 @@ def _compile(fit_step: FitStep):
     if not report.available:
         raise FitError(f"this backend reports no compiled memory figures: {'; '.join(report.notes)}")
     cost = cost_analysis(compiled)
-    xla_flops = float(cost.get("flops", 0.0))
+    devices = max(len(_devices(fit_step.args)), 1)
+    xla_flops = float(cost.get("flops", 0.0))  # one device's share on a mesh
     xla_bytes = float(cost.get("bytes accessed", 0.0))
     if flops and xla_flops:
-        xla_bytes *= max(1.0, flops / xla_flops)  # XLA counts a loop body once; the trace counts every iteration
-    return int(report.peak_bytes), flops or xla_flops, xla_bytes, hlo_fingerprint(compiled)
+        # XLA counts a loop body once; the trace counts every iteration (of the whole, unpartitioned program)
+        xla_bytes *= max(1.0, flops / devices / xla_flops)
+    collectives = _collectives(compiled) if devices > 1 else ()
+    return (
+        int(report.peak_bytes),
+        flops or xla_flops * devices,
+        xla_bytes,
+        hlo_fingerprint(compiled),
+        devices,
+        collectives,
+    )
 
 
-def compile_figures(fit_step: FitStep) -> tuple[int, float, float, str]:
-    """``(peak bytes, FLOPs, bytes accessed, HLO fingerprint)`` of a step, compile-only, kept on the
-    step: a builder that measured a step (e.g. a planner trying plans) and hands the search the
+def compile_figures(fit_step: FitStep) -> tuple[int, float, float, str, int, tuple]:
+    """``(peak bytes, FLOPs, bytes accessed, HLO fingerprint, devices, collectives)`` of a step
+    (as the fields of :class:`FitProbe`), compile-only, kept on the step: a builder that measured a step (e.g. a planner trying plans) and hands the search the
     same :class:`FitStep` object costs the search no second compile.
 
     Raises:
@@ -478,6 +602,7 @@ class _Search:
         self.steps: dict[tuple[str, int, int], FitStep] = {}
         self.order: list[tuple[str, int, int]] = []
         self.executables: dict[tuple[str, int, int], Any] = {}
+        self.devices: tuple = ()  # the mesh's devices, once a step on several was compiled
 
     def probe(self, policy: str, batch_size: int, micro_batches: int) -> FitProbe:
         key = (policy, batch_size, micro_batches)
@@ -487,12 +612,14 @@ class _Search:
             if fit_step is None:
                 self.probes[key] = FitProbe(policy, batch_size, micro_batches, None)
             else:
-                peak, flops, nbytes, fingerprint = compile_figures(fit_step)
+                peak, flops, nbytes, fingerprint, devices, collectives = compile_figures(fit_step)
                 program = fit_step.program if fit_step.program is not None else policy
                 self.probes[key] = FitProbe(
-                    policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint, program
+                    policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint, program, devices, collectives
                 )
                 self.steps[key] = fit_step
+                if devices > 1 and not self.devices:
+                    self.devices = _devices(fit_step.args)
         if key not in self.order:
             self.order.append(key)
         return self.probes[key]
@@ -657,6 +784,7 @@ def fit_search_budgets(
     workers: int | None = None,
     batch_tolerance: float = 0.03,
     noise_tolerance: float = 0.03,
+    keep_gathered: bool | None = None,
 ) -> list[FitResult]:
     """:func:`fit_search` for several budgets at once, smallest first, timed in one session.
 
@@ -681,12 +809,28 @@ def fit_search_budgets(
     workers = workers or os.cpu_count() or 1
     budget_list = _resolve_budgets(budgets)
     search = _Search(build, progress)
-    if time_model is None:
-        search.progress("calibrate the time model")
-        time_model = calibrate_time_model(dtype)
+    models = [time_model]
+
+    def model() -> TimeModel:
+        # Calibrated once the first probes are compiled: on a mesh, the collectives are priced on its devices.
+        if models[-1] is None:
+            search.progress("calibrate the time model")
+            models.append(calibrate_time_model(dtype))
+        if search.devices and not models[-1].collective_s_per_byte:
+            search.progress("measure the collectives' rates on the mesh")
+            models.append(with_collective_rates(models[-1], search.devices))
+        return models[-1]
 
     def predicted(p: FitProbe) -> float:
-        return p.batch_size * tokens_per_example / time_model.step_s(p.flops, p.bytes_accessed)
+        return p.batch_size * tokens_per_example / model().probe_s(p)
+
+    policies = list(policies)
+    variants = keep_gathered_variants(policies) if keep_gathered is not False else []
+    if variants and keep_gathered is None:  # on the first probe of the search: does the step all-gather?
+        first = search.probe(policies[0], 1 if global_batch is None else global_batch, 1)
+        keep_gathered = any(kind == "all-gather" for kind, _, _ in first.collectives)
+    if keep_gathered:
+        policies += variants
 
     chosen: dict[int, tuple[list[FitProbe], list[tuple], list[tuple], dict]] = {}
     earlier: list[tuple] = []  # the finalists of the smaller budgets: they fit this one too
@@ -760,7 +904,7 @@ def fit_search_budgets(
             rows=tuple(rows),
             winner=winner,
             margin=margin,
-            time_model=time_model,
+            time_model=model(),
             digest=_digest(budget, global_batch, probes, picked, winner.probe),
             search_s=0.0,
             probes=probes,
@@ -827,7 +971,8 @@ def fit_search(
         processes one micro-batch, so ``micro_batches`` calls make an optimizer step.
       policies: policy labels the builder understands, searched in this order (ties go to the
         earlier).
-      budget: bytes (an int, ``"12GiB"``, ``"512MiB"``) of the compiled peak per device.
+      budget: bytes (an int, ``"12GiB"``, ``"512MiB"``) of the compiled peak per device (on a
+        mesh, one device's share of the SPMD program: see the module docstring).
       plans: ``plans(budget_bytes, searched)`` -> more ``(label, batch_size, micro_batches)``
         candidates (e.g. a budget planner's plan at some of the batches where the searches of
         ``policies`` ended; ``searched`` holds their probes); those that fit join the candidates.
@@ -836,7 +981,8 @@ def fit_search(
       max_batch_size: the largest batch tried.
       finalists: how many candidates are timed.
       rounds, calls_per_round: the timing.
-      time_model: skip the calibration (e.g. the model another host measured).
+      time_model: skip the calibration (e.g. the model another host measured); on a mesh, a
+        model without collective rates gets them measured there (:func:`with_collective_rates`).
       dtype: the dtype of the calibration's matmul.
       progress: called with a short line before each compile and each timed round.
       workers: threads that search policies at once (default: the CPU count); the result does
@@ -845,6 +991,9 @@ def fit_search(
         this fraction (a batch a few percent larger is not worth a compile); 0 finds it exactly.
       noise_tolerance: a finalist whose per-round tokens/s reach this fraction below the
         fastest's in at least a quarter of the rounds is within noise of it.
+      keep_gathered: also search the ``keep_gathered=true`` variant of every policy spec that
+        takes the key (:func:`keep_gathered_variants`), after ``policies``; ``None`` (default):
+        when the first policy's step issues all-gathers (weights stored sharded, FSDP).
 
     Returns:
       A :class:`FitResult`.
@@ -868,5 +1017,7 @@ __all__ = [
     "calibrate_time_model",
     "fit_search",
     "fit_search_budgets",
+    "keep_gathered_variants",
     "measure_throughput",
+    "with_collective_rates",
 ]

@@ -6,6 +6,12 @@ policy label, a micro-batch size and a micro-batch count. Labels are policy spec
 ``auto:budget=N`` for the budget planner's plan at that batch (:mod:`models.planning`), so what
 the search measured is exactly what trains. ``train.memory --fit`` prints and plots the search;
 ``train.ptb --batch-size auto`` trains with its winner.
+
+On a mesh (``GPTStepBuilder(..., mesh=...)``) the step is ``train.ptb``'s sharded train step
+(:func:`train.sharded_steps.abstract_train_step`); the batch the search chooses is per
+data-parallel shard (the global batch is that times the ``data x fsdp`` devices), peaks and the
+budget are per device, the collectives are priced on the mesh and, under ``fsdp``, the policies'
+``keep_gathered=true`` variants are candidates (:func:`jremat.fit_search`).
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 
+from jax.sharding import Mesh
+
 import jremat
 from jremat import registry
 from jremat._fit import compile_figures
 from jremat.models import ModelConfig
 from jremat.models.planning import plan_for_budget
 from jremat.models.programs import adam_train_step
+from jremat.train import sharded_steps, sharding
 from jremat.train.step import OptimizerConfig, make_train_step
 
 #: The built-in policies searched by default, in tie order.
@@ -43,12 +52,23 @@ class GPTStepBuilder:
         sets the head chunks per policy).
       seq_len: tokens per sequence.
       optimizer: the optimizer; its ``accum`` is replaced by the micro-batch count.
+      mesh: a device mesh (:func:`train.sharding.make_mesh`): build the sharded train step, with
+        ``batch_size`` sequences per data-parallel shard; ``None``: one device.
     """
 
-    def __init__(self, model_config: Callable[[str], ModelConfig], seq_len: int, optimizer: OptimizerConfig):
+    def __init__(
+        self,
+        model_config: Callable[[str], ModelConfig],
+        seq_len: int,
+        optimizer: OptimizerConfig,
+        mesh: Mesh | None = None,
+    ):
         self.model_config = model_config
         self.seq_len = seq_len
         self.optimizer = optimizer
+        self.mesh = mesh
+        #: Sequences of the global batch per sequence of ``batch_size`` (the data-parallel shards).
+        self.data_shards = 1 if mesh is None else sharding.data_parallel_size(mesh)
         self._configs: dict[tuple, ModelConfig | None] = {}
         self._steps: dict[tuple, jremat.FitStep] = {}
         self.plans: dict[tuple, jremat.LayerPlan] = {}
@@ -60,9 +80,15 @@ class GPTStepBuilder:
         key = (cfg, batch_size, micro_batches)
         if key not in self._steps:
             tx = dataclasses.replace(self.optimizer, accum=micro_batches).build()
-            _, graphdef, tx, args = adam_train_step(cfg, batch_size, self.seq_len, tx=tx)
+            if self.mesh is None:
+                _, graphdef, tx, args = adam_train_step(cfg, batch_size, self.seq_len, tx=tx)
+                step = make_train_step(graphdef, tx)
+            else:
+                step, args = sharded_steps.abstract_train_step(
+                    cfg, self.mesh, batch_size * self.data_shards, self.seq_len, tx
+                )
             program = hashlib.sha1(repr(cfg).encode()).hexdigest()[:12]
-            fit_step = jremat.FitStep(make_train_step(graphdef, tx), args, carry=(0, 1), program=f"config {program}")
+            fit_step = jremat.FitStep(step, args, carry=(0, 1), program=f"config {program}")
             self._steps.setdefault(key, fit_step)
         return self._steps[key]
 
@@ -82,10 +108,11 @@ class GPTStepBuilder:
                 try:
                     plan = plan_for_budget(
                         base,
-                        batch_size,
+                        batch_size * self.data_shards,
                         values["budget"],
                         self.seq_len,
                         measure_peak_bytes=lambda c: self.peak_bytes(c, batch_size, micro_batches),
+                        **self._mesh_plan_options(),
                     )
                 except ValueError:  # no plan fits this batch
                     self._configs[key] = None
@@ -93,6 +120,14 @@ class GPTStepBuilder:
                     self.plans[key] = plan
                     self._configs[key] = plan.config
         return self._configs[key]
+
+    def _mesh_plan_options(self) -> dict:
+        """On a mesh: no offloading, re-gathering priced (:func:`train.sharded_steps.regather_price`, once)."""
+        if self.mesh is None:
+            return {}
+        if not hasattr(self, "_regather_flops"):  # threads racing here share one cached measurement
+            self._regather_flops = sharded_steps.regather_price(self.model_config("none"), self.mesh)[1]
+        return {"offload": False, "regather_flops": self._regather_flops}
 
     def describe(self, policy: str, batch_size: int, micro_batches: int) -> str:
         """The label, and for an ``auto`` plan what it keeps."""
@@ -150,9 +185,19 @@ def search(
 ) -> list[jremat.FitResult]:
     """:func:`jremat.fit_search_budgets` of the GPT's train step (``auto`` adds the planner's plans).
 
+    ``global_batch`` counts the sequences of the whole mesh (the builder's batches are per
+    data-parallel shard).
+
     Raises:
-      jremat.FitError: nothing fits a budget (the message gives the smallest peak found).
+      jremat.FitError: nothing fits a budget (the message gives the smallest peak found), or a
+        global batch that does not split over the data-parallel shards.
     """
+    if global_batch is not None and global_batch % builder.data_shards:
+        raise jremat.FitError(
+            f"global batch {global_batch} does not split over the mesh's {builder.data_shards} data-parallel shards "
+            f"(data x fsdp); use a multiple of {builder.data_shards}"
+        )
+    shard_batch = None if global_batch is None else global_batch // builder.data_shards
     report, close = tqdm_progress(progress)
     try:
         return jremat.fit_search_budgets(
@@ -160,8 +205,8 @@ def search(
             policies,
             budgets,
             plans=auto_plans if auto else None,
-            global_batch=global_batch,
-            tokens_per_example=builder.seq_len,
+            global_batch=shard_batch,
+            tokens_per_example=builder.seq_len * builder.data_shards,
             max_batch_size=max_batch_size,
             finalists=finalists,
             rounds=rounds,
@@ -173,8 +218,13 @@ def search(
 
 
 def format_result(result: jremat.FitResult, builder: GPTStepBuilder) -> str:
-    """:meth:`jremat.FitResult.table`, then what each ``auto`` row's plan keeps."""
+    """:meth:`jremat.FitResult.table`, then what each ``auto`` row's plan keeps (and on a mesh, what a batch is)."""
     lines = [result.table()]
+    if builder.mesh is not None:
+        lines.append(
+            f"  mesh {sharding.format_mesh(builder.mesh)}: batch (and a global batch) = sequences per data-parallel shard "
+            f"(global batch = batch x {builder.data_shards}); tokens/s of the global batch"
+        )
     for r in result.rows:
         described = builder.describe(*r.probe.key)
         if described != r.probe.policy:

@@ -115,7 +115,8 @@ class MemoryConfig:
         None,
         "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, as train.ptb's --mesh: compile the sharded "
         "gradient step per policy and report per-device peak and temp and its collectives (count and bytes per "
-        "device, and what each policy re-issues beside none)",
+        "device, and what each policy re-issues beside none); with --fit, search the sharded train step against a "
+        "per-device budget, batches per data-parallel shard",
     )
     live: bool = option(
         False, "also run one step per policy (a fresh process each) and report the allocator's peak (GPU/TPU)"
@@ -215,11 +216,20 @@ class MemoryConfig:
         """``--mesh``: its syntax, the batch split, and the flags it does not combine with.
 
         Raises:
-          UsageError: on a bad mesh, a batch that does not split, or ``--fit`` / ``--live`` / ``--timeline``.
+          UsageError: on a bad mesh, a batch (``--batch-size``, or with ``--fit`` ``--global-batch``)
+            that does not split, or ``--live`` / ``--timeline``.
         """
-        for flag, given in (("--fit", self.fit), ("--live", self.live), ("--timeline", self.timeline)):
+        for flag, given in (("--live", self.live), ("--timeline", self.timeline)):
             require(not given, f"{flag} measures one device: drop --mesh or {flag}")
-        check_mesh_flag(self.mesh, self.batch_size, self.seq_len)
+        if self.fit:  # --fit chooses the batch per data-parallel shard; a --global-batch must split
+            check_mesh_flag(self.mesh, None, self.seq_len)
+            if self.global_batch is not None:
+                try:
+                    check_mesh_flag(self.mesh, self.global_batch, None)
+                except UsageError as err:
+                    raise UsageError(str(err).replace("--batch-size", "--global-batch")) from None
+        else:
+            check_mesh_flag(self.mesh, self.batch_size, self.seq_len)
 
     def model_config(self, policy: str) -> ModelConfig:
         """The :class:`ModelConfig` for one policy spec, with every override applied.
@@ -567,13 +577,10 @@ def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> tuple[
       ValueError: on a bad budget, or when no plan fits.
     """
     from jremat.models.planning import plan_for_budget
-    from jremat.train import sharded_steps, sharding
+    from jremat.train import sharded_steps
 
     base = config.model_config("none")
-    gathered = regather = 0
-    if mesh.shape[sharding.FSDP_AXIS] > 1:
-        gathered = sharding.gathered_layer_bytes(sharded_steps.abstract_params(base, mesh)[1], mesh)
-        regather = gathered * jremat.collective_flops_per_byte("all-gather", mesh)
+    gathered, regather = sharded_steps.regather_price(base, mesh)
     budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
     plan = plan_for_budget(
         base,
@@ -638,10 +645,27 @@ def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
 
 
 def run_fit(config: MemoryConfig) -> int:
-    """``--fit``: search, print the table (or JSON), write the plot; exit 0, or 2 when nothing fits."""
+    """``--fit``: search, print the table (or JSON), write the plot; exit 0, or 2 when nothing fits.
+
+    With ``--mesh``: the sharded train step, a per-device budget and per-device peaks, collectives
+    priced on the mesh and ``keep_gathered=true`` variants under ``fsdp`` (:class:`train.fit.GPTStepBuilder`).
+    """
     policies, auto = fit_policies(config)
     seq_len = config.resolved_seq_len
-    builder = fit_lib.GPTStepBuilder(config.model_config, seq_len, fit_lib.SEARCH_OPTIMIZER)
+    mesh = None
+    if config.mesh is not None:
+        from jremat.train import sharding
+
+        try:
+            mesh = sharding.mesh_from_flag(config.mesh)
+        except ValueError as err:
+            raise UsageError(f"--mesh: {err}") from None
+        print(
+            f"fit search on --mesh {config.mesh}: --memory-budget is per device, peaks are per device "
+            "(one device's share of the SPMD program), batches per data-parallel shard",
+            file=sys.stderr,
+        )
+    builder = fit_lib.GPTStepBuilder(config.model_config, seq_len, fit_lib.SEARCH_OPTIMIZER, mesh=mesh)
     try:
         (result,) = fit_lib.search(
             builder,
@@ -658,6 +682,8 @@ def run_fit(config: MemoryConfig) -> int:
         out = result.to_json()
         for row in [out["winner"], *out["rows"]]:
             row["plan"] = builder.describe(row["policy"], row["batch_size"], row["micro_batches"])
+        if mesh is not None:
+            out.update(mesh=config.mesh, per_device=True, data_shards=builder.data_shards)
         print(json.dumps(out, indent=2))
     else:
         print(fit_lib.format_result(result, builder))

@@ -28,6 +28,7 @@ from jremat.train.sharding import (
     batch_sharding,
     check_batch,
     format_mesh,
+    gathered_layer_bytes,
     keeps_gathered,
     replicated,
     state_shardings,
@@ -150,6 +151,37 @@ def compile_steps(
     return train_c, eval_c
 
 
+def abstract_train_step(
+    model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int, tx: optax.GradientTransformation
+) -> tuple[Callable, tuple]:
+    """``(step, args)``: the sharded train step (:func:`make_train_step`) and its arguments as shape
+    structs with their shardings (nothing allocated): ``(params, opt_state, tokens, targets, key)``.
+
+    Raises:
+      ValueError: if the batch does not split over the mesh (see :func:`check_batch`).
+    """
+    check_batch(mesh, batch_size, seq_len)
+    graphdef, params = abstract_params(model_cfg, mesh)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, state_shardings(opt_shapes, mesh)
+    )
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    step = make_train_step(graphdef, tx, mesh, params, opt_state)
+    return step, (params, opt_state, tokens, tokens, key)
+
+
+def regather_price(model_cfg: ModelConfig, mesh: Mesh) -> tuple[int, float]:
+    """``(bytes, FLOP-equivalents)`` of gathering one layer's weights again in the backward pass, per
+    device, under ``fsdp`` (:func:`train.sharding.gathered_layer_bytes` times the all-gather's price
+    measured on ``mesh``, :func:`jremat.collective_flops_per_byte`); ``(0, 0.0)`` without ``fsdp``."""
+    if mesh.shape[FSDP_AXIS] <= 1:
+        return 0, 0.0
+    gathered = gathered_layer_bytes(abstract_params(model_cfg, mesh)[1], mesh)
+    return gathered, gathered * jremat.collective_flops_per_byte("all-gather", mesh)
+
+
 # ----------------------------------------------------------------------------- per-device memory
 
 
@@ -209,20 +241,15 @@ def sharded_step_memory(
       ValueError: if the batch does not split over the mesh, or the backend reports no memory
         figures (the message gives its reason).
     """
-    check_batch(mesh, batch_size, seq_len)
-    graphdef, params = abstract_params(model_cfg, mesh)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
-    key = jax.eval_shape(lambda: jax.random.key(0))
     if tx is None:
+        check_batch(mesh, batch_size, seq_len)
+        graphdef, params = abstract_params(model_cfg, mesh)
+        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+        key = jax.eval_shape(lambda: jax.random.key(0))
         lowered = make_grad_fn(graphdef, mesh, params).lower(params, tokens, tokens, key)
     else:
-        opt_shapes = jax.eval_shape(tx.init, params)
-        opt_state = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            opt_shapes,
-            state_shardings(opt_shapes, mesh),
-        )
-        lowered = make_train_step(graphdef, tx, mesh, params, opt_state).lower(params, opt_state, tokens, tokens, key)
+        step, args = abstract_train_step(model_cfg, mesh, batch_size, seq_len, tx)
+        lowered = step.lower(*args)
     compiled = lowered.compile()
     report = compiled_memory_report(compiled, platform=mesh.devices.flat[0].platform)
     if not report.available:

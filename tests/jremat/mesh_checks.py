@@ -6,7 +6,8 @@ run in their own process: ``python -m tests.jremat.mesh_checks [CHECK ...]`` pri
 object with the figures the tests assert on. Checks: ``collectives`` (every mesh, layout, engine
 and policy: jremat's report beside a direct count of the optimized HLO, the gradients against no
 remat), ``tie`` (all-reduces with and without the cotangent tie), ``keep_gathered`` (the FSDP
-target of ``keep_gathered``), ``explain`` (``explain`` of ``full`` on the FSDP model).
+target of ``keep_gathered``), ``explain`` (``explain`` of ``full`` on the FSDP model), ``fit``
+(``jremat.fit_search`` on the FSDP model).
 
 The model: a 4-layer MLP stack in plain JAX, weights stored sharded (``w1 [d, f]`` over
 ``(fsdp, tensor)``, ``w2 [f, d]`` over ``(tensor, fsdp)``) and gathered in the block by a sharding
@@ -302,6 +303,64 @@ def check_price() -> dict:
     }
 
 
+def check_fit() -> dict:
+    """``jremat.fit_search`` of a gradient-descent step of the unrolled FSDP model, batches per data
+    shard (8 rows each), under ``none`` and ``full`` with a given time model (nothing calibrated),
+    under each remat engine: every probe's figures, the searched policies, the time model's terms."""
+    mesh = make_mesh(MESHES["fsdp"])
+    weights, _ = arguments(mesh, "unrolled")
+    w_sharding = jax.tree.map(lambda a: a.sharding, weights)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), weights)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+
+    def build(policy, batch_size, micro_batches):
+        loss = loss_fn(mesh, "unrolled", policy)
+
+        def step(w, x):
+            value, grads = jax.value_and_grad(loss)(w, x)
+            return jax.tree.map(lambda a, g: a - 0.1 * g, w, grads), value
+
+        jitted = jax.jit(step, out_shardings=(w_sharding, NamedSharding(mesh, P())), donate_argnums=0)
+        x = jax.ShapeDtypeStruct((8 * batch_size, D), jnp.float32, sharding=rows)
+        return jremat.FitStep(jitted, (abstract, x), carry=(0,))
+
+    rate = 2.0**-30
+    model = jremat.TimeModel(2.0**30, 2.0**30, (("all-gather", rate), ("all-reduce", rate), ("reduce-scatter", rate)))
+    out = {}
+    for engine in ENGINES:
+        jax.config.update("jax_remat3", engine == "remat3")
+        try:
+            result = jremat.fit_search(
+                build, ["none", "full"], "1GiB", time_model=model, max_batch_size=4, finalists=1, rounds=1
+            )
+        finally:
+            jax.config.update("jax_remat3", False)
+        probes = {f"{p.policy}@{p.batch_size}": p for p in result.probes}
+        full, kept = probes["full@4"], probes["full:keep_gathered=true@4"]
+        out[engine] = {
+            "probes": {
+                k: {"devices": p.devices, "collectives": [list(c) for c in p.collectives]} for k, p in probes.items()
+            },
+            "collective_s": {
+                "full": model.collective_s(full.collectives),
+                "kept": model.collective_s(kept.collectives),
+            },
+            # All else equal: the same FLOPs and bytes, each candidate's collectives.
+            "step_s_same_work": {
+                name: model.step_s(full.flops / full.devices, full.bytes_accessed, p.collectives)
+                for name, p in (("full", full), ("kept", kept))
+            },
+            "predicted_equals_model": all(
+                abs(r.predicted_tokens_per_s - r.probe.batch_size / model.probe_s(r.probe))
+                <= 1e-9 * r.predicted_tokens_per_s
+                for r in result.rows
+            ),
+            "rows": [r.probe.policy for r in result.rows],
+            "table": result.table(),
+        }
+    return out
+
+
 CHECKS = {
     "collectives": check_collectives,
     "tie": check_tie,
@@ -310,6 +369,7 @@ CHECKS = {
     "table": check_table,
     "timeline": check_timeline,
     "price": check_price,
+    "fit": check_fit,
 }
 
 

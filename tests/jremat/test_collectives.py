@@ -149,8 +149,24 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
 
 @pytest.fixture(scope="module")
 def fsdp_checks():
-    """The keep_gathered target, explain, the timeline and the price on the FSDP model."""
-    return _mesh_checks("keep_gathered", "explain", "timeline", "price")
+    """The keep_gathered target, explain, the timeline, the price and the fit search on the FSDP model."""
+    return _mesh_checks("keep_gathered", "explain", "timeline", "price", "fit")
+
+
+@pytest.mark.parametrize("engine", ["classic", "remat3"])
+def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_them(fsdp_checks, engine):
+    fit = fsdp_checks["fit"][engine]
+    # The first probe all-gathers, so full's keep_gathered variant joined the candidates by itself.
+    assert "full:keep_gathered=true" in fit["rows"]
+    probes = fit["probes"]
+    assert all(p["devices"] == 8 for p in probes.values())
+    gathers = {k: dict((kind, (n, b)) for kind, n, b in p["collectives"])["all-gather"] for k, p in probes.items()}
+    assert gathers["full@4"][0] > gathers["full:keep_gathered=true@4"][0] == gathers["none@4"][0]
+    # The time model prices them: re-gathering is predicted slower than keeping, all else equal.
+    assert fit["collective_s"]["full"] > fit["collective_s"]["kept"] > 0
+    assert fit["step_s_same_work"]["full"] > fit["step_s_same_work"]["kept"]
+    assert fit["predicted_equals_model"]  # each row's prediction is the model's, collectives included
+    assert "per device" in fit["table"] and "comm/device" in fit["table"]
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scanned"])

@@ -308,3 +308,26 @@ def test_the_calibrated_model_uses_powers_of_two():
     model = jremat.calibrate_time_model()
     for rate in (model.flops_per_s, model.bytes_per_s):
         assert rate > 0 and float(rate).hex().startswith("0x1.0000000000000p")
+
+
+def test_keep_gathered_variants_are_of_single_function_policies_that_do_not_set_it():
+    policies = ["none", "full", "every_k:k=2", "dots", "full:keep_gathered=true", "auto:budget=5", "my label", "nested"]
+    assert jremat.keep_gathered_variants(policies) == ["every_k:k=2,keep_gathered=true", "dots:keep_gathered=true"]
+
+
+def test_one_device_has_no_collectives_and_no_keep_gathered_candidates(budget):
+    result = search(budget, ("none", "full"))
+    assert {p.policy for p in result.probes} == {"none", "full"}  # no all-gather: full's variant not searched
+    assert all(p.devices == 1 and p.collectives == () for p in result.probes)
+    assert "per device" not in result.table() and result.time_model.collective_s_per_byte == ()
+
+
+def test_the_time_model_prices_collectives_per_kind():
+    model = jremat.TimeModel(2.0**30, 2.0**30, (("all-gather", 2.0**-20), ("all-reduce", 2.0**-10)))
+    assert model.collective_s([("all-gather", 3, 2**20), ("all-reduce", 1, 2**10)]) == 2.0
+    # A kind without a rate is priced as an all-gather.
+    assert model.collective_s([("collective-permute", 1, 2**20)]) == 1.0
+    assert model.step_s(2.0**30, 2.0**30, [("all-gather", 1, 2**20)]) == 3.0
+    with pytest.raises(jremat.FitError, match="no collective rates"):
+        MODEL.collective_s([("all-gather", 1, 4)])
+    assert MODEL.collective_s(()) == 0.0
