@@ -435,7 +435,7 @@ def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
 
     jremat.register_kernel(double_ffi_target, flops=1e6)
     step = jax.jit(_with_ffi(double_ffi_target))
-    _, flops, _, _ = _compile(jremat.FitStep(step, X_W))
+    flops = _compile(jremat.FitStep(step, X_W))[1]
     assert flops == 2 * (2 * 8 * 16 * 16) + 8 * 16 + 1e6
 
 

@@ -94,6 +94,7 @@ def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mes
 FIT_BUDGET_BYTES = 245_000
 
 
+@pytest.mark.slow  # a whole CLI search on 8 devices; fit_search on a mesh is tested in tests/jremat/test_collectives.py
 def test_fit_on_a_mesh_fits_a_per_device_budget_and_searches_keeping_gathered_weights():
     argv = ["--preset", "tiny", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled", "--fit"]
     argv += ["--memory-budget", str(FIT_BUDGET_BYTES), "--policy", "none", "--policy", "full", "--finalists", "1"]
