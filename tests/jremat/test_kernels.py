@@ -36,6 +36,7 @@ def test_selective_runs_the_kernel_once_per_layer_in_plain_jax(remat_engine, ker
 @pytest.mark.parametrize("framework", ["nnx", "linen"])
 def test_selective_runs_the_kernel_once_per_layer_in_flax(framework, kernel, scan):
     assert forward_runs(framework, kernel, "selective", scan) == km.LAYERS
+    assert forward_runs(framework, kernel, "skip_cheap", scan) == km.LAYERS
     assert forward_runs(framework, kernel, "full", scan) == 2 * km.LAYERS
 
 
@@ -64,6 +65,16 @@ def test_selective_gradients_equal_none_in_plain_jax(remat_engine, kernel, scan)
 def test_selective_gradients_equal_none_in_flax(framework, kernel):
     loss, params, x = km.model(framework, kernel, "selective", True)
     _assert_close(_grads(loss, params, x), _grads(km.model(framework, kernel, None, True)[0], params, x))
+
+
+@pytest.mark.slow  # the whole matrix; the suite runs the scanned layout on the classic engine above
+@pytest.mark.parametrize("spec", ["selective", "skip_cheap"])
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("kernel", ["flash", "pallas"])
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_gradients_equal_none_in_flax_in_every_layout_under_both_engines(remat_engine, framework, kernel, scan, spec):
+    loss, params, x = km.model(framework, kernel, spec, scan)
+    _assert_close(_grads(loss, params, x), _grads(km.model(framework, kernel, None, scan)[0], params, x))
 
 
 @pytest.mark.parametrize("kernel", ["flash", "pallas"])

@@ -69,6 +69,7 @@ def test_the_default_search_covers_every_builtin_and_auto():
     assert MemoryConfig(preset="tiny").policy == ("none", "full")
 
 
+@pytest.mark.slow  # four compiles; the search's use of auto's plan: test_the_search_reuses_the_planners_compile_of_its_plan
 def test_the_builder_plans_auto_at_a_batch_and_describes_it():
     config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
     builder = fit_lib.GPTStepBuilder(config.model_config, 16, fit_lib.SEARCH_OPTIMIZER)
