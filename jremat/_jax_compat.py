@@ -18,11 +18,13 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import numbers
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 #: (module, attribute) -> what jremat uses it for. Keep in sync with the accessors below.
 PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
@@ -382,6 +384,10 @@ def custom_vjp_forward_jaxpr(eqn):
     return eqn.params["fwd_jaxpr_thunk"].call_wrapped(*[True] * len(eqn.invars))
 
 
+# What a custom_vjp backward rule may return as a real (not zero) cotangent.
+_ARRAY_LIKE = (jax.Array, jax.core.Tracer, np.ndarray, np.generic, numbers.Number)
+
+
 def custom_vjp_forward_and_backward(eqn, invals):
     """Run a ``custom_vjp_call`` equation's forward rule on ``invals``; return its residuals, its
     outputs and a function ``(residuals, output cotangents) -> input cotangents`` (its backward rule).
@@ -414,9 +420,10 @@ def custom_vjp_forward_and_backward(eqn, invals):
                 f"a custom_vjp backward rule returned {len(cts_in)} cotangents for {len(in_avals)} inputs; "
                 "this JAX version's custom_vjp convention is not supported by jremat's kernel split"
             )
-        # A zero cotangent (None or JAX's symbolic zero) becomes explicit zeros.
+        # A zero cotangent (None or JAX's symbolic zero) becomes explicit zeros; a NumPy array or a
+        # Python number a rule returns is a real cotangent.
         return [
-            ct if isinstance(ct, (jax.Array, jax.core.Tracer)) else jax.numpy.zeros(a.shape, a.dtype)
+            jax.numpy.asarray(ct) if isinstance(ct, _ARRAY_LIKE) else jax.numpy.zeros(a.shape, a.dtype)
             for ct, a in zip(cts_in, in_avals)
         ]
 

@@ -708,7 +708,7 @@ def pallas_attention(
 
     A ``custom_vjp`` whose forward rule keeps the output and a float32 log-sum-exp returned by
     the forward ``pallas_call`` (named ``mha_forward``), which the caller never sees; the
-    ``selective`` policy keeps both (:func:`pallas_kernel`), so the backward pass does not run
+    ``selective`` policy keeps both (:func:`jremat.kernels.split_attention_kernels`), so the backward pass does not run
     the forward kernel again. No attention dropout.
 
     Args:

@@ -5,6 +5,7 @@ in plain JAX, Flax NNX and Linen, layers unrolled or scanned."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jremat
@@ -220,3 +221,29 @@ def test_an_ffi_kernel_declared_attention_is_kept_by_selective():
         assert _truth(layer, "selective", w[0], x)["toy_kernel_fwd"] == (1, 1)
     finally:
         jremat.unregister_kernel("toy_kernel_fwd")
+
+
+@jax.custom_vjp
+def _scaled_by_scan(q, bias):
+    """A kernel written in JAX (a scan) whose backward rule gives ``bias`` a NumPy cotangent."""
+    total, _ = jax.lax.scan(lambda carry, row: (carry + jnp.exp(q * row).sum(), None), jnp.float32(0), q)
+    return q * total + bias
+
+
+def _scaled_by_scan_bwd(residuals, d_out):
+    (q,) = residuals
+    return d_out * 2.0, np.full(q.shape, 3.0, np.float32)  # JAX uses what the rule returns
+
+
+_scaled_by_scan.defvjp(lambda q, bias: (_scaled_by_scan(q, bias), (q,)), _scaled_by_scan_bwd)
+
+
+def test_a_split_kernel_keeps_a_numpy_cotangent_its_backward_rule_returns(remat_engine):
+    def layer(w):
+        return jnp.sin(_scaled_by_scan(jnp.tanh(w), w))
+
+    w = jnp.linspace(0.1, 0.5, 8)
+    want = jax.grad(lambda w: layer(w).sum())(w)
+    got = jax.grad(lambda w: jremat.checkpoint(layer, "names:save=kernel_residuals")(w).sum())(w)
+    # Read as a zero cotangent, the bias's 3s would be lost: a difference of 3 at every element.
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-5
