@@ -19,10 +19,15 @@ cannot be kept: constrain it to its gathered placement in the block
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
+
+import jax
 from jax.extend import core as jcore
 
-from jremat import _engine
-from jremat._policy import CallbackPolicy, NoRemat, Plan, PlanPolicy, Policy
+from jremat import _program
+from jremat._policy import CallbackPolicy, NoRemat, PlanPolicy, Policy
 from jremat._program import Program
 
 #: The spec key that keeps gathered weights.
@@ -77,8 +82,37 @@ def gathered_weights(program: Program) -> frozenset[int]:
     return frozenset(found)
 
 
-class KeepGathered(PlanPolicy):
+#: The checkpoint name a gathered weight gets, so that the inner policy saves it wherever it is.
+GATHERED_TAG = "jremat_gathered_weight"
+
+
+def tag_gathered_weights(fn: Callable) -> Callable:
+    """``fn`` with the output of each of its gathered weights (:func:`gathered_weights`) tagged
+    :data:`GATHERED_TAG`; values and gradients unchanged.
+
+    ``fn`` is traced once per input signature and its program evaluated with the tags (not called
+    again: a second call would draw a Linen module's random values anew).
+    """
+    cache = _program.ProgramCache()
+
+    def build(prog: Program):
+        tags = dict.fromkeys(gathered_weights(prog), GATHERED_TAG)
+        return prog.out_tree, lambda *leaves: _program.evaluate_tagged(prog, tags, leaves)
+
+    @functools.wraps(fn)
+    def tagged(*args, **kwargs):
+        out_tree, run = cache.traced(fn, args, kwargs, build)
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((args, kwargs))))
+
+    return tagged
+
+
+class KeepGathered(Policy):
     """``inner`` plus the gathered weights of every checkpoint (:func:`gathered_weights`).
+
+    The gathered weights are tagged :data:`GATHERED_TAG` and ``inner`` checkpoints the tagged
+    function with that tag added to what it saves, so ``inner`` keeps everything else it does:
+    its kernel split, its checks of the names it needs, its saves inside ``scan`` bodies.
 
     Args:
       inner: a :class:`jremat.CallbackPolicy` or :class:`jremat.PlanPolicy`.
@@ -93,18 +127,31 @@ class KeepGathered(PlanPolicy):
                 f"{KEY}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
             )
         self.inner = inner
-        self.offload_src = getattr(inner, "offload_src", self.offload_src)
-        self.offload_dst = getattr(inner, "offload_dst", self.offload_dst)
-
-    def plan(self, program: Program) -> Plan:
-        if isinstance(self.inner, PlanPolicy):
-            base = self.inner.plan(program)
+        if isinstance(inner, PlanPolicy):
+            saving = copy.copy(inner)
+            saving.saved_tags = (*inner.saved_tags, GATHERED_TAG)
         else:
-            save, offload = _engine.callback_decisions(program.closed_jaxpr, self.inner.callback)
-            if offload:
-                self.offload_src, self.offload_dst = next(iter(offload.values()))
-            base = Plan(save=save, offload=frozenset(offload))
-        return Plan(save=base.save | (gathered_weights(program) - base.offload), offload=base.offload)
+            inner_callback = inner.callback
+
+            def callback(prim, *avals, **params):
+                if prim.name == "name" and params.get("name") == GATHERED_TAG:
+                    return True
+                return inner_callback(prim, *avals, **params)
+
+            saving = copy.copy(inner)
+            saving.callback = callback
+        self._saving = saving
+
+    @property
+    def offload_src(self) -> str:
+        return getattr(self.inner, "offload_src", "device")
+
+    @property
+    def offload_dst(self) -> str:
+        return getattr(self.inner, "offload_dst", "pinned_host")
+
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        return self._saving.checkpoint(tag_gathered_weights(fn), prevent_cse=prevent_cse)
 
     def describe_match(self, program: Program) -> list[str]:
         n = len(gathered_weights(program))

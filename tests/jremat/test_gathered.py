@@ -1,0 +1,52 @@
+"""``keep_gathered=true`` adds the gathered weights to what a policy saves and changes nothing else
+the policy does: its kernel split, its checks of the names it needs, its saves inside scan bodies.
+(The gathered weights themselves, on 8 devices: tests/jremat/test_collectives.py.)"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import jremat
+from jremat import _jax_compat, kernels
+from tests.jremat import kernel_models as km
+
+
+def _kernel_runs(spec: str) -> int:
+    layer, (w, x) = km.jax_layer(km.flash), km.inputs()
+    w = w[0]
+    primal = jax.make_jaxpr(layer)(w, x)
+    loss = lambda w, x: jnp.sum(jremat.checkpoint(layer, spec)(w, x))
+    return kernels.count_kernel_runs(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(w, x), primal=primal)["flash"]
+
+
+@pytest.mark.parametrize("spec", ["selective", "names:save=kernel_residuals", "skip_cheap"])
+def test_the_inner_policys_kernel_split_is_kept(remat_engine, spec):
+    assert _kernel_runs(spec + (":" if ":" not in spec else ",") + "keep_gathered=true") == _kernel_runs(spec) == 1
+
+
+def test_the_inner_policys_name_check_is_kept():
+    with pytest.raises(jremat.PolicyDoesNotApply, match="nosuchname"):
+        jax.eval_shape(jremat.checkpoint(lambda x: jnp.sin(x) * 2, "names:save=nosuchname,keep_gathered=true"), 1.0)
+
+
+def _scan_block(ws, x):
+    def body(h, w):
+        return checkpoint_name(jnp.tanh(h @ w), "hid"), None
+
+    return jax.lax.scan(body, x, ws)[0]
+
+
+@pytest.mark.parametrize("spec", ["dots", "names:save=hid"])
+def test_the_inner_policys_saves_inside_a_scan_are_kept(spec):
+    # The classic engine only: under remat3 the tags inside a scan body are lost to the tagging
+    # pass's evaluation (docs/sharding.md, "Remat and collectives").
+    ws, x = jnp.ones((4, 16, 16)) * 0.01, jnp.ones((4, 16))
+
+    def residual_bytes(s):
+        return sum(
+            a.size * a.dtype.itemsize for a, _ in _jax_compat.saved_residuals(jremat.checkpoint(_scan_block, s), ws, x)
+        )
+
+    kept = residual_bytes(spec + ("," if ":" in spec else ":") + "keep_gathered=true")
+    assert kept == residual_bytes(spec) > residual_bytes("full")
