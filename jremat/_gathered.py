@@ -107,6 +107,25 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     return tagged
 
 
+def _saving_gathered(callback: Callable | None) -> Callable:
+    """A checkpoint-policy callback that saves what ``callback`` saves and every value tagged
+    :data:`GATHERED_TAG`; JAX's own name lists stay JAX policies, which remat3 applies inside
+    ``scan`` bodies too (a combined callback it applies to the checkpoint's top level only)."""
+    policies = jax.checkpoint_policies
+    if callback is None or callback is policies.nothing_saveable:
+        return policies.save_only_these_names(GATHERED_TAG)
+    names = getattr(callback, "saveable_names", None)  # save_only_these_names(...)
+    if names is not None:
+        return policies.save_only_these_names(*names, GATHERED_TAG)
+
+    def either(prim, *avals, **params):
+        if prim.name == "name" and params.get("name") == GATHERED_TAG:
+            return True
+        return callback(prim, *avals, **params)
+
+    return either
+
+
 class KeepGathered(Policy):
     """``inner`` plus the gathered weights of every checkpoint (:func:`gathered_weights`).
 
@@ -131,15 +150,8 @@ class KeepGathered(Policy):
             saving = copy.copy(inner)
             saving.saved_tags = (*inner.saved_tags, GATHERED_TAG)
         else:
-            inner_callback = inner.callback
-
-            def callback(prim, *avals, **params):
-                if prim.name == "name" and params.get("name") == GATHERED_TAG:
-                    return True
-                return inner_callback(prim, *avals, **params)
-
             saving = copy.copy(inner)
-            saving.callback = callback
+            saving.callback = _saving_gathered(inner.callback)
         self._saving = saving
 
     @property
