@@ -14,8 +14,8 @@ from jax.extend import core as jcore
 
 from jremat import _jax_compat
 
-# Equations that run one nested jaxpr once, whose inputs and outputs are the equation's own.
-_CALL_PRIMITIVES = frozenset(
+#: Equations that run one nested jaxpr once, whose inputs and outputs are the equation's own.
+CALL_PRIMITIVES = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
 )
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -28,7 +28,7 @@ def _as_jaxpr(value):
 
 def _call_jaxpr(eqn):
     """The jaxpr a call-like equation runs once with its own inputs and outputs, else ``None``."""
-    if eqn.primitive.name not in _CALL_PRIMITIVES:
+    if eqn.primitive.name not in CALL_PRIMITIVES:
         return None
     for name in _CALL_JAXPR_PARAMS:
         sub = _as_jaxpr(eqn.params.get(name))

@@ -228,7 +228,7 @@ def _forward_kernel(eqn, inside_scope: bool) -> str | None:
     found = kernels.kernel_at(eqn, in_scope)
     if found is not None:
         return found[1] if found[1] in kernels.ATTENTION_KINDS else None
-    if eqn.primitive.name == "pallas_call":  # not into another kernel's body
+    if eqn.primitive.name == kernels.PALLAS_CALL:  # not into another kernel's body
         return None
     for sub in _subjaxprs(eqn):
         for inner in sub.eqns:

@@ -65,8 +65,8 @@ PALLAS = "pallas"
 #: A ``custom_vjp`` kernel written in JAX that computes attention (an online softmax, or declared).
 CUSTOM_ATTENTION = "custom attention"
 #: The kinds of the other kernels :func:`count_kernel_runs` names.
-PALLAS_CALL = "pallas_call"
-FFI_CALL = "ffi_call"
+PALLAS_CALL = _kernel_cost.PALLAS_PRIMITIVE
+FFI_CALL = _kernel_cost.FFI_PRIMITIVE
 CUSTOM = "custom_vjp"
 #: Kinds whose kernel computes attention.
 ATTENTION_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS, CUSTOM_ATTENTION})
@@ -74,17 +74,12 @@ ATTENTION_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS, CUSTOM_ATTENTION})
 _CUSTOM_VJP = "custom_vjp_call"
 _CUSTOM_CALLS = frozenset({"custom_vjp_call", "custom_jvp_call"})
 _LOOPS = frozenset({"scan", "while"})
-# Equations that call a nested jaxpr once, its inputs and outputs the equation's own: liveness
-# follows them through. (custom_jvp_call lowers to its primal jaxpr, not its JVP rule.)
-_CALL_PRIMITIVES = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
-)
 
 
 def kernel_name(eqn) -> str | None:
     """The name of a ``pallas_call`` equation (``"mha_forward"``), ``""`` for an unnamed one,
     ``None`` for any other equation."""
-    if eqn.primitive.name != "pallas_call":
+    if eqn.primitive.name != PALLAS_CALL:
         return None
     return str(eqn.params.get("name") or "")
 
@@ -146,7 +141,7 @@ def _walk(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it, not into a ``pallas_call`` body."""
     for eqn in jaxpr.eqns:
         yield eqn
-        if eqn.primitive.name != "pallas_call":
+        if eqn.primitive.name != PALLAS_CALL:
             for sub in nested_jaxprs(eqn):
                 yield from _walk(sub)
 
@@ -193,7 +188,7 @@ def _opaque_kernel(eqn) -> tuple[str, str] | None:
         name = _kernel_cost.kernel_label(eqn) or prim
         if is_attention_forward_kernel(eqn):
             return name, PALLAS
-        return name, PALLAS_CALL if prim == "pallas_call" else FFI_CALL
+        return name, PALLAS_CALL if prim == PALLAS_CALL else FFI_CALL
     return None
 
 
@@ -278,9 +273,9 @@ def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, c
         if found is not None:
             runs[found[0]] += 1
             kinds.setdefault(found[0], found[1])
-        elif name == "pallas_call":
+        elif name == PALLAS_CALL:
             pass  # not into a kernel's body
-        elif name in _CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
+        elif name in _liveness.CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
             inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
             runs.update(inner)
         elif name == "scan":  # the body's outputs that the used outputs need, carries to a fixed point

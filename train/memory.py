@@ -530,7 +530,8 @@ def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
         raise UsageError(f"--mesh: {err}") from None
     specs = list(dict.fromkeys(config.policy))
     print(
-        f"compiling the sharded gradient step under {len(specs)} policies on --mesh {config.mesh}...", file=sys.stderr
+        f"compiling the sharded gradient step under {len(specs)} polic{'y' if len(specs) == 1 else 'ies'} on --mesh {config.mesh}...",
+        file=sys.stderr,
     )
     compiled: dict = {}
 
