@@ -5,15 +5,17 @@ recomputes its forward in the backward pass gathers every weight again (the all-
 what it recomputes), and keeping matmul outputs (``dots``) does not keep the gathered weight that
 the backward's ``dY @ Wᵀ`` reads. ``keep_gathered=true`` adds those gathered weights to what the
 policy saves, found by structure on the checkpoint's jaxpr: the output of a
-``sharding_constraint`` whose operand comes from the checkpoint's inputs alone (through shape-only
-ops: no activation feeds it) and that feeds a ``dot_general`` (through shape-only ops).
+``sharding_constraint`` (on a mesh of explicit axes, a ``reshard``) whose operand comes from the
+checkpoint's inputs alone (through shape-only ops: no activation feeds it) and that feeds a
+``dot_general`` (through shape-only ops).
 
 Memory: each checkpoint then keeps its gathered weights (per device, the whole weight where FSDP
 stored ``1 / fsdp`` of it) from its forward pass to its backward pass; without remat they are
 kept the same way, so the backward's all-gathers return to the count without remat. A weight
 XLA gathers implicitly (no sharding constraint in the model) is not a value of the jaxpr and
 cannot be kept: constrain it to its gathered placement in the block
-(``jax.lax.with_sharding_constraint(w, gathered_sharding)``), as the reference model does with
+(``jax.lax.with_sharding_constraint(w, gathered_sharding)``; ``jax.sharding.reshard`` on a mesh of
+explicit axes, where a sharding constraint does not gather), as the reference model does with
 ``GPT(..., weight_sharding=...)``.
 """
 
@@ -36,7 +38,8 @@ KEY = "keep_gathered"
 _PASS_THROUGH = frozenset(
     {"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "copy", "name"}
 )
-_CONSTRAINT = "sharding_constraint"
+#: What places a value on the mesh: a sharding constraint (auto axes) or a reshard (explicit axes).
+_PLACEMENTS = frozenset({"sharding_constraint", "reshard"})
 
 
 def gathered_weights(program: Program) -> frozenset[int]:
@@ -55,7 +58,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         for v in ins:
             consumers.setdefault(v, []).append(i)
-        passes = eqn.primitive.name in _PASS_THROUGH or eqn.primitive.name == _CONSTRAINT
+        passes = eqn.primitive.name in _PASS_THROUGH or eqn.primitive.name in _PLACEMENTS
         for v in eqn.outvars:
             from_inputs[v] = passes and bool(ins) and all(from_inputs.get(u, False) for u in ins)
 
@@ -74,7 +77,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
 
     found = set()
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != _CONSTRAINT:
+        if eqn.primitive.name not in _PLACEMENTS:
             continue
         operand = eqn.invars[0]
         if from_inputs.get(operand, False) and feeds_matmul(eqn.outvars[0]):

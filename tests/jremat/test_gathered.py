@@ -50,3 +50,24 @@ def test_the_inner_policys_saves_inside_a_scan_are_kept(remat_engine, spec):
 
     kept = residual_bytes(spec + ("," if ":" in spec else ":") + "keep_gathered=true")
     assert kept == residual_bytes(spec) > residual_bytes("full")
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_a_gathered_weight_is_found_on_auto_and_explicit_axes(axis_type):
+    """Auto axes gather through a sharding constraint; explicit axes (``jax.make_mesh``'s default)
+    through ``reshard``, where a sharding constraint changes no type and gathers nothing."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from jremat._gathered import gathered_weights
+    from jremat._program import trace_program
+
+    explicit = axis_type == "explicit"
+    mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Explicit if explicit else AxisType.Auto,))
+    whole = NamedSharding(mesh, PartitionSpec())
+    gather = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+
+    def block(w, h):
+        return h + jnp.tanh(h @ gather(w, whole))
+
+    w = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    assert gathered_weights(trace_program(block, w, jnp.ones((2, 4)))) == frozenset({0})
