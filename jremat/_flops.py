@@ -98,7 +98,8 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
         elif name == "scan":
             total += eqn.params["length"] * _walk(eqn.params["jaxpr"].jaxpr, {}, grid_position)
         elif name == "while":
-            trips = while_trip_count(eqn, known) or 1
+            trips = while_trip_count(eqn, known)
+            trips = 1 if trips is None else trips  # an unknown count: once; a known zero: none
             body = _walk(eqn.params["body_jaxpr"].jaxpr, {}, grid_position)
             total += trips * (body + _walk(eqn.params["cond_jaxpr"].jaxpr, {}, grid_position))
         elif name == "cond":

@@ -38,3 +38,5 @@ def test_a_while_loop_over_a_static_range_counts_every_trip():
     traced = lambda x, n: lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, jnp.sin(s[1]) @ s[1]), (0, x))[1]
     assert _flops.jaxpr_flops(jax.make_jaxpr(static)(x)) >= 7 * body_flops
     assert _flops.jaxpr_flops(jax.make_jaxpr(traced)(x, 7)) < 2 * body_flops
+    empty = lambda x: lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.sin(s[1]) @ s[1]), (3, x))[1]
+    assert _flops.jaxpr_flops(jax.make_jaxpr(empty)(x)) == 0.0  # a known count of zero runs nothing
