@@ -26,7 +26,7 @@ def _as_jaxpr(value):
     return value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value
 
 
-def _call_jaxpr(eqn):
+def call_jaxpr(eqn):
     """The jaxpr a call-like equation runs once with its own inputs and outputs, else ``None``."""
     if eqn.primitive.name not in CALL_PRIMITIVES:
         return None
@@ -56,7 +56,7 @@ def scan_body_used_outputs(eqn, used_outputs: Sequence[bool]) -> list[bool]:
 def _reads(eqn, used: list[bool]) -> list[bool]:
     if eqn.effects:
         return [True] * len(eqn.invars)
-    if (sub := _call_jaxpr(eqn)) is not None:
+    if (sub := call_jaxpr(eqn)) is not None:
         return used_inputs(sub, used)
     if eqn.primitive.name == "scan":
         return used_inputs(_as_jaxpr(eqn.params["jaxpr"]), scan_body_used_outputs(eqn, used))

@@ -250,14 +250,6 @@ def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None
     return None
 
 
-def _call_jaxpr(eqn):
-    """The jaxpr a call-like equation runs, if its inputs and outputs are the equation's."""
-    for sub in nested_jaxprs(eqn):
-        if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
-            return sub
-    return None
-
-
 def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, custom, kinds) -> tuple:
     """``(runs per kernel name, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
     live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, jcore.Var)}
@@ -275,7 +267,7 @@ def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, c
             kinds.setdefault(found[0], found[1])
         elif name == PALLAS_CALL:
             pass  # not into a kernel's body
-        elif name in _liveness.CALL_PRIMITIVES and (sub := _call_jaxpr(eqn)) is not None:
+        elif (sub := _liveness.call_jaxpr(eqn)) is not None:
             inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
             runs.update(inner)
         elif name == "scan":  # the body's outputs that the used outputs need, carries to a fixed point
