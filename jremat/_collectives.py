@@ -333,8 +333,8 @@ HOW_TO_AVOID = {
     "all-gather": (
         "the recomputation gathers its weights again; keep them with keep_gathered=true on the policy "
         "(e.g. 'full:keep_gathered=true'), which keeps each checkpoint's gathered weights from its forward to its "
-        "backward pass, per device, as no remat does (a weight XLA gathers without a sharding constraint in the "
-        "model must be constrained to its gathered placement first)"
+        "backward pass, per device, as no remat does (a weight XLA gathers implicitly must be gathered in the model "
+        "first: with_sharding_constraint to its gathered placement, or jax.sharding.reshard on a mesh of explicit axes)"
     ),
     "all-reduce": (
         "the recomputation re-runs a tensor-parallel (row-parallel) matmul whose output XLA all-reduces; save "
