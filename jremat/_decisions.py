@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend import core as jcore
 
-from jremat import _program, _residuals
+from jremat import _jaxpr, _program, _residuals
 
 SAVE = "save"
 OFFLOAD = "offload"
@@ -25,8 +25,8 @@ EXCLUDE = "exclude"
 #: Decisions in report order.
 DECISIONS = (SAVE, OFFLOAD, RECOMPUTE, EXCLUDE)
 
-_CHECKPOINT_PRIMITIVES = ("checkpoint", "remat2")
-_IDENTITY = _residuals.IDENTITY_PRIMITIVES
+_CHECKPOINT_PRIMITIVES = _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES
+_IDENTITY = _jaxpr.IDENTITY_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +75,10 @@ def tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
     """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            found.append((eqn.params["name"], _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
-        inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-        for sub in _program.nested_jaxprs(eqn):
+        if (tag := _jaxpr.name_tag(eqn)) is not None:
+            found.append((tag, _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
+        inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
+        for sub in _jaxpr.nested_jaxprs(eqn):
             found.extend(tags(sub, inner))
     return found
 
@@ -106,7 +106,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
     producer = {v: e for e in body.eqns for v in e.outvars}
     user_name: dict = {}
     for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
-        if e.primitive.name == "name" and not _residuals.PLAN_TAG_RE.match(e.params["name"]):
+        if e.primitive.name == _jaxpr.NAME and not _residuals.PLAN_TAG_RE.match(e.params["name"]):
             v = e.invars[0]
             user_name.setdefault(v, e.params["name"])
             user_name.setdefault(e.outvars[0], e.params["name"])
@@ -130,9 +130,9 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
         if prim in _CHECKPOINT_PRIMITIVES:
             visit(e, scopes)  # a checkpoint of its own; its outputs are decided here too
         else:
-            subs = _program.nested_jaxprs(e)
+            subs = _jaxpr.nested_jaxprs(e)
             if subs:
-                inner = (*scopes, (_scope(e), e.params["length"])) if prim == "scan" else scopes
+                inner = (*scopes, (_scope(e), e.params["length"])) if prim == _jaxpr.SCAN else scopes
                 for sub in subs:
                     _body_decisions(sub, callback, inner, excluded, acc, visit)
                 continue
@@ -164,11 +164,11 @@ def checkpoint_bodies(jaxpr) -> list[tuple[str, object]]:
 
     def walk(jx, scopes):
         for eqn in jx.eqns:
-            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
+            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
             if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
                 body = eqn.params["jaxpr"]
                 found.append((_where(scopes), getattr(body, "jaxpr", body)))
-            for sub in _program.nested_jaxprs(eqn):
+            for sub in _jaxpr.nested_jaxprs(eqn):
                 walk(sub, inner)
 
     walk(jaxpr, ())
@@ -195,8 +195,8 @@ def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
             if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
                 visit(eqn, scopes)
                 continue
-            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if eqn.primitive.name == "scan" else scopes
-            for sub in _program.nested_jaxprs(eqn):
+            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
+            for sub in _jaxpr.nested_jaxprs(eqn):
                 walk(sub, inner)
 
     walk(jaxpr, ())

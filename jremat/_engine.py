@@ -40,11 +40,11 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _jax_compat
+from jremat import _jax_compat, _jaxpr
 from jremat._cache import BoundedCache
 
 #: Call-like primitives whose body is inlined when a program is flattened.
-INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+INLINED_CALL_PRIMITIVES = _jaxpr.INLINED_CALL_PRIMITIVES
 
 #: The classic engine: ``jax.checkpoint`` binds ``remat2`` and consults policy callbacks.
 CLASSIC = "classic"
@@ -53,8 +53,8 @@ REMAT3 = "remat3"
 ENGINES = (CLASSIC, REMAT3)
 
 #: Primitive names of a classic ``jax.checkpoint`` / ``checkpoint_name`` in a jaxpr.
-CLASSIC_CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
-NAME_PRIMITIVE = "name"
+CLASSIC_CHECKPOINT_PRIMITIVES = _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES
+NAME_PRIMITIVE = _jaxpr.NAME
 
 _MEMORY_SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
 _engine_by_flag = BoundedCache(maxsize=8)
@@ -428,7 +428,7 @@ def bind_equation(eqn, invals) -> list:
     """
     if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
         return bind_translated(eqn, invals)
-    if eqn.primitive.name == "scan" and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
+    if _jaxpr.is_scan(eqn) and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
         return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:

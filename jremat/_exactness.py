@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jremat import _jaxpr
 from jremat._cache import BoundedCache
 
 #: Causes a mismatch is attributed to (see :class:`jremat.testing.RematMismatch`).
@@ -23,18 +24,7 @@ CAUSE_STATE = "state not written back"
 CAUSE_VALUE = "a value that differs"
 
 #: Primitives that draw or derive random bits; their presence makes :data:`CAUSE_RANDOM` plausible.
-RANDOM_PRIMITIVES = frozenset(
-    {
-        "random_bits",
-        "random_split",
-        "random_fold_in",
-        "random_seed",
-        "random_wrap",
-        "threefry2x32",
-        "rng_bit_generator",
-        "rng_uniform",
-    }
-)
+RANDOM_PRIMITIVES = _jaxpr.RANDOM_PRIMITIVES
 
 #: Relative error above which a differing float value is not plain rounding.
 ROUNDING_LIMIT = 1e-2
@@ -243,21 +233,7 @@ def compare(got, ref, rtol: float, atol: float):
 
 def random_primitives(jaxpr) -> set[str]:
     """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
-    from jremat._program import nested_jaxprs
-
-    found: set[str] = set()
-    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
-    seen = set()
-    while stack:
-        jx = stack.pop()
-        if id(jx) in seen:
-            continue
-        seen.add(id(jx))
-        for eqn in jx.eqns:
-            if eqn.primitive.name in RANDOM_PRIMITIVES:
-                found.add(eqn.primitive.name)
-            stack.extend(nested_jaxprs(eqn))
-    return found
+    return {eqn.primitive.name for eqn in _jaxpr.equations(jaxpr) if eqn.primitive.name in RANDOM_PRIMITIVES}
 
 
 def mismatch_cause(where, got, ref, initial, max_rel, random_used: set[str]) -> tuple[str, str]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import jax
 
-from jremat import _kernel_cost, _program
+from jremat import _jaxpr, _kernel_cost, _program
 
 
 def jaxpr_flops(jaxpr) -> float:
@@ -46,37 +46,14 @@ def kernel_body_flops(body, program_ids: tuple[int, ...], grid: tuple[int, ...])
 
 #: Primitives of a kernel body that move data between a kernel's blocks and memory, or read the
 #: grid position: no arithmetic.
-KERNEL_MEMORY_PRIMITIVES = frozenset(
-    {
-        "get",
-        "swap",
-        "masked_load",
-        "masked_swap",
-        "load",
-        "program_id",
-        "num_programs",
-        "multiple_of",
-        "dma_start",
-        "dma_wait",
-        "semaphore_read",
-        "semaphore_signal",
-        "semaphore_wait",
-        "delay",
-    }
-)
+KERNEL_MEMORY_PRIMITIVES = _jaxpr.KERNEL_MEMORY_PRIMITIVES
 
 
 def program_id_axes(jaxpr) -> frozenset[int]:
     """The grid axes whose ``program_id`` a kernel body (or a jaxpr nested in it) reads."""
-    found = set()
-    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
-    while stack:
-        current = stack.pop()
-        for eqn in current.eqns:
-            if eqn.primitive.name == "program_id":
-                found.add(int(eqn.params["axis"]))
-            stack.extend(_program.nested_jaxprs(eqn))
-    return frozenset(found)
+    return frozenset(
+        int(eqn.params["axis"]) for eqn in _jaxpr.equations(jaxpr) if eqn.primitive.name == _jaxpr.PROGRAM_ID
+    )
 
 
 def _walk(jaxpr, known: dict, grid_position) -> float:
@@ -88,21 +65,21 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
         if _kernel_cost.is_kernel(eqn):
             total += _kernel_cost.kernel_cost(eqn).flops
         elif grid_position is not None and name in KERNEL_MEMORY_PRIMITIVES:
-            if name in ("program_id", "num_programs"):
+            if name in (_jaxpr.PROGRAM_ID, _jaxpr.NUM_PROGRAMS):
                 ids, grid = grid_position
                 axis = int(eqn.params["axis"])
-                table = ids if name == "program_id" else grid
+                table = ids if name == _jaxpr.PROGRAM_ID else grid
                 if axis < len(table):
                     known[eqn.outvars[0]] = int(table[axis])
             continue
-        elif name == "scan":
+        elif name == _jaxpr.SCAN:
             total += eqn.params["length"] * _walk(eqn.params["jaxpr"].jaxpr, {}, grid_position)
-        elif name == "while":
+        elif name == _jaxpr.WHILE:
             trips = while_trip_count(eqn, known)
             trips = 1 if trips is None else trips  # an unknown count: once; a known zero: none
             body = _walk(eqn.params["body_jaxpr"].jaxpr, {}, grid_position)
             total += trips * (body + _walk(eqn.params["cond_jaxpr"].jaxpr, {}, grid_position))
-        elif name == "cond":
+        elif name == _jaxpr.COND:
             index = _value(eqn.invars[0], known)
             branches = eqn.params["branches"]
             if index is not None:
@@ -110,7 +87,7 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
             else:
                 total += max((_walk(b.jaxpr, {}, grid_position) for b in branches), default=0.0)
         else:
-            subs = _program.subjaxprs(eqn)
+            subs = _jaxpr.subjaxprs(eqn)
             if subs:
                 total += sum(_walk(sub, _inner_known(eqn, sub, known), grid_position) for sub in subs)
             else:
@@ -132,39 +109,8 @@ def _value(v, known: dict):
     return known.get(v)
 
 
-def _truncating_div(a, b):
-    if b == 0:
-        return None
-    quotient = abs(a) // abs(b)
-    return quotient if (a >= 0) == (b >= 0) else -quotient
-
-
-#: Integer and boolean scalar arithmetic a kernel computes its loop bounds with.
-_FOLDS = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "div": _truncating_div,
-    "rem": lambda a, b: None if b == 0 else a - b * _truncating_div(a, b),
-    "max": max,
-    "min": min,
-    "neg": lambda a: -a,
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
-    "and": lambda a, b: a & b,  # bitwise on integers, logical on booleans (as 0 and 1)
-    "or": lambda a, b: a | b,
-    "select_n": lambda which, *cases: cases[int(which)],
-    "convert_element_type": lambda a: a,
-    "clamp": lambda lo, x, hi: min(max(x, lo), hi),
-}
-
-
 def _fold(eqn, known: dict) -> None:
-    fold = _FOLDS.get(eqn.primitive.name)
+    fold = _jaxpr.INTEGER_SCALAR_FUNCTIONS.get(eqn.primitive.name)
     if fold is None or len(eqn.outvars) != 1 or getattr(eqn.outvars[0].aval, "shape", None) != ():
         return
     dtype = getattr(eqn.outvars[0].aval, "dtype", None)
@@ -188,7 +134,7 @@ def while_trip_count(eqn, known: dict | None = None) -> int | None:
     known = {} if known is None else known
     cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
     n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != _jaxpr.LESS_THAN:
         return None
     counter, bound = cond.eqns[0].invars
     if cond.eqns[0].outvars[0] is not cond.outvars[0] or counter not in cond.invars:
@@ -199,7 +145,7 @@ def while_trip_count(eqn, known: dict | None = None) -> int | None:
     start = _value(eqn.invars[n_cond + n_body + position], known)
     limit = _loop_bound(eqn, bound, known)
     step = next((e for e in body.eqns if body.outvars[position] in e.outvars), None)
-    if start is None or limit is None or step is None or step.primitive.name != "add":
+    if start is None or limit is None or step is None or step.primitive.name != _jaxpr.ADD:
         return None
     if step.invars[0] is not body.invars[n_body + position] or not _is_literal(step.invars[1]):
         return None

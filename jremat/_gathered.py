@@ -28,18 +28,16 @@ from collections.abc import Callable
 import jax
 from jax.extend import core as jcore
 
-from jremat import _program
+from jremat import _jaxpr, _program
 from jremat._policy import CallbackPolicy, NoRemat, PlanPolicy, Policy
 from jremat._program import Program
 
 #: The spec key that keeps gathered weights.
 KEY = "keep_gathered"
 #: Primitives that pass a value through without computing (followed both ways from a gather).
-_PASS_THROUGH = frozenset(
-    {"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "copy", "name"}
-)
+_PASS_THROUGH = _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
 #: What places a value on the mesh: a sharding constraint (auto axes) or a reshard (explicit axes).
-_PLACEMENTS = frozenset({"sharding_constraint", "reshard"})
+_PLACEMENTS = _jaxpr.PLACEMENT_PRIMITIVES
 
 
 def gathered_weights(program: Program) -> frozenset[int]:
@@ -65,7 +63,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
     def feeds_matmul(var, depth: int = 0) -> bool:
         for j in consumers.get(var, ()):
             eqn = jaxpr.eqns[j]
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
                 return True
             if (
                 eqn.primitive.name in _PASS_THROUGH

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jremat import _jaxpr
+
 #: (module, attribute) -> what jremat uses it for. Keep in sync with the accessors below.
 PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     ("jax._src.source_info_util", "summarize"): "source lines (file:line) of equations in saved-residual reports",
@@ -110,7 +112,7 @@ def remat3_tag_name(eqn) -> str | None:
     Under remat3 a tag is a ``call_hi_primitive`` equation whose ``_prim`` is JAX's private
     ``CheckpointName``; ``None`` on a JAX without it (no remat3 tags can exist there).
     """
-    prim = eqn.params.get("_prim") if eqn.primitive.name == "call_hi_primitive" else None
+    prim = eqn.params.get("_prim") if eqn.primitive.name == _jaxpr.CALL_HI_PRIMITIVE else None
     if prim is None:
         return None
     checkpoint_name_type = _optional("jax._src.ad_checkpoint", "CheckpointName")

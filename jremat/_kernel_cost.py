@@ -49,14 +49,14 @@ from collections.abc import Callable
 
 import jax
 
-from jremat import _flops, _program
+from jremat import _flops, _jaxpr, _program
 
 #: The primitive of ``jax.experimental.pallas.pallas_call``.
-PALLAS_PRIMITIVE = "pallas_call"
+PALLAS_PRIMITIVE = _jaxpr.PALLAS_CALL
 #: The primitive of ``jax.ffi.ffi_call``.
-FFI_PRIMITIVE = "ffi_call"
+FFI_PRIMITIVE = _jaxpr.FFI_CALL
 #: Every primitive that is a kernel.
-KERNEL_PRIMITIVES = frozenset({PALLAS_PRIMITIVE, FFI_PRIMITIVE})
+KERNEL_PRIMITIVES = _jaxpr.KERNEL_PRIMITIVES
 
 #: FLOPs per byte of inputs and outputs at which a kernel nobody declared is priced: the
 #: arithmetic intensity of a large matmul, far above ``skip_cheap``'s threshold.

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Generic, TypeVar
 
+from jremat import _jaxpr
 from jremat import names as tensor_names
 from jremat._budget import Budget, as_budget, parse_budget
 from jremat._program import Program
@@ -90,7 +91,7 @@ def name_costs(program: Program, *, skip: Collection[str] = ALWAYS_KEPT) -> tupl
     costs, segment_flops = [], 0.0
     for op in program.ops:
         segment_flops += op.flops
-        if op.primitive == "name" and op.tensor_name and not PLAN_TAG_RE.match(op.tensor_name):
+        if op.primitive == _jaxpr.NAME and op.tensor_name and not PLAN_TAG_RE.match(op.tensor_name):
             if op.tensor_name not in skip:
                 costs.append(NameCost(op.tensor_name, op.out_bytes, segment_flops))
             segment_flops = 0.0

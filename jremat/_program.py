@@ -33,57 +33,19 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _kernel_cost
+from jremat import _engine, _jaxpr, _kernel_cost
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
-SHAPE_ONLY_PRIMITIVES = frozenset(
-    {
-        "reshape",
-        "broadcast_in_dim",
-        "convert_element_type",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "copy",
-        "copy_p",
-        "name",
-        "reduce_precision",
-        "optimization_barrier",
-        "sharding_constraint",
-        "mesh_cast",
-        "device_put",
-        "stop_gradient",
-    }
-)
-
-#: JAX's elementwise primitives: each output element is a function of the input elements at the
-#: same position (operands of one shape; a scalar literal broadcasts). Loops, scans, conditionals,
-#: calls, custom calls and every slicing, gathering, sorting or combining op are not among them.
-ELEMENTWISE_PRIMITIVES = frozenset(
-    {
-        # unary
-        "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i0e", "bessel_i1e", "cbrt",
-        "ceil", "clz", "conj", "cos", "cosh", "digamma", "erf", "erf_inv", "erfc", "exp", "exp2",
-        "expm1", "floor", "imag", "integer_pow", "is_finite", "lgamma", "log", "log1p", "logistic",
-        "neg", "not", "population_count", "real", "round", "rsqrt", "sign", "sin", "sinh", "sqrt",
-        "square", "tan", "tanh",
-        # binary and ternary
-        "add", "add_any", "and", "atan2", "clamp", "complex", "div", "eq", "ge", "gt", "igamma",
-        "igamma_grad_a", "igammac", "le", "lt", "max", "min", "mul", "mulhi", "ne", "nextafter", "or",
-        "polygamma", "pow", "random_gamma_grad", "regularized_incomplete_beta", "rem", "select_n",
-        "shift_left", "shift_right_arithmetic", "shift_right_logical", "sub", "xor", "zeta",
-    }
-)  # fmt: skip
-
+SHAPE_ONLY_PRIMITIVES = _jaxpr.SHAPE_ONLY_PRIMITIVES
+#: JAX's elementwise primitives (:data:`jremat._jaxpr.ELEMENTWISE_PRIMITIVES`).
+ELEMENTWISE_PRIMITIVES = _jaxpr.ELEMENTWISE_PRIMITIVES
 #: Call-like primitives whose body is inlined before classification.
-INLINED_CALL_PRIMITIVES = _engine.INLINED_CALL_PRIMITIVES
+INLINED_CALL_PRIMITIVES = _jaxpr.INLINED_CALL_PRIMITIVES
 #: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._engine.inline_calls`).
 inline_calls = _engine.inline_calls
 
 #: Primitives priced as matrix multiplies by the cost model.
-MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
-
-_SUBJAXPR_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+MATMUL_PRIMITIVES = _jaxpr.MATMUL_PRIMITIVES
 
 
 def is_key(aval) -> bool:
@@ -102,15 +64,8 @@ def aval_bytes(aval) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def subjaxprs(eqn) -> list:
-    """The jaxprs nested in an equation's parameters (``jit``, ``remat2``, custom derivatives)."""
-    found = []
-    for name in _SUBJAXPR_PARAM_NAMES:
-        sub = eqn.params.get(name)
-        if sub is None:
-            continue
-        found.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-    return found
+#: The jaxprs in an equation's call parameters (:func:`jremat._jaxpr.subjaxprs`).
+subjaxprs = _jaxpr.subjaxprs
 
 
 def equation_flops(eqn) -> float:
@@ -130,23 +85,23 @@ def equation_flops(eqn) -> float:
     name = eqn.primitive.name
     if name in SHAPE_ONLY_PRIMITIVES:
         return 0.0
-    if name == "dot_general":
+    if name == _jaxpr.DOT_GENERAL:
         (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in lhs_contract)
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
-    if name == "conv_general_dilated":
+    if name == _jaxpr.CONV:
         rhs_shape = eqn.invars[1].aval.shape
         out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
     subs = subjaxprs(eqn)
     if subs:
         # A scan's outputs cost its body times its length (a while loop's count is unknown: once).
-        trips = eqn.params["length"] if name == "scan" else 1
+        trips = eqn.params["length"] if name == _jaxpr.SCAN else 1
         return float(trips * sum(equation_flops(e) for sub in subs for e in sub.eqns))
-    if name == "dynamic_update_slice":
+    if name == _jaxpr.DYNAMIC_UPDATE_SLICE:
         return float(math.prod(eqn.invars[1].aval.shape))
-    if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod"):
+    if name.startswith(_jaxpr.REDUCE_PREFIX) or name in _jaxpr.REDUCTION_PRIMITIVES:
         return float(sum(math.prod(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")))
     return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
 
@@ -225,7 +180,7 @@ def _is_float(aval) -> bool:
 
 
 #: Primitives that make a PRNG key from raw bits (legacy ``uint32[2]`` keys, seeds).
-KEY_MAKING_PRIMITIVES = frozenset({"random_wrap", "random_seed"})
+KEY_MAKING_PRIMITIVES = _jaxpr.KEY_MAKING_PRIMITIVES
 
 
 def _classify(jaxpr) -> tuple[Op, ...]:
@@ -235,8 +190,8 @@ def _classify(jaxpr) -> tuple[Op, ...]:
     key_dep: dict = {v: is_key(v.aval) for v in jaxpr.invars}
     consumer_name: dict = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name" and not isinstance(eqn.invars[0], jcore.Literal):
-            consumer_name[eqn.invars[0]] = eqn.params["name"]
+        if (tag := _jaxpr.name_tag(eqn)) is not None and not isinstance(eqn.invars[0], jcore.Literal):
+            consumer_name[eqn.invars[0]] = tag
     ops = []
     compute_index = 0
     for i, eqn in enumerate(jaxpr.eqns):
@@ -256,7 +211,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
             and name not in SHAPE_ONLY_PRIMITIVES
             and not any(is_key(v.aval) for v in eqn.outvars)
         )
-        if name == "name":
+        if name == _jaxpr.NAME:
             tensor_name = eqn.params["name"]
         else:
             tensor_name = consumer_name.get(eqn.outvars[0]) if eqn.outvars else None
@@ -346,29 +301,13 @@ def feeds_only_effects(program: Program) -> frozenset[int]:
     return frozenset(found)
 
 
-def nested_jaxprs(eqn) -> list:
-    """Every jaxpr in an equation's parameters (scan and while bodies, cond branches, calls)."""
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jcore.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, jcore.Jaxpr):
-                found.append(item)
-    return found
+#: Every jaxpr in an equation's parameters (:func:`jremat._jaxpr.nested_jaxprs`).
+nested_jaxprs = _jaxpr.nested_jaxprs
 
 
 def jaxpr_tags(jaxpr) -> frozenset[str]:
     """Every ``checkpoint_name`` tag in ``jaxpr`` and the jaxprs nested in it (scan, cond, calls)."""
-    found = set()
-    stack = [jaxpr]
-    while stack:
-        current = stack.pop()
-        for eqn in current.eqns:
-            if eqn.primitive.name == "name":
-                found.add(eqn.params["name"])
-            stack.extend(nested_jaxprs(eqn))
-    return frozenset(found)
+    return _jaxpr.name_tags(jaxpr)
 
 
 def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:

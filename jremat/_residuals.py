@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _collectives, _engine, _jax_compat, _liveness, _program
+from jremat import _collectives, _engine, _jax_compat, _jaxpr, _program
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -27,14 +27,12 @@ CONSTANT = "constant"
 RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 
 #: Primitives that return their input unchanged; a residual is looked through them.
-IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
+IDENTITY_PRIMITIVES = _jaxpr.IDENTITY_PRIMITIVES
 
 #: Names that :class:`jremat.PlanPolicy` gives the values it chose (``jremat3/17``), and
 #: that :func:`jremat._engine.checkpoint` gives the values a callback keeps under jax_remat3
 #: (``jremat_cb2/5``).
 PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
-
-_LOOP_PRIMITIVES = ("scan",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +211,7 @@ def _literal(aval) -> SavedResidual:
 
 def _primitive_name(eqn) -> str:
     """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
-    return "name" if _engine.tag_name(eqn) is not None else eqn.primitive.name
+    return _jaxpr.NAME if _engine.tag_name(eqn) is not None else eqn.primitive.name
 
 
 def _vjp_residual_jaxpr(fn, args, kwargs):
@@ -256,7 +254,7 @@ def _residuals_the_backward_reads(out_shape) -> list[bool]:
         return jax.tree.unflatten(pullback_tree, res)(jax.tree.unflatten(primal_tree, cts))
 
     backward_jaxpr = jax.make_jaxpr(backward)(res_shapes, [p for p, f in zip(primals, inexact) if f])
-    return _liveness.used_inputs(backward_jaxpr)[: len(res_shapes)]
+    return _jaxpr.used_inputs(backward_jaxpr)[: len(res_shapes)]
 
 
 def _leaf_paths(args, kwargs) -> list[str]:
@@ -292,7 +290,7 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
         masks = _in_masks(eqn, deps)
         name = eqn.primitive.name
         outs = None
-        if name == "scan":
+        if name == _jaxpr.SCAN:
             body = eqn.params["jaxpr"].jaxpr
             n_consts, n_carry = _jax_compat.scan_counts(eqn)
             carry = masks[n_consts : n_consts + n_carry]
@@ -306,7 +304,7 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
                 carry = new_carry
             outs = carry + body_outs[n_carry:]
         else:
-            subs = _program.subjaxprs(eqn)
+            subs = _jaxpr.subjaxprs(eqn)
             if len(subs) == 1 and len(subs[0].invars) == len(masks) and len(subs[0].outvars) == len(eqn.outvars):
                 inner = dict(zip(subs[0].invars, masks))
                 _propagate_deps(subs[0], inner)
@@ -396,7 +394,7 @@ def saved_residuals_report(
             not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES
         ):
             eqn = producer[v]
-            if _primitive_name(eqn) == "name":
+            if _primitive_name(eqn) == _jaxpr.NAME:
                 names.append(_engine.tag_name(eqn))
             v = eqn.invars[0]
         return v, names
@@ -411,7 +409,7 @@ def saved_residuals_report(
                         continue
                     seen.add(id(eqn))
                     prim = _primitive_name(eqn)
-                    if prim == "name":
+                    if prim == _jaxpr.NAME:
                         found.append(_engine.tag_name(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
@@ -450,7 +448,7 @@ def saved_residuals_report(
         elif base in producer:
             eqn = producer[base]
             primitive, source = eqn.primitive.name, _summarize_source(eqn)
-            if primitive in _LOOP_PRIMITIVES:
+            if primitive in _jaxpr.LOOP_PRIMITIVES:
                 length = eqn.params.get("length")
                 stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
         else:

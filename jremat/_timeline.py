@@ -60,7 +60,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _collectives, _compile, _jax_compat, _memory, _program
+from jremat import _collectives, _compile, _jax_compat, _jaxpr, _memory
 from jremat._timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
@@ -420,12 +420,12 @@ def checkpoint_name_locations(jaxpr) -> dict:
 
     def walk(jx):
         for eqn in jx.eqns:
-            tag = eqn.params.get("name") if eqn.primitive.name == "name" else _jax_compat.remat3_tag_name(eqn)
+            tag = _jaxpr.name_tag(eqn) if _jaxpr.name_tag(eqn) is not None else _jax_compat.remat3_tag_name(eqn)
             if tag is not None:
                 loc = _user_location(eqn.source_info, skip)
                 if loc is not None:
                     out[loc].add(str(tag))
-            for sub in _program.nested_jaxprs(eqn):
+            for sub in _jaxpr.nested_jaxprs(eqn):
                 walk(sub)
 
     walk(getattr(jaxpr, "jaxpr", jaxpr))

@@ -43,8 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _kernel_cost, _liveness, names
-from jremat._program import nested_jaxprs
+from jremat import _engine, _jax_compat, _jaxpr, _kernel_cost, names
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
 ATTENTION_WORDS = ("mha", "flash", "attention", "splash")
@@ -54,7 +53,7 @@ BACKWARD_WORDS = ("backward", "bwd", "dq", "dkv", "preprocess")
 #: The ``jax.named_scope`` around :func:`jremat.attention.blockwise_attention`'s forward loop.
 BLOCKWISE_FORWARD_SCOPE = "jremat_blockwise_attention_fwd"
 #: Primitives of ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s forward kernel.
-CUDNN_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper"})
+CUDNN_FORWARD_PRIMITIVES = _jaxpr.CUDNN_FORWARD_PRIMITIVES
 #: The name stack scope (``<scope>.<kernel name>``) around a forward rule :func:`split_kernels` runs.
 SPLIT_FORWARD_SCOPE = "jremat_kernel_fwd"
 
@@ -70,10 +69,6 @@ FFI_CALL = _kernel_cost.FFI_PRIMITIVE
 CUSTOM = "custom_vjp"
 #: Kinds whose kernel computes attention.
 ATTENTION_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS, CUSTOM_ATTENTION})
-
-_CUSTOM_VJP = "custom_vjp_call"
-_CUSTOM_CALLS = frozenset({"custom_vjp_call", "custom_jvp_call"})
-_LOOPS = frozenset({"scan", "while"})
 
 
 def kernel_name(eqn) -> str | None:
@@ -101,7 +96,7 @@ def holds_attention_kernel(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if is_attention_forward_kernel(eqn):
             return True
-        if kernel_name(eqn) is None and any(holds_attention_kernel(sub) for sub in nested_jaxprs(eqn)):
+        if kernel_name(eqn) is None and any(holds_attention_kernel(sub) for sub in _jaxpr.nested_jaxprs(eqn)):
             return True
     return False
 
@@ -128,7 +123,7 @@ def _function_name(eqn) -> str:
 def _rule_jaxpr(eqn):
     """The jaxpr that runs in a custom call's place in a gradient: a ``custom_vjp`` call's forward
     rule, a ``custom_jvp`` call's primal function; ``None`` where JAX does not give it."""
-    if eqn.primitive.name == _CUSTOM_VJP:
+    if eqn.primitive.name == _jaxpr.CUSTOM_VJP_CALL:
         try:
             return _jax_compat.custom_vjp_forward_jaxpr(eqn)[0]
         except Exception:  # a rule that does not trace without values: fall back to the primal
@@ -139,11 +134,7 @@ def _rule_jaxpr(eqn):
 
 def _walk(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it, not into a ``pallas_call`` body."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name != PALLAS_CALL:
-            for sub in nested_jaxprs(eqn):
-                yield from _walk(sub)
+    return _jaxpr.equations(jaxpr, enter=lambda eqn: eqn.primitive.name != PALLAS_CALL)
 
 
 def _computes_floats(eqn) -> bool:
@@ -175,8 +166,9 @@ def _matches(loop_signature: tuple, kernel_signature: tuple) -> bool:
 def _is_online_softmax(loop) -> bool:
     """A loop whose body runs two matrix products, an ``exp`` and a running maximum: attention
     one key block at a time."""
-    prims = collections.Counter(e.primitive.name for b in nested_jaxprs(loop) for e in _walk(b))
-    return prims["dot_general"] >= 2 and prims["exp"] >= 1 and (prims["max"] + prims["reduce_max"]) >= 1
+    prims = collections.Counter(e.primitive.name for b in _jaxpr.nested_jaxprs(loop) for e in _walk(b))
+    running_max = prims[_jaxpr.MAX] + prims[_jaxpr.REDUCE_MAX]
+    return prims[_jaxpr.DOT_GENERAL] >= 2 and prims[_jaxpr.EXP] >= 1 and running_max >= 1
 
 
 def _opaque_kernel(eqn) -> tuple[str, str] | None:
@@ -200,14 +192,14 @@ def custom_kernels(jaxpr) -> dict[tuple, tuple[str, str]]:
     gradient, where the call itself is gone."""
     found: dict = {}
     for eqn in _walk(getattr(jaxpr, "jaxpr", jaxpr)):
-        if eqn.primitive.name not in _CUSTOM_CALLS:
+        if eqn.primitive.name not in _jaxpr.CUSTOM_CALL_PRIMITIVES:
             continue
         rule = _rule_jaxpr(eqn)
         if rule is None or any(_opaque_kernel(e) for e in _walk(rule)):
             continue
         name = _function_name(eqn)
         for loop in rule.eqns:
-            if loop.primitive.name in _LOOPS and _computes_floats(loop):
+            if _jaxpr.is_loop(loop) and _computes_floats(loop):
                 attention = _declared(name) or _is_online_softmax(loop)
                 found[_loop_signature(loop)] = (name, CUSTOM_ATTENTION if attention else CUSTOM)
     return found
@@ -235,7 +227,7 @@ def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None
       custom: :func:`custom_kernels` of the program the jaxpr was differentiated from.
     """
     found = _opaque_kernel(eqn)
-    if found is not None or eqn.primitive.name not in _LOOPS or not _computes_floats(eqn):
+    if found is not None or not _jaxpr.is_loop(eqn) or not _computes_floats(eqn):
         return found
     if inside_blockwise or BLOCKWISE_FORWARD_SCOPE in str(eqn.source_info.name_stack):
         return "blockwise_attention", BLOCKWISE  # a loop of the kernel: the loops inside it belong to it
@@ -267,18 +259,18 @@ def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, c
             kinds.setdefault(found[0], found[1])
         elif name == PALLAS_CALL:
             pass  # not into a kernel's body
-        elif (sub := _liveness.call_jaxpr(eqn)) is not None:
+        elif (sub := _jaxpr.call_jaxpr(eqn)) is not None:
             inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
             runs.update(inner)
-        elif name == "scan":  # the body's outputs that the used outputs need, carries to a fixed point
+        elif name == _jaxpr.SCAN:  # the body's outputs that the used outputs need, carries to a fixed point
             body = eqn.params["jaxpr"].jaxpr
-            body_used = _liveness.scan_body_used_outputs(eqn, used)
+            body_used = _jaxpr.scan_body_used_outputs(eqn, used)
             inner, used_inputs = _count(body, body_used, in_scope, loop_iterations, custom, kinds)
             times = eqn.params.get("length", 1) if loop_iterations else 1
             runs.update({k: times * n for k, n in inner.items()})
         else:
             times = 1
-            for sub in nested_jaxprs(eqn):
+            for sub in _jaxpr.nested_jaxprs(eqn):
                 inner = _count(sub, [True] * len(sub.outvars), in_scope, loop_iterations, custom, kinds)[0]
                 runs.update({k: times * n for k, n in inner.items()})
         live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, jcore.Var))
@@ -355,18 +347,18 @@ def kernel_rerun_lines(reruns: Mapping[str, tuple[int, int]], kinds: Mapping[str
 
 def _is_kernel_call(eqn) -> bool:
     """A ``custom_vjp`` call whose forward runs a kernel (module docstring)."""
-    if eqn.primitive.name != _CUSTOM_VJP:
+    if eqn.primitive.name != _jaxpr.CUSTOM_VJP_CALL:
         return False
     rule = _rule_jaxpr(eqn)
     return rule is not None and any(
-        _opaque_kernel(e) is not None or (e.primitive.name in _LOOPS and _computes_floats(e)) for e in _walk(rule)
+        _opaque_kernel(e) is not None or (_jaxpr.is_loop(e) and _computes_floats(e)) for e in _walk(rule)
     )
 
 
 def is_attention_call(eqn) -> bool:
     """A ``custom_vjp`` call whose forward runs an attention kernel: a Pallas one named like
     attention, a declared one, or a loop with an online softmax."""
-    if eqn.primitive.name != _CUSTOM_VJP:
+    if eqn.primitive.name != _jaxpr.CUSTOM_VJP_CALL:
         return False
     if holds_attention_kernel(eqn.params["call_jaxpr"].jaxpr) or _declared(_function_name(eqn)):
         return True
@@ -376,13 +368,11 @@ def is_attention_call(eqn) -> bool:
     kernels = [k for e in _walk(rule) if (k := _opaque_kernel(e)) is not None]
     if kernels:  # cuDNN's stays whole: its statistics are not ones this split is checked on
         return any(kind in ATTENTION_KINDS - {CUDNN} for _, kind in kernels)
-    return any(e.primitive.name in _LOOPS and _is_online_softmax(e) for e in _walk(rule))
+    return any(_jaxpr.is_loop(e) and _is_online_softmax(e) for e in _walk(rule))
 
 
 def _holds_call(jaxpr, which) -> bool:
-    return any(
-        which(e) or (e.primitive.name == "scan" and _holds_call(e.params["jaxpr"].jaxpr, which)) for e in jaxpr.eqns
-    )
+    return any(which(e) or (_jaxpr.is_scan(e) and _holds_call(e.params["jaxpr"].jaxpr, which)) for e in jaxpr.eqns)
 
 
 def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
@@ -429,7 +419,7 @@ def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
         if which(eqn):
             with jax.named_scope(f"{SPLIT_FORWARD_SCOPE}.{_function_name(eqn)}"):
                 outs = _split_call(eqn, invals)
-        elif eqn.primitive.name == "scan" and _holds_call(eqn.params["jaxpr"].jaxpr, which):
+        elif _jaxpr.is_scan(eqn) and _holds_call(eqn.params["jaxpr"].jaxpr, which):
             outs = _engine.rebind_scan(
                 eqn, invals, lambda body, args: _evaluate_split(body.jaxpr, body.consts, args, which)
             )

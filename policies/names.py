@@ -37,6 +37,7 @@ from jremat import (
     Plan,
     PlanPolicy,
     Program,
+    _jaxpr,
     kernels,
     register,
     require_host_memory,
@@ -143,7 +144,7 @@ def same_data_closure(program: Program, seeds: Iterable) -> frozenset:
 
 
 #: Primitives whose outputs are parts of their first operand: the operand holds their data.
-PARTS_PRIMITIVES = frozenset({"split"})
+PARTS_PRIMITIVES = _jaxpr.PARTS_PRIMITIVES
 
 
 def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset:
@@ -175,7 +176,7 @@ def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset:
     ops = program.ops
     jaxpr = program.closed_jaxpr.jaxpr
     program_outputs = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-    named = {v for eqn in eqns if eqn.primitive.name == "name" for v in (*eqn.invars, *eqn.outvars)}
+    named = {v for eqn in eqns if eqn.primitive.name == _jaxpr.NAME for v in (*eqn.invars, *eqn.outvars)}
     is_data = {v: jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact) for v in jaxpr.invars}
     for eqn in eqns:
         depends = any(is_data.get(v, False) for v in eqn.invars if not isinstance(v, jcore.Literal))
@@ -240,9 +241,9 @@ class SaveAllExcept(PlanPolicy):
         return super().checkpoint(kernels.split_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
-        found = {op.tensor_name for op in program.ops if op.primitive == "name"}
+        found = {op.tensor_name for op in program.ops if op.primitive == _jaxpr.NAME}
         check_found(self.exclude, found, policy="names_except", key="exclude")
-        seeds = (op.index for op in program.ops if op.primitive == "name" and op.tensor_name in self.exclude)
+        seeds = (op.index for op in program.ops if op.primitive == _jaxpr.NAME and op.tensor_name in self.exclude)
         excluded = stand_in_closure(program, seeds)
         eqns, _, consumers = _wiring(program)
         save = set()

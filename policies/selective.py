@@ -43,8 +43,7 @@ import dataclasses
 
 from jax.extend import core as jcore
 
-from jremat import Plan, PlanPolicy, Program, attention, kernels, names, register
-from jremat._program import nested_jaxprs
+from jremat import Plan, PlanPolicy, Program, _jaxpr, attention, kernels, names, register
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
 CORE_INPUTS = (names.QUERY, names.KEY, names.VALUE)
@@ -56,9 +55,9 @@ def _is_var(v) -> bool:
 
 
 #: Matrix products that delimit an attention core found by structure.
-_DOTS = frozenset({"dot_general"})
+_DOTS = frozenset({_jaxpr.DOT_GENERAL})
 #: Calls whose body may hold a whole softmax (``jax.nn.softmax`` as a ``custom_jvp``).
-_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_CALLS = _jaxpr.CUSTOM_DERIVATIVE_PRIMITIVES
 #: How the core was found.
 BY_TAG = "tag"
 BY_STRUCTURE = "structure"
@@ -116,13 +115,8 @@ def _softmax_call(eqn) -> bool:
     """A custom-derivative call whose body is a softmax (exp, reduce_sum and div inside)."""
     if eqn.primitive.name not in _CALLS:
         return False
-    found, stack = set(), nested_jaxprs(eqn)
-    while stack:
-        jaxpr = stack.pop()
-        for inner in jaxpr.eqns:
-            found.add(inner.primitive.name)
-            stack.extend(nested_jaxprs(inner))
-    return {"exp", "reduce_sum", "div"} <= found
+    found = {inner.primitive.name for sub in _jaxpr.nested_jaxprs(eqn) for inner in _jaxpr.equations(sub)}
+    return _jaxpr.SOFTMAX_PRIMITIVES <= found
 
 
 def structural_attention_cores(program: Program) -> list[frozenset[int]]:
@@ -162,11 +156,11 @@ def structural_attention_cores(program: Program) -> list[frozenset[int]]:
     backward = lambda i: [producer[v] for v in filter(_is_var, eqns[i].invars) if v in producer]
     cores = []
     for e, eqn in enumerate(eqns):
-        if eqn.primitive.name == "exp":
+        if eqn.primitive.name == _jaxpr.EXP:
             after_exp = reach([e], forward, is_dot)
-            sums = [i for i in after_exp if eqns[i].primitive.name == "reduce_sum"]
+            sums = [i for i in after_exp if eqns[i].primitive.name == _jaxpr.REDUCE_SUM]
             after_sums = reach(sums, forward, is_dot)
-            normalized = [i for i in after_exp & after_sums if eqns[i].primitive.name in ("div", "mul")]
+            normalized = [i for i in after_exp & after_sums if eqns[i].primitive.name in _jaxpr.NORMALIZING_PRIMITIVES]
         elif _softmax_call(eqn):
             normalized = [e]
         else:
@@ -193,7 +187,7 @@ def attention_core(program: Program) -> frozenset[int]:
     eqns = program.closed_jaxpr.jaxpr.eqns
 
     def tagged(name_set):
-        return {i for i, e in enumerate(eqns) if e.primitive.name == "name" and e.params["name"] in name_set}
+        return {i for i, e in enumerate(eqns) if _jaxpr.name_tag(e) in name_set}
 
     starts, ends = tagged(CORE_INPUTS), tagged({CORE_OUTPUT})
     if not starts and not ends:
@@ -262,7 +256,7 @@ class Selective(PlanPolicy):
             save=frozenset(
                 op.index
                 for op in program.ops
-                if (op.counted or op.primitive == "name") and not op.rng_derived and op.index not in core
+                if (op.counted or op.primitive == _jaxpr.NAME) and not op.rng_derived and op.index not in core
             )
         )
 

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jremat import _liveness
+from jremat import _jaxpr
 
 
 @jax.custom_jvp
@@ -19,7 +19,7 @@ def test_an_input_only_an_ignoring_call_reads_is_dead():
     def fn(a, b):
         return first_of(a * 2.0, jnp.sin(b))
 
-    assert _liveness.used_inputs(jax.make_jaxpr(fn)(1.0, 2.0)) == [True, False]
+    assert _jaxpr.used_inputs(jax.make_jaxpr(fn)(1.0, 2.0)) == [True, False]
 
 
 def test_a_scan_reads_what_its_body_reads_and_carries_reach_a_fixed_point():
@@ -35,7 +35,7 @@ def test_a_scan_reads_what_its_body_reads_and_carries_reach_a_fixed_point():
     xs = jnp.ones(3)
     # b (an output) is the previous a: a's initial value and every x are read; c1 is read as the
     # first b; ys never.
-    assert _liveness.used_inputs(jax.make_jaxpr(fn)(0.0, 0.0, xs, xs)) == [True, True, True, False]
+    assert _jaxpr.used_inputs(jax.make_jaxpr(fn)(0.0, 0.0, xs, xs)) == [True, True, True, False]
 
 
 def test_used_outputs_select_what_is_live():
@@ -43,8 +43,8 @@ def test_used_outputs_select_what_is_live():
         return a + 1.0, b * 3.0
 
     jaxpr = jax.make_jaxpr(fn)(1.0, 2.0)
-    assert _liveness.used_inputs(jaxpr, [True, False]) == [True, False]
-    assert _liveness.used_inputs(jaxpr, [False, True]) == [False, True]
+    assert _jaxpr.used_inputs(jaxpr, [True, False]) == [True, False]
+    assert _jaxpr.used_inputs(jaxpr, [False, True]) == [False, True]
 
 
 def test_effects_keep_an_equation_live():
@@ -52,4 +52,4 @@ def test_effects_keep_an_equation_live():
         jax.debug.print("{}", b)
         return a
 
-    assert _liveness.used_inputs(jax.make_jaxpr(fn)(1.0, 2.0)) == [True, True]
+    assert _jaxpr.used_inputs(jax.make_jaxpr(fn)(1.0, 2.0)) == [True, True]
