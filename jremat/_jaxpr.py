@@ -252,37 +252,44 @@ def call_jaxpr(eqn):
     return None
 
 
-def walk(jaxpr, loops: tuple = (), *, enter: Callable | None = None) -> Iterator[tuple]:
+def walk(jaxpr, enclosing: tuple = (), *, enter: Callable | None = None) -> Iterator[tuple]:
     """Every equation of ``jaxpr`` and of the jaxprs nested in it, in program order (an equation
-    before the equations of its nested jaxprs), each with the ``scan`` equations around it.
+    before the equations of its nested jaxprs), each with the equations that hold it.
 
     Args:
       jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
-      loops: the ``scan`` equations around ``jaxpr`` itself.
-      enter: whether to walk into an equation's nested jaxprs (default: always).
+      enclosing: the equations that hold ``jaxpr`` itself, outermost first.
+      enter: ``enter(eqn, enclosing)``: whether to walk into the jaxprs nested in ``eqn``
+        (default: always).
 
     Yields:
-      ``(eqn, loops)``: ``loops`` the ``scan`` equations whose bodies hold ``eqn``, outermost first
-      (:func:`trip_count` multiplies their lengths). A ``while`` loop's trip count is unknown: its
-      body's equations have the loops of the ``while`` equation.
+      ``(eqn, enclosing)``: ``enclosing`` the equations whose nested jaxprs hold ``eqn``, outermost
+      first; :func:`trip_count` of it is how many times ``eqn`` runs per run of ``jaxpr``, as far
+      as ``scan`` lengths tell (:func:`loops`).
     """
     for eqn in as_jaxpr(jaxpr).eqns:
-        yield eqn, loops
-        if enter is None or enter(eqn):
-            inner = (*loops, eqn) if eqn.primitive.name == SCAN else loops
+        yield eqn, enclosing
+        if enter is None or enter(eqn, enclosing):
             for sub in nested_jaxprs(eqn):
-                yield from walk(sub, inner, enter=enter)
+                yield from walk(sub, (*enclosing, eqn), enter=enter)
 
 
 def equations(jaxpr, *, enter: Callable | None = None) -> Iterator:
-    """The equations :func:`walk` yields, without their loops."""
+    """The equations :func:`walk` yields, without what holds them."""
     return (eqn for eqn, _ in walk(jaxpr, enter=enter))
 
 
-def trip_count(loops: Sequence) -> int:
-    """How many times a body inside the ``scan`` equations ``loops`` (from :func:`walk`) runs."""
+def loops(enclosing: Sequence) -> tuple:
+    """The ``scan`` equations among ``enclosing`` (from :func:`walk`): the loops around an
+    equation whose trip counts are known. A ``while`` loop's is not: it counts once."""
+    return tuple(eqn for eqn in enclosing if eqn.primitive.name == SCAN)
+
+
+def trip_count(enclosing: Sequence) -> int:
+    """How many times an equation inside ``enclosing`` (from :func:`walk`) runs: the product of
+    the lengths of the ``scan`` loops around it."""
     n = 1
-    for loop in loops:
+    for loop in loops(enclosing):
         n *= loop.params["length"]
     return n
 
@@ -327,23 +334,64 @@ def scan_body_used_outputs(eqn, used_outputs: Sequence[bool]) -> list[bool]:
             return used_out
 
 
-def _reads(eqn, used: list[bool]) -> list[bool]:
-    if eqn.effects:
-        return [True] * len(eqn.invars)
-    if (sub := call_jaxpr(eqn)) is not None:
-        return used_inputs(sub, used)
-    if eqn.primitive.name == SCAN:
-        return used_inputs(as_jaxpr(eqn.params["jaxpr"]), scan_body_used_outputs(eqn, used))
-    return [True] * len(eqn.invars)
+def live_equations(jaxpr, used_outputs: Sequence[bool] | None = None, *, enter: Callable | None = None):
+    """The equations of ``jaxpr`` and of the jaxprs nested in it that computing its used outputs
+    runs: what is left after dead-code elimination.
+
+    A call-like equation (:func:`call_jaxpr`: ``jit``, checkpoints, custom derivatives, their
+    primal jaxpr) runs the part of its body its used outputs need, a ``scan`` the part of its body
+    its used outputs need with carries to a fixed point (:func:`scan_body_used_outputs`); any other
+    equation with nested jaxprs (``while``, ``cond``) runs all of them and reads all its inputs
+    when one of its outputs is used. Equations with effects always run and read all their inputs.
+
+    Args:
+      jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
+      used_outputs: which outputs are used (default: all).
+      enter: ``enter(eqn, enclosing)``: whether to walk into the jaxprs nested in ``eqn``
+        (default: always); an equation not walked into reads all its inputs.
+
+    Returns:
+      A generator of ``(eqn, used, enclosing)``, last equation first (an equation before the
+      equations of its nested jaxprs): ``used`` which of ``eqn``'s outputs are used, ``enclosing``
+      as :func:`walk` gives it. Its return value (``StopIteration.value``) is :func:`used_inputs`.
+    """
+    jaxpr = as_jaxpr(jaxpr)
+    used_outputs = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
+    return _live(jaxpr, used_outputs, (), enter)
+
+
+def _live(jaxpr, used_outputs, enclosing, enter):
+    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, jcore.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        used = [v in live for v in eqn.outvars]
+        if not any(used) and not eqn.effects:
+            continue
+        yield eqn, used, enclosing
+        reads = None
+        if enter is None or enter(eqn, enclosing):
+            inner = (*enclosing, eqn)
+            if (sub := call_jaxpr(eqn)) is not None:
+                reads = yield from _live(sub, used, inner, enter)
+            elif eqn.primitive.name == SCAN:
+                body_used = scan_body_used_outputs(eqn, used)
+                reads = yield from _live(as_jaxpr(eqn.params["jaxpr"]), body_used, inner, enter)
+            else:
+                for sub in nested_jaxprs(eqn):
+                    yield from _live(sub, [True] * len(sub.outvars), inner, enter)
+        if reads is None or eqn.effects:
+            reads = [True] * len(eqn.invars)
+        live.update(v for v, r in zip(eqn.invars, reads) if r and isinstance(v, jcore.Var))
+    return [v in live for v in jaxpr.invars]
+
+
+def _reads_through(eqn, enclosing) -> bool:
+    # Only the bodies whose liveness is finer than "every input" are worth walking into.
+    return not eqn.effects and (call_jaxpr(eqn) is not None or eqn.primitive.name == SCAN)
 
 
 def used_inputs(jaxpr, used_outputs: Sequence[bool] | None = None) -> list[bool]:
-    """For each input of ``jaxpr``, whether computing its used outputs reads it.
-
-    Follows call-like equations (``jit``, checkpoints, custom derivatives: their primal jaxpr)
-    and ``scan`` bodies (carries to a fixed point); any other equation with nested jaxprs
-    (``while``, ``cond``) reads all its inputs when one of its outputs is used. Equations with
-    effects are always kept.
+    """For each input of ``jaxpr``, whether computing its used outputs reads it
+    (:func:`live_equations`).
 
     Args:
       jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
@@ -352,13 +400,13 @@ def used_inputs(jaxpr, used_outputs: Sequence[bool] | None = None) -> list[bool]
     Returns:
       One bool per input variable of ``jaxpr``.
     """
-    jaxpr = as_jaxpr(jaxpr)
-    if used_outputs is None:
-        used_outputs = [True] * len(jaxpr.outvars)
-    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, jcore.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        used = [v in live for v in eqn.outvars]
-        if not any(used) and not eqn.effects:
-            continue
-        live.update(v for v, r in zip(eqn.invars, _reads(eqn, used)) if r and isinstance(v, jcore.Var))
-    return [v in live for v in jaxpr.invars]
+    return drain(live_equations(jaxpr, used_outputs, enter=_reads_through))
+
+
+def drain(generator):
+    """Run ``generator`` to its end and return its return value."""
+    while True:
+        try:
+            next(generator)
+        except StopIteration as stop:
+            return stop.value

@@ -26,16 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.extend.random import threefry_2x32
 
-from jremat import _engine, kernels, names
-
-#: The ``jax.named_scope`` around the kernel's forward loop; :func:`count_forward_passes` finds it.
-FORWARD_SCOPE = kernels.BLOCKWISE_FORWARD_SCOPE
-
-#: Primitives of ``jax.nn.dot_product_attention(..., implementation="cudnn")``'s forward kernel.
-CUDNN_FORWARD_PRIMITIVES = kernels.CUDNN_FORWARD_PRIMITIVES
+from jremat import _attention_inputs as _inputs
+from jremat import _engine, names
+from jremat._attention_analysis import BLOCKWISE as BLOCKWISE
+from jremat._attention_analysis import CUDNN as CUDNN
+from jremat._attention_analysis import CUDNN_FORWARD_PRIMITIVES as CUDNN_FORWARD_PRIMITIVES
+from jremat._attention_analysis import FORWARD_KINDS as FORWARD_KINDS
+from jremat._attention_analysis import FORWARD_SCOPE as FORWARD_SCOPE
+from jremat._attention_analysis import PALLAS as PALLAS
+from jremat._attention_analysis import count_forward_passes as count_forward_passes
+from jremat._attention_analysis import forward_kernel as forward_kernel
 
 # Masked scores. Finite, so that a row with no visible key (a padding row) gives no NaN.
 _MASKED = float(np.finfo(np.float32).min)
@@ -96,16 +97,16 @@ def blockwise_attention(
         a single threefry2x32 key with ``jax_threefry_partitionable`` on.
       NotImplementedError: when its gradient is differentiated.
     """
-    _check_inputs(q, k, v)
-    _check_not_float64(q)
+    _inputs.check_inputs(q, k, v)
+    _inputs.check_not_float64(q)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    rate = _check_rate(dropout_rate)
+    rate = _inputs.check_rate(dropout_rate)
     seq = q.shape[1]
     if dropout_key is None or rate == 0.0:
         rate, key_data = 0.0, None
     else:
-        key_data = _threefry_key_data(dropout_key)
+        key_data = _inputs.threefry_key_data(dropout_key)
         batch, _, heads, _ = q.shape
         if batch * heads * seq >= 2**32:
             raise ValueError(
@@ -113,10 +114,10 @@ def blockwise_attention(
                 "split the batch into several calls"
             )
     cfg = _Config(
-        causal=_static_bool(causal, "causal"),
+        causal=_inputs.static_bool(causal, "causal"),
         block=min(int(block_size), seq),
         seq=seq,
-        scale=_scale(scale, q.shape[-1]),
+        scale=_inputs.scale_or_default(scale, q.shape[-1]),
         dropout_rate=rate,
     )
     return _attention(cfg, q, k, v, key_data)
@@ -157,8 +158,8 @@ def reference_attention(
       ValueError: if the shapes or dtypes do not match, a dimension is empty or ``dropout_rate`` is
         outside ``[0, 1)``.
     """
-    _check_inputs(q, k, v)
-    rate = _check_rate(dropout_rate)
+    _inputs.check_inputs(q, k, v)
+    rate = _inputs.check_rate(dropout_rate)
     seq = q.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # may be traced here
     acc = jnp.float64 if jax.dtypes.canonicalize_dtype(q.dtype) == jnp.float64 else jnp.float32
@@ -171,248 +172,6 @@ def reference_attention(
         probs = jnp.where(keep, probs / jnp.float32(1.0 - rate), jnp.float32(0.0))
     out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v, preferred_element_type=acc)
     return out.astype(q.dtype)
-
-
-def count_forward_passes(closed_jaxpr, *, loop_iterations: bool = False) -> int:
-    """How many attention forward kernels a traced program runs.
-
-    Counts each loop of :func:`blockwise_attention`'s forward pass (found by its
-    ``jax.named_scope``, :data:`FORWARD_SCOPE`), each cuDNN forward kernel of
-    ``jax.nn.dot_product_attention(..., implementation="cudnn")``
-    (:data:`CUDNN_FORWARD_PRIMITIVES`) and each Pallas attention forward kernel
-    (:func:`jremat.kernels.is_attention_forward_kernel`: ``mha_forward`` of :func:`pallas_attention`), over the program and every jaxpr nested in it (``jit``,
-    ``scan``, ``while``, ``cond``, checkpoints, custom derivatives). A kernel inside a loop body
-    counts once, not once per iteration, unless ``loop_iterations``: then a kernel inside a
-    ``scan`` (a layer stack) counts once per iteration (a ``while`` loop's trip count is unknown:
-    once). Only kernels whose results the program's outputs use
-    count: under ``jax_remat3`` a saved value's recomputation stays in the jaxpr as an unused
-    input of a call (it supplies a tangent that is zero here), and XLA removes it.
-
-    ``jax.value_and_grad`` of a loss over one attention call counts 1 when the backward pass
-    reads the saved output and log-sum-exp, 2 when it runs the forward kernel again.
-    (``jax.grad`` alone discards the loss, so a recomputing backward pass is then the only
-    forward kernel left.)
-
-    Args:
-      closed_jaxpr: a ``jax.make_jaxpr`` result (a ``ClosedJaxpr``) or a ``Jaxpr``.
-      loop_iterations: count a kernel inside a ``scan`` once per iteration.
-
-    Returns:
-      The number of forward kernels.
-    """
-    kinds: dict = {}
-    runs = kernels.count_kernel_runs(closed_jaxpr, loop_iterations=loop_iterations, kinds=kinds)
-    return sum(n for name, n in runs.items() if kinds[name] in FORWARD_KINDS)
-
-
-#: What :func:`forward_kernel` returns for each kind of attention forward kernel.
-BLOCKWISE = kernels.BLOCKWISE
-CUDNN = kernels.CUDNN
-PALLAS = kernels.PALLAS
-#: The kinds :func:`count_forward_passes` counts.
-FORWARD_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS})
-
-
-def forward_kernel(eqn) -> str | None:
-    """Which attention forward kernel equation ``eqn`` is or holds (a call or loop that runs
-    one): :data:`BLOCKWISE` (a :func:`blockwise_attention` forward loop), :data:`CUDNN` (a
-    cuDNN forward kernel), :data:`PALLAS` (a Pallas attention forward kernel,
-    :func:`jremat.kernels.is_attention_forward_kernel`), :data:`jremat.kernels.CUSTOM_ATTENTION`
-    (the forward loop of a ``custom_vjp`` attention kernel written in JAX, as
-    :func:`jremat.kernels.split_attention_kernels` runs it), or ``None``."""
-    return _forward_kernel(eqn, inside_scope=False)
-
-
-def _forward_kernel(eqn, inside_scope: bool) -> str | None:
-    in_scope = inside_scope or FORWARD_SCOPE in str(eqn.source_info.name_stack)
-    found = kernels.kernel_at(eqn, in_scope)
-    if found is not None:
-        return found[1] if found[1] in kernels.ATTENTION_KINDS else None
-    if eqn.primitive.name == kernels.PALLAS_CALL:  # not into another kernel's body
-        return None
-    for sub in _subjaxprs(eqn):
-        for inner in sub.eqns:
-            kind = _forward_kernel(inner, in_scope)
-            if kind is not None:
-                return kind
-    # A custom_vjp attention kernel written in JAX, not split (the split runs its forward loop in
-    # the program, where kernel_at finds it).
-    return kernels.CUSTOM_ATTENTION if kernels.is_attention_call(eqn) else None
-
-
-def _subjaxprs(eqn):
-    """Every jaxpr in an equation's parameters, whatever the parameter is called."""
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, Jaxpr):
-                yield item
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks
-
-
-def _check_inputs(q, k, v) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name} must be an array [batch, seq, heads, head_dim], got {type(x).__name__}")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"q, k and v must be [batch, seq, heads, head_dim], got shapes {q.shape}, {k.shape}, {v.shape}"
-        )
-    if k.shape != q.shape:
-        raise ValueError(
-            f"k must have q's shape (self-attention: the same batch, seq, heads and head_dim), "
-            f"got q {q.shape} and k {k.shape}"
-        )
-    if q.shape[1] == 0:
-        raise ValueError(f"the sequence must not be empty, got q {q.shape}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must match q in batch, seq and heads, got q {q.shape} and v {v.shape}")
-    empty = [
-        name for name, size in zip(("batch", "heads", "head_dim"), (q.shape[0], q.shape[2], q.shape[3])) if not size
-    ]
-    if empty or not v.shape[3]:
-        raise ValueError(
-            f"q, k and v must have a nonzero batch, heads, head_dim and value_dim, got q {q.shape} and v {v.shape}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k and v must have one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-
-
-def _static_float(value, what: str) -> float:
-    """``value`` as a Python float; a traced value or a non-number is a ``ValueError``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating, np.ndarray, jax.Array)
-    ):
-        raise ValueError(f"{what} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (jax.errors.ConcretizationTypeError, TypeError) as err:
-        raise ValueError(
-            f"{what} must be a static Python number (it fixes the kernel's program), got a traced or "
-            f"non-scalar value {getattr(value, 'aval', value)}; pass it as a constant, not as a jit argument"
-        ) from err
-
-
-def _check_not_float64(q) -> None:
-    if jax.dtypes.canonicalize_dtype(q.dtype).itemsize > 4:  # float64 only where x64 is on
-        raise ValueError(
-            f"blockwise attention computes its scores and softmax in float32; got {q.dtype} inputs, which "
-            "would lose precision silently: pass float32, bfloat16 or float16 (reference_attention takes float64)"
-        )
-
-
-def _check_rate(rate) -> float:
-    rate = _static_float(rate, "dropout rate")
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    return rate
-
-
-def _static_bool(value, what: str) -> bool:
-    try:
-        return bool(value)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError) as err:
-        raise ValueError(f"{what} must be a static Python bool, got a traced value; pass it as a constant") from err
-
-
-def _scale(scale, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else _static_float(scale, "scale")
-
-
-def _threefry_key_data(key) -> jax.Array:
-    """The ``uint32[2]`` data of a single threefry2x32 key, which the kernel hashes block by block."""
-    if not jax.config.jax_threefry_partitionable:
-        raise ValueError(
-            "attention dropout regenerates masks block by block, which needs jax_threefry_partitionable=True "
-            "(the default); it is off"
-        )
-    if not hasattr(key, "dtype"):
-        raise ValueError(f"dropout_key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__} {key!r}")
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.dtype != jnp.uint32:
-            raise ValueError(f"dropout_key must be a PRNG key (jax.random.key), got an array of dtype {key.dtype}")
-        if key.shape != (2,):
-            raise ValueError(
-                f"a raw uint32 dropout_key must be one threefry key of shape (2,) (jax.random.PRNGKey), "
-                f"got shape {key.shape}; pass jax.random.key(seed)"
-            )
-        key = jax.random.wrap_key_data(key)  # a legacy raw key: the default implementation's
-    impl = str(jax.random.key_impl(key))
-    if impl != "threefry2x32":
-        raise ValueError(
-            f"attention dropout needs a threefry2x32 key (jax.random.key(seed), the default), got a {impl!r} key"
-        )
-    if key.shape != ():
-        raise ValueError(f"dropout_key must be a single key, got a key array of shape {key.shape}")
-    return jax.random.key_data(key)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dropout masks, block by block
-
-
-def _mul_add_u64(a: jax.Array, c: int, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a * c + b`` as 64-bit ``(high, low)`` uint32 words, for uint32 ``a``, ``b`` and ``c < 2**32``."""
-    u32 = lambda x: jnp.asarray(x, jnp.uint32)
-    mask16 = u32(0xFFFF)
-    a1, a0 = a >> u32(16), a & mask16
-    c1, c0 = u32(c >> 16), u32(c & 0xFFFF)
-    p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1  # each < 2**32
-    mid = p01 + p10
-    mid_carry = (mid < p01).astype(jnp.uint32)
-    low = p00 + (mid << u32(16))
-    low_carry = (low < p00).astype(jnp.uint32)
-    high = p11 + (mid >> u32(16)) + (mid_carry << u32(16)) + low_carry
-    low_b = low + b
-    high = high + (low_b < low).astype(jnp.uint32)
-    return high, low_b
-
-
-def _keep_block(key_data, rate: float, shape, q_start, k_start, rows: int, cols: int, *, wide=None):
-    """Block ``[:, :, q_start:q_start+rows, k_start:k_start+cols]`` of
-    ``jax.random.bernoulli(key, 1 - rate, shape)`` for ``shape = (batch, heads, seq, seq)``.
-
-    With ``jax_threefry_partitionable``, element ``n`` (row-major flat index, a 64-bit count
-    split into two words) of a threefry random-bits array is ``threefry2x32(key, (n_high, n_low))``
-    with the two output words xor-ed (64-bit bits: concatenated), as JAX's threefry random bits
-    compute it; ``uniform`` keeps the top mantissa bits of that as a float in ``[1, 2)`` minus 1,
-    and ``bernoulli`` compares it with ``p``. Positions past the sequence (padding) get some
-    value; the caller masks them.
-
-    Args:
-      wide: compute 64-bit counts even if every count fits in 32 bits (for tests); ``None``: when needed.
-    """
-    batch, heads, seq_q, seq_k = shape
-    u32 = lambda x: jnp.asarray(x, jnp.uint32)
-    b = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 0)
-    h = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 1)
-    i = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 2) + u32(q_start)
-    j = lax.broadcasted_iota(jnp.uint32, (batch, heads, rows, cols), 3) + u32(k_start)
-    row = (b * u32(heads) + h) * u32(seq_q) + i  # < 2**32, checked by the caller
-    if wide is None:
-        wide = batch * heads * seq_q * seq_k >= 2**32
-    if wide:
-        high, low = _mul_add_u64(row, seq_k, j)
-    else:
-        high, low = jnp.zeros_like(row), row * u32(seq_k) + j
-    n = high.size
-    bits = threefry_2x32((key_data[0], key_data[1]), jnp.concatenate([high.ravel(), low.ravel()]))
-    bits1, bits2 = bits[:n].reshape(high.shape), bits[n:].reshape(high.shape)
-    float_dtype = jax.dtypes.canonicalize_dtype(jnp.float64)  # bernoulli's p: a Python float's dtype
-    if float_dtype == jnp.float64:
-        u64 = lambda x: jnp.asarray(x, jnp.uint64)
-        word = (bits1.astype(jnp.uint64) << u64(32)) | bits2.astype(jnp.uint64)
-        mantissa = (word >> u64(64 - 52)) | u64(np.array(1.0, np.float64).view(np.uint64))
-        uniform = lax.bitcast_convert_type(mantissa, jnp.float64) - jnp.float64(1.0)
-    else:
-        word = bits1 ^ bits2
-        mantissa = (word >> u32(32 - 23)) | u32(np.array(1.0, np.float32).view(np.uint32))
-        uniform = lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
-    return uniform < jnp.asarray(1.0 - rate, float_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +206,7 @@ def _scores(cfg: _Config, q_blk, k_blk, q_start, k_start):
 
 
 def _block_keep(cfg: _Config, key_data, batch, heads, q_start, k_start):
-    return _keep_block(
+    return _inputs.keep_block(
         key_data, cfg.dropout_rate, (batch, heads, cfg.seq, cfg.seq), q_start, k_start, cfg.block, cfg.block
     )
 
@@ -730,7 +489,7 @@ def pallas_attention(
     """
     from jax.experimental.pallas.ops.gpu.attention import mha
 
-    _check_inputs(q, k, v)
+    _inputs.check_inputs(q, k, v)
     if v.shape != q.shape:
         raise ValueError(f"pallas attention needs v of q's shape (one head width), got q {q.shape} and v {v.shape}")
     if interpret is None:
@@ -740,8 +499,8 @@ def pallas_attention(
         k,
         v,
         None,
-        sm_scale=_scale(scale, q.shape[-1]),
-        causal=_static_bool(causal, "causal"),
+        sm_scale=_inputs.scale_or_default(scale, q.shape[-1]),
+        causal=_inputs.static_bool(causal, "causal"),
         block_sizes=pallas_block_sizes(block_size, q.shape[1]),
         interpret=bool(interpret),
     )

@@ -134,7 +134,7 @@ def _rule_jaxpr(eqn):
 
 def _walk(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it, not into a ``pallas_call`` body."""
-    return _jaxpr.equations(jaxpr, enter=lambda eqn: eqn.primitive.name != PALLAS_CALL)
+    return _jaxpr.equations(jaxpr, enter=lambda eqn, _: eqn.primitive.name != PALLAS_CALL)
 
 
 def _computes_floats(eqn) -> bool:
@@ -242,39 +242,10 @@ def kernel_at(eqn, inside_blockwise: bool = False, custom: Mapping | None = None
     return None
 
 
-def _count(jaxpr, used_outputs, inside_blockwise: bool, loop_iterations: bool, custom, kinds) -> tuple:
-    """``(runs per kernel name, which inputs are used)`` of ``jaxpr`` given which outputs are used."""
-    live = {v for v, used in zip(jaxpr.outvars, used_outputs) if used and isinstance(v, jcore.Var)}
-    runs: collections.Counter = collections.Counter()
-    for eqn in reversed(jaxpr.eqns):
-        used = [v in live for v in eqn.outvars]
-        if not any(used) and not eqn.effects:
-            continue
-        in_scope = inside_blockwise or BLOCKWISE_FORWARD_SCOPE in str(eqn.source_info.name_stack)
-        name = eqn.primitive.name
-        used_inputs = [True] * len(eqn.invars)
-        found = kernel_at(eqn, in_scope, custom)
-        if found is not None:
-            runs[found[0]] += 1
-            kinds.setdefault(found[0], found[1])
-        elif name == PALLAS_CALL:
-            pass  # not into a kernel's body
-        elif (sub := _jaxpr.call_jaxpr(eqn)) is not None:
-            inner, used_inputs = _count(sub, used, in_scope, loop_iterations, custom, kinds)
-            runs.update(inner)
-        elif name == _jaxpr.SCAN:  # the body's outputs that the used outputs need, carries to a fixed point
-            body = eqn.params["jaxpr"].jaxpr
-            body_used = _jaxpr.scan_body_used_outputs(eqn, used)
-            inner, used_inputs = _count(body, body_used, in_scope, loop_iterations, custom, kinds)
-            times = eqn.params.get("length", 1) if loop_iterations else 1
-            runs.update({k: times * n for k, n in inner.items()})
-        else:
-            times = 1
-            for sub in _jaxpr.nested_jaxprs(eqn):
-                inner = _count(sub, [True] * len(sub.outvars), in_scope, loop_iterations, custom, kinds)[0]
-                runs.update({k: times * n for k, n in inner.items()})
-        live.update(v for v, u in zip(eqn.invars, used_inputs) if u and isinstance(v, jcore.Var))
-    return runs, [v in live for v in jaxpr.invars]
+def _in_blockwise_scope(eqns) -> bool:
+    """Whether one of ``eqns`` (an equation and what holds it: name stacks of nested jaxprs are
+    relative) runs in :data:`BLOCKWISE_FORWARD_SCOPE`."""
+    return any(BLOCKWISE_FORWARD_SCOPE in str(e.source_info.name_stack) for e in eqns)
 
 
 def count_kernel_runs(
@@ -305,7 +276,16 @@ def count_kernel_runs(
     custom = custom_kernels(jaxpr)
     if primal is not None:
         custom.update(custom_kernels(primal))
-    runs, _ = _count(jaxpr, [True] * len(jaxpr.outvars), False, loop_iterations, custom, {} if kinds is None else kinds)
+    kinds = {} if kinds is None else kinds
+    found_at = lambda eqn, enclosing: kernel_at(eqn, _in_blockwise_scope(enclosing), custom)
+    # Not into a kernel's body, nor into a kernel's own loop (the loops inside it belong to it).
+    enter = lambda eqn, enclosing: eqn.primitive.name != PALLAS_CALL and found_at(eqn, enclosing) is None
+    runs: collections.Counter = collections.Counter()
+    for eqn, _, enclosing in _jaxpr.live_equations(jaxpr, enter=enter):
+        found = found_at(eqn, enclosing)
+        if found is not None:
+            runs[found[0]] += _jaxpr.trip_count(enclosing) if loop_iterations else 1
+            kinds.setdefault(found[0], found[1])
     return dict(runs)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat import attention, names
+from jremat import _attention_inputs, attention, names
 from tests.conftest import saved_residuals
 
 B, H, D = 2, 2, 8
@@ -128,7 +128,7 @@ def test_dropout_blocks_are_bernoulli_over_the_full_shape_bit_for_bit(shape, blo
 
     @jax.jit
     def drawn(key_data):  # one program for all the blocks; the block offsets are static here
-        return [attention._keep_block(key_data, rate, shape, *block, wide=wide) for block in blocks]
+        return [_attention_inputs.keep_block(key_data, rate, shape, *block, wide=wide) for block in blocks]
 
     for (q0, k0, rows, cols), block in zip(blocks, drawn(jax.random.key_data(key))):
         np.testing.assert_array_equal(np.asarray(block), full[:, :, q0 : q0 + rows, k0 : k0 + cols])
@@ -139,7 +139,7 @@ def test_dropout_blocks_match_under_x64():
     key = jax.random.key(8)
     with jax.enable_x64(True):
         full = np.asarray(jax.random.bernoulli(key, 1.0 - 0.25, (2, 3, 17, 17)))
-        draw = jax.jit(lambda key_data: attention._keep_block(key_data, 0.25, (2, 3, 17, 17), 2, 3, 6, 7))
+        draw = jax.jit(lambda key_data: _attention_inputs.keep_block(key_data, 0.25, (2, 3, 17, 17), 2, 3, 6, 7))
         block = draw(jax.random.key_data(key))
         np.testing.assert_array_equal(np.asarray(block), full[:, :, 2:8, 3:10])
 
@@ -150,7 +150,7 @@ def test_64_bit_counts_are_exact():
     a = rng.integers(0, 2**32, 500, dtype=np.uint64)
     b = rng.integers(0, 2**32, 500, dtype=np.uint64)
     for c in (1, 2**16 + 3, 123_457, 2**32 - 1):
-        high, low = attention._mul_add_u64(jnp.asarray(a, jnp.uint32), c, jnp.asarray(b, jnp.uint32))
+        high, low = _attention_inputs.mul_add_u64(jnp.asarray(a, jnp.uint32), c, jnp.asarray(b, jnp.uint32))
         got = [(int(h) << 32) | int(lo) for h, lo in zip(np.asarray(high), np.asarray(low))]
         assert got == [int(x) * c + int(y) for x, y in zip(a, b)]
 
