@@ -73,14 +73,16 @@ def _iterations(scopes: Sequence[tuple[str, int]]) -> int:
 
 def tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
     """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if (tag := _jaxpr.name_tag(eqn)) is not None:
-            found.append((tag, _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes)))
-        inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
-        for sub in _jaxpr.nested_jaxprs(eqn):
-            found.extend(tags(sub, inner))
-    return found
+    return [
+        (tag, _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes) * _jaxpr.trip_count(enclosing))
+        for eqn, enclosing in _jaxpr.walk(jaxpr)
+        if (tag := _jaxpr.name_tag(eqn)) is not None
+    ]
+
+
+def _scopes(enclosing) -> tuple:
+    """``(scope, length)`` of each ``scan`` among ``enclosing`` (from :func:`jremat._jaxpr.walk`)."""
+    return tuple((_scope(loop), loop.params["length"]) for loop in _jaxpr.loops(enclosing))
 
 
 def _decide(callback, eqn) -> str:
@@ -160,19 +162,11 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
 def checkpoint_bodies(jaxpr) -> list[tuple[str, object]]:
     """``(where, body)`` for every checkpoint in ``jaxpr`` (inside scans too; nested ones included),
     ``body`` the checkpointed jaxpr."""
-    found = []
-
-    def walk(jx, scopes):
-        for eqn in jx.eqns:
-            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
-            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
-                body = eqn.params["jaxpr"]
-                found.append((_where(scopes), getattr(body, "jaxpr", body)))
-            for sub in _jaxpr.nested_jaxprs(eqn):
-                walk(sub, inner)
-
-    walk(jaxpr, ())
-    return found
+    return [
+        (_where(_scopes(enclosing)), _jaxpr.as_jaxpr(eqn.params["jaxpr"]))
+        for eqn, enclosing in _jaxpr.walk(jaxpr)
+        if eqn.primitive.name in _CHECKPOINT_PRIMITIVES
+    ]
 
 
 def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
@@ -190,16 +184,10 @@ def _checkpoints(jaxpr, excluded: frozenset[str]) -> list[tuple]:
         signature = (_where(scopes), tuple((k, v[0], v[1]) for k, v in acc.items()))
         found.append((signature, acc))
 
-    def walk(jx, scopes):
-        for eqn in jx.eqns:
-            if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
-                visit(eqn, scopes)
-                continue
-            inner = (*scopes, (_scope(eqn), eqn.params["length"])) if _jaxpr.is_scan(eqn) else scopes
-            for sub in _jaxpr.nested_jaxprs(eqn):
-                walk(sub, inner)
-
-    walk(jaxpr, ())
+    not_into_checkpoints = lambda eqn, _: eqn.primitive.name not in _CHECKPOINT_PRIMITIVES
+    for eqn, enclosing in _jaxpr.walk(jaxpr, enter=not_into_checkpoints):
+        if eqn.primitive.name in _CHECKPOINT_PRIMITIVES:
+            visit(eqn, _scopes(enclosing))
     return found
 
 

@@ -354,9 +354,8 @@ def tag_name(eqn) -> str | None:
 
     A classic tag is a ``name`` equation; a remat3 tag is a ``call_hi_primitive`` equation.
     """
-    if eqn.primitive.name == NAME_PRIMITIVE:
-        return eqn.params["name"]
-    return _jax_compat.remat3_tag_name(eqn)
+    tag = _jaxpr.name_tag(eqn)
+    return tag if tag is not None else _jax_compat.remat3_tag_name(eqn)
 
 
 def translates(eqn) -> bool:
@@ -400,15 +399,8 @@ def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_
 
 def _holds_translated(jaxpr) -> bool:
     """Whether ``jaxpr`` (or one nested in it) holds a name tag or a classic checkpoint."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == NAME_PRIMITIVE or eqn.primitive.name in CLASSIC_CHECKPOINT_PRIMITIVES:
-            return True
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", item)
-                if isinstance(inner, jcore.Jaxpr) and _holds_translated(inner):
-                    return True
-    return False
+    translated = {NAME_PRIMITIVE, *CLASSIC_CHECKPOINT_PRIMITIVES}
+    return any(eqn.primitive.name in translated for eqn in _jaxpr.equations(jaxpr))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def _saving_gathered(callback: Callable | None) -> Callable:
         return policies.save_only_these_names(*names, GATHERED_TAG)
 
     def either(prim, *avals, **params):
-        if prim.name == "name" and params.get("name") == GATHERED_TAG:
+        if prim.name == _jaxpr.NAME and params.get("name") == GATHERED_TAG:
             return True
         return callback(prim, *avals, **params)
 

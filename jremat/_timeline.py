@@ -134,7 +134,7 @@ def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> st
         return instruction
     op_name = hlo.op_name.get(instruction, "")
     if (
-        "dynamic_update_slice" in op_name
+        _jaxpr.DYNAMIC_UPDATE_SLICE in op_name
         or opcode == "dynamic-update-slice"
         or (opcode == "fusion" and not op_name and "dynamic-update-slice" in instruction)
     ):

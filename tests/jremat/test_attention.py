@@ -290,6 +290,25 @@ def test_the_compiled_program_runs_the_forward_loops_as_counted(remat_engine):
     assert loops(jax.checkpoint_policies.nothing_saveable) == loops(SAVE_KERNEL_RESULTS) + 1
 
 
+def test_a_kernel_in_a_scan_carry_that_a_used_output_reads_is_counted(remat_engine):
+    """Carries are followed to a fixed point: the attention feeds only a carry, which the next
+    iteration reads into the used output; with that output unused the kernel is dead."""
+    q = jnp.ones((1, 8, 2, 4))
+
+    def fn(total, x, use_total=True):
+        def body(carry, _):
+            total, x = carry
+            return (total + x.sum(), attention.blockwise_attention(x, x, x, block_size=4)), None
+
+        (total, x), _ = jax.lax.scan(body, (total, x), None, length=3)
+        return total if use_total else jnp.float32(0.0)
+
+    jaxpr = jax.make_jaxpr(fn)(0.0, q)
+    assert attention.count_forward_passes(jaxpr) == 1
+    assert attention.count_forward_passes(jaxpr, loop_iterations=True) == 3
+    assert attention.count_forward_passes(jax.make_jaxpr(lambda t, x: fn(t, x, use_total=False))(0.0, q)) == 0
+
+
 def _cudnn_like_attention():
     """A stand-in for ``jax.nn.dot_product_attention(..., implementation="cudnn")``, which traces
     only where cuDNN is found: the same structure, a custom_vjp whose forward rule binds
