@@ -107,7 +107,8 @@ def _tagged_everywhere(x, xs):
     return y
 
 
-def test_walk_gives_each_equation_the_loops_around_it_and_their_trip_count():
+def test_walk_gives_each_equation_the_loops_around_it_and_their_trip_count(classic_engine):
+    # classic: a checkpoint_name tag is a `name` equation (name_tag reads it)
     jaxpr = jax.make_jaxpr(_tagged_everywhere)(1.0, jnp.ones(3))
     where = {
         _jaxpr.name_tag(eqn): ([loop.params["length"] for loop in _jaxpr.loops(enclosing)], enclosing)
@@ -128,7 +129,7 @@ def test_walk_gives_each_equation_the_loops_around_it_and_their_trip_count():
     assert _jaxpr.name_tags(jaxpr) == {"top", "in_call", "in_inner_scan", "in_while"}
 
 
-def test_walk_visits_an_equation_before_its_body_and_enter_stops_the_descent():
+def test_walk_visits_an_equation_before_its_body_and_enter_stops_the_descent(classic_engine):
     jaxpr = jax.make_jaxpr(_tagged_everywhere)(1.0, jnp.ones(3))
     order = [eqn.primitive.name for eqn in _jaxpr.equations(jaxpr)]
     assert order.index("jit") < order.index("mul") and order.index("while") < order.index("lt")
