@@ -418,17 +418,13 @@ def checkpoint_name_locations(jaxpr) -> dict:
     skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
     out: dict = collections.defaultdict(set)
 
-    def walk(jx):
-        for eqn in jx.eqns:
-            tag = _jaxpr.name_tag(eqn) if _jaxpr.name_tag(eqn) is not None else _jax_compat.remat3_tag_name(eqn)
-            if tag is not None:
-                loc = _user_location(eqn.source_info, skip)
-                if loc is not None:
-                    out[loc].add(str(tag))
-            for sub in _jaxpr.nested_jaxprs(eqn):
-                walk(sub)
-
-    walk(getattr(jaxpr, "jaxpr", jaxpr))
+    for eqn in _jaxpr.equations(jaxpr):
+        tag = _jaxpr.name_tag(eqn)
+        tag = _jax_compat.remat3_tag_name(eqn) if tag is None else tag
+        if tag is not None:
+            loc = _user_location(eqn.source_info, skip)
+            if loc is not None:
+                out[loc].add(str(tag))
     return dict(out)
 
 

@@ -93,12 +93,8 @@ def is_attention_forward_kernel(eqn) -> bool:
 
 def holds_attention_kernel(jaxpr) -> bool:
     """Whether ``jaxpr`` or a jaxpr nested in it (not a kernel body) runs a Pallas attention forward kernel."""
-    for eqn in jaxpr.eqns:
-        if is_attention_forward_kernel(eqn):
-            return True
-        if kernel_name(eqn) is None and any(holds_attention_kernel(sub) for sub in _jaxpr.nested_jaxprs(eqn)):
-            return True
-    return False
+    not_into_kernels = lambda eqn, _: kernel_name(eqn) is None
+    return any(is_attention_forward_kernel(eqn) for eqn in _jaxpr.equations(jaxpr, enter=not_into_kernels))
 
 
 def _declared(name: str | None) -> bool:
@@ -352,7 +348,7 @@ def is_attention_call(eqn) -> bool:
 
 
 def _holds_call(jaxpr, which) -> bool:
-    return any(which(e) or (_jaxpr.is_scan(e) and _holds_call(e.params["jaxpr"].jaxpr, which)) for e in jaxpr.eqns)
+    return any(which(e) for e in _jaxpr.equations(jaxpr, enter=lambda eqn, _: _jaxpr.is_scan(eqn)))
 
 
 def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
