@@ -145,7 +145,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
             base = canonical(v)
             if decision in (SAVE, OFFLOAD):
                 decided[base] = decision
-            elif prim not in _program.SHAPE_ONLY_PRIMITIVES:
+            elif prim not in _jaxpr.SHAPE_ONLY_PRIMITIVES:
                 decided.setdefault(base, RECOMPUTE)
     for v, decision in decided.items():
         name = name_of(v)

@@ -23,9 +23,6 @@ CAUSE_RANDOM = "a random value drawn differently on recompute"
 CAUSE_STATE = "state not written back"
 CAUSE_VALUE = "a value that differs"
 
-#: Primitives that draw or derive random bits; their presence makes :data:`CAUSE_RANDOM` plausible.
-RANDOM_PRIMITIVES = _jaxpr.RANDOM_PRIMITIVES
-
 #: Relative error above which a differing float value is not plain rounding.
 ROUNDING_LIMIT = 1e-2
 
@@ -233,7 +230,7 @@ def compare(got, ref, rtol: float, atol: float):
 
 def random_primitives(jaxpr) -> set[str]:
     """Names of random primitives used anywhere in ``jaxpr`` (nested jaxprs included)."""
-    return {eqn.primitive.name for eqn in _jaxpr.equations(jaxpr) if eqn.primitive.name in RANDOM_PRIMITIVES}
+    return {eqn.primitive.name for eqn in _jaxpr.equations(jaxpr) if eqn.primitive.name in _jaxpr.RANDOM_PRIMITIVES}
 
 
 def mismatch_cause(where, got, ref, initial, max_rel, random_used: set[str]) -> tuple[str, str]:

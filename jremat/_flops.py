@@ -34,7 +34,7 @@ def kernel_body_flops(body, program_ids: tuple[int, ...], grid: tuple[int, ...])
     As :func:`jaxpr_flops`, with ``program_id`` and ``num_programs`` known, integer scalars
     computed from them and literals known, and a ``while`` loop between known bounds counted
     for its trip count (a causal kernel's loop over the key blocks at or before its query
-    block). Loads and stores of the kernel's blocks (:data:`KERNEL_MEMORY_PRIMITIVES`) cost nothing.
+    block). Loads and stores of the kernel's blocks (:data:`jremat._jaxpr.KERNEL_MEMORY_PRIMITIVES`) cost nothing.
 
     Args:
       body: the ``pallas_call``'s kernel jaxpr.
@@ -42,11 +42,6 @@ def kernel_body_flops(body, program_ids: tuple[int, ...], grid: tuple[int, ...])
       grid: the grid's extent per axis.
     """
     return _walk(getattr(body, "jaxpr", body), {}, (tuple(program_ids), tuple(grid)))
-
-
-#: Primitives of a kernel body that move data between a kernel's blocks and memory, or read the
-#: grid position: no arithmetic.
-KERNEL_MEMORY_PRIMITIVES = _jaxpr.KERNEL_MEMORY_PRIMITIVES
 
 
 def program_id_axes(jaxpr) -> frozenset[int]:
@@ -64,7 +59,7 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
         name = eqn.primitive.name
         if _kernel_cost.is_kernel(eqn):
             total += _kernel_cost.kernel_cost(eqn).flops
-        elif grid_position is not None and name in KERNEL_MEMORY_PRIMITIVES:
+        elif grid_position is not None and name in _jaxpr.KERNEL_MEMORY_PRIMITIVES:
             if name in (_jaxpr.PROGRAM_ID, _jaxpr.NUM_PROGRAMS):
                 ids, grid = grid_position
                 axis = int(eqn.params["axis"])

@@ -35,9 +35,7 @@ from jremat._program import Program
 #: The spec key that keeps gathered weights.
 KEY = "keep_gathered"
 #: Primitives that pass a value through without computing (followed both ways from a gather).
-_PASS_THROUGH = _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
 #: What places a value on the mesh: a sharding constraint (auto axes) or a reshard (explicit axes).
-_PLACEMENTS = _jaxpr.PLACEMENT_PRIMITIVES
 
 
 def gathered_weights(program: Program) -> frozenset[int]:
@@ -56,7 +54,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         for v in ins:
             consumers.setdefault(v, []).append(i)
-        passes = eqn.primitive.name in _PASS_THROUGH or eqn.primitive.name in _PLACEMENTS
+        passes = eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES | _jaxpr.PLACEMENT_PRIMITIVES
         for v in eqn.outvars:
             from_inputs[v] = passes and bool(ins) and all(from_inputs.get(u, False) for u in ins)
 
@@ -66,7 +64,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
             if eqn.primitive.name == _jaxpr.DOT_GENERAL:
                 return True
             if (
-                eqn.primitive.name in _PASS_THROUGH
+                eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
                 and depth < 8
                 and any(feeds_matmul(o, depth + 1) for o in eqn.outvars)
             ):
@@ -75,7 +73,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
 
     found = set()
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name not in _PLACEMENTS:
+        if eqn.primitive.name not in _jaxpr.PLACEMENT_PRIMITIVES:
             continue
         operand = eqn.invars[0]
         if from_inputs.get(operand, False) and feeds_matmul(eqn.outvars[0]):

@@ -169,7 +169,7 @@ KERNEL_MEMORY_PRIMITIVES = frozenset(
         "delay",
     }
 )
-#: Primitives whose output is one of several parts of an input (a policy keeps such parts whole).
+#: Primitives whose outputs are parts of their first operand: the operand holds their data.
 PARTS_PRIMITIVES = frozenset({SPLIT})
 
 

@@ -51,13 +51,6 @@ import jax
 
 from jremat import _flops, _jaxpr, _program
 
-#: The primitive of ``jax.experimental.pallas.pallas_call``.
-PALLAS_PRIMITIVE = _jaxpr.PALLAS_CALL
-#: The primitive of ``jax.ffi.ffi_call``.
-FFI_PRIMITIVE = _jaxpr.FFI_CALL
-#: Every primitive that is a kernel.
-KERNEL_PRIMITIVES = _jaxpr.KERNEL_PRIMITIVES
-
 #: FLOPs per byte of inputs and outputs at which a kernel nobody declared is priced: the
 #: arithmetic intensity of a large matmul, far above ``skip_cheap``'s threshold.
 UNDECLARED_FLOPS_PER_BYTE = 64.0
@@ -197,14 +190,14 @@ def _declaration(name: str) -> _Declaration | None:
 
 
 def is_kernel(eqn) -> bool:
-    """Whether ``eqn`` is a kernel: a ``pallas_call`` or an FFI call (:data:`KERNEL_PRIMITIVES`)."""
-    return eqn.primitive.name in KERNEL_PRIMITIVES
+    """Whether ``eqn`` is a kernel: a ``pallas_call`` or an FFI call (:data:`jremat._jaxpr.KERNEL_PRIMITIVES`)."""
+    return eqn.primitive.name in _jaxpr.KERNEL_PRIMITIVES
 
 
 def kernel_label(eqn) -> str:
     """The name a kernel equation is declared and reported by: a ``pallas_call``'s ``name``, an
     FFI call's target name (``""`` if it has none)."""
-    if eqn.primitive.name == FFI_PRIMITIVE:
+    if eqn.primitive.name == _jaxpr.FFI_CALL:
         return str(eqn.params.get("target_name") or "")
     return str(eqn.params.get("name") or "")
 
@@ -256,11 +249,11 @@ def kernel_cost(eqn) -> KernelCost | None:
         else:
             accessed = _declared_amount(declared.bytes_accessed, ins, outs, "bytes_accessed", name)
         return KernelCost(name, primitive, flops, accessed, declared.attention, DECLARED)
-    estimate = eqn.params.get("cost_estimate") if primitive == PALLAS_PRIMITIVE else None
+    estimate = eqn.params.get("cost_estimate") if primitive == _jaxpr.PALLAS_CALL else None
     if estimate is not None:
         flops = float(estimate.flops) + float(estimate.transcendentals)
         return KernelCost(name, primitive, flops, float(estimate.bytes_accessed), False, COST_ESTIMATE)
-    if primitive == PALLAS_PRIMITIVE:
+    if primitive == _jaxpr.PALLAS_CALL:
         return KernelCost(name, primitive, _pallas_body_times_grid(eqn), _io_bytes(eqn), False, BODY_TIMES_GRID)
     accessed = _io_bytes(eqn)
     return KernelCost(name, primitive, UNDECLARED_FLOPS_PER_BYTE * accessed, accessed, False, UNDECLARED)

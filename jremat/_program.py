@@ -10,7 +10,7 @@ exactly the tagged values. The choice is a pure function of the traced program.
 
 Op classification (used by every policy that counts or prices ops):
 
-* *shape-only* ops (:data:`SHAPE_ONLY_PRIMITIVES`: reshape, broadcast, convert, transpose,
+* *shape-only* ops (:data:`jremat._jaxpr.SHAPE_ONLY_PRIMITIVES`: reshape, broadcast, convert, transpose,
   squeeze, expand_dims, copy, name tags, ...) move or relabel data without arithmetic.
 * *RNG-derived* values depend on a PRNG key (typed, or legacy ``uint32`` bits turned into a
   key by ``random_wrap``) and on no floating-point input: dropout masks, uniform draws, NNX
@@ -35,17 +35,8 @@ from jax.extend import core as jcore
 
 from jremat import _engine, _jaxpr, _kernel_cost
 
-#: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
-SHAPE_ONLY_PRIMITIVES = _jaxpr.SHAPE_ONLY_PRIMITIVES
-#: JAX's elementwise primitives (:data:`jremat._jaxpr.ELEMENTWISE_PRIMITIVES`).
-ELEMENTWISE_PRIMITIVES = _jaxpr.ELEMENTWISE_PRIMITIVES
-#: Call-like primitives whose body is inlined before classification.
-INLINED_CALL_PRIMITIVES = _jaxpr.INLINED_CALL_PRIMITIVES
 #: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._engine.inline_calls`).
 inline_calls = _engine.inline_calls
-
-#: Primitives priced as matrix multiplies by the cost model.
-MATMUL_PRIMITIVES = _jaxpr.MATMUL_PRIMITIVES
 
 
 def is_key(aval) -> bool:
@@ -64,10 +55,6 @@ def aval_bytes(aval) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-#: The jaxprs in an equation's call parameters (:func:`jremat._jaxpr.subjaxprs`).
-subjaxprs = _jaxpr.subjaxprs
-
-
 def equation_flops(eqn) -> float:
     """Cost-model FLOPs to recompute one equation's outputs from its inputs.
 
@@ -83,7 +70,7 @@ def equation_flops(eqn) -> float:
     if kernel_flops is not None:
         return kernel_flops
     name = eqn.primitive.name
-    if name in SHAPE_ONLY_PRIMITIVES:
+    if name in _jaxpr.SHAPE_ONLY_PRIMITIVES:
         return 0.0
     if name == _jaxpr.DOT_GENERAL:
         (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
@@ -94,7 +81,7 @@ def equation_flops(eqn) -> float:
         rhs_shape = eqn.invars[1].aval.shape
         out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
-    subs = subjaxprs(eqn)
+    subs = _jaxpr.subjaxprs(eqn)
     if subs:
         # A scan's outputs cost its body times its length (a while loop's count is unknown: once).
         trips = eqn.params["length"] if name == _jaxpr.SCAN else 1
@@ -143,12 +130,12 @@ class Op:
 
     @property
     def is_elementwise(self) -> bool:
-        """True for counted ops whose primitive is elementwise (:data:`ELEMENTWISE_PRIMITIVES`).
+        """True for counted ops whose primitive is elementwise (:data:`jremat._jaxpr.ELEMENTWISE_PRIMITIVES`).
 
         Matmuls, reductions, calls, loops (``while``, ``scan``), conditionals, custom calls and
         slicing or combining ops (``split``, ``concatenate``, ``gather``, ...) are not.
         """
-        return self.counted and self.primitive in ELEMENTWISE_PRIMITIVES
+        return self.counted and self.primitive in _jaxpr.ELEMENTWISE_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +166,6 @@ def _is_float(aval) -> bool:
     return dtype is not None and not is_key(aval) and jnp.issubdtype(dtype, jnp.inexact)
 
 
-#: Primitives that make a PRNG key from raw bits (legacy ``uint32[2]`` keys, seeds).
-KEY_MAKING_PRIMITIVES = _jaxpr.KEY_MAKING_PRIMITIVES
-
-
 def _classify(jaxpr) -> tuple[Op, ...]:
     # "Data" is floating-point input: a value that depends on none (only on keys, counters,
     # integer ids or constants) is never a compute op, and if a key went into it, it is random.
@@ -199,7 +182,9 @@ def _classify(jaxpr) -> tuple[Op, ...]:
         name = eqn.primitive.name
         has_data = any(data_dep.get(v, False) for v in ins)
         has_key = (
-            name in KEY_MAKING_PRIMITIVES or any(key_dep.get(v, False) for v in ins) or any(is_key(v.aval) for v in ins)
+            name in _jaxpr.KEY_MAKING_PRIMITIVES
+            or any(key_dep.get(v, False) for v in ins)
+            or any(is_key(v.aval) for v in ins)
         )
         for v in eqn.outvars:
             data_dep[v] = has_data
@@ -208,7 +193,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
         counted = (
             has_data
             and bool(eqn.outvars)
-            and name not in SHAPE_ONLY_PRIMITIVES
+            and name not in _jaxpr.SHAPE_ONLY_PRIMITIVES
             and not any(is_key(v.aval) for v in eqn.outvars)
         )
         if name == _jaxpr.NAME:
@@ -227,7 +212,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
                 compute_index=compute_index if counted else None,
                 rng_derived=rng_derived,
                 tensor_name=tensor_name,
-                is_matmul=name in MATMUL_PRIMITIVES,
+                is_matmul=name in _jaxpr.MATMUL_PRIMITIVES,
             )
         )
         if counted:
@@ -299,15 +284,6 @@ def feeds_only_effects(program: Program) -> frozenset[int]:
         if users and all(u.effects for u in users) and not any(v in outputs for v in eqn.outvars):
             found.add(i)
     return frozenset(found)
-
-
-#: Every jaxpr in an equation's parameters (:func:`jremat._jaxpr.nested_jaxprs`).
-nested_jaxprs = _jaxpr.nested_jaxprs
-
-
-def jaxpr_tags(jaxpr) -> frozenset[str]:
-    """Every ``checkpoint_name`` tag in ``jaxpr`` and the jaxprs nested in it (scan, cond, calls)."""
-    return _jaxpr.name_tags(jaxpr)
 
 
 def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequence) -> list:

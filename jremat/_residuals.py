@@ -411,7 +411,7 @@ def saved_residuals_report(
                     prim = _primitive_name(eqn)
                     if prim == _jaxpr.NAME:
                         found.append(_engine.tag_name(eqn))
-                    if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
+                    if prim in IDENTITY_PRIMITIVES or prim in _jaxpr.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
             user = [n for n in found if not PLAN_TAG_RE.match(n)]
             if user:

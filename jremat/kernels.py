@@ -64,8 +64,8 @@ PALLAS = "pallas"
 #: A ``custom_vjp`` kernel written in JAX that computes attention (an online softmax, or declared).
 CUSTOM_ATTENTION = "custom attention"
 #: The kinds of the other kernels :func:`count_kernel_runs` names.
-PALLAS_CALL = _kernel_cost.PALLAS_PRIMITIVE
-FFI_CALL = _kernel_cost.FFI_PRIMITIVE
+PALLAS_CALL = _jaxpr.PALLAS_CALL
+FFI_CALL = _jaxpr.FFI_CALL
 CUSTOM = "custom_vjp"
 #: Kinds whose kernel computes attention.
 ATTENTION_KINDS = frozenset({BLOCKWISE, CUDNN, PALLAS, CUSTOM_ATTENTION})

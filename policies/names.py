@@ -44,7 +44,7 @@ from jremat import (
 )
 from jremat import _engine as engine
 from jremat._builtin_keys import BUILTIN_PARAMS
-from jremat._program import SHAPE_ONLY_PRIMITIVES, ProgramCache, evaluate_tagged, jaxpr_tags
+from jremat._program import ProgramCache, evaluate_tagged
 from jremat.names import check_found
 
 
@@ -67,7 +67,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     @functools.wraps(fn)
     def call(*args, **kwargs):
         program, checkpointed = cache.traced(fn, args, kwargs, build)
-        found = jaxpr_tags(program.closed_jaxpr.jaxpr)
+        found = _jaxpr.name_tags(program.closed_jaxpr.jaxpr)
         for wanted, name, key in requirements:
             check_found(wanted, found, policy=name, key=key)
         return jax.tree.unflatten(program.out_tree, checkpointed(*jax.tree.leaves((args, kwargs))))
@@ -125,7 +125,7 @@ def same_data_closure(program: Program, seeds: Iterable) -> frozenset:
       The seeds together with every value reached.
     """
     eqns, producer, consumers = _wiring(program)
-    shape_only = lambda i: eqns[i].primitive.name in SHAPE_ONLY_PRIMITIVES
+    shape_only = lambda i: eqns[i].primitive.name in _jaxpr.SHAPE_ONLY_PRIMITIVES
     reached = set(seeds)
     stack = list(reached)
     while stack:
@@ -141,10 +141,6 @@ def same_data_closure(program: Program, seeds: Iterable) -> frozenset:
                 reached.add(w)
                 stack.append(w)
     return frozenset(reached)
-
-
-#: Primitives whose outputs are parts of their first operand: the operand holds their data.
-PARTS_PRIMITIVES = _jaxpr.PARTS_PRIMITIVES
 
 
 def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset:
@@ -211,14 +207,16 @@ def stand_in_closure(program: Program, seeds: Iterable[int]) -> frozenset:
                 changed = True
             held = set()
             # A split with an excluded part: its operand holds the excluded data.
-            if eqn.primitive.name in PARTS_PRIMITIVES and any(v in excluded or v in holders for v in eqn.outvars):
+            if eqn.primitive.name in _jaxpr.PARTS_PRIMITIVES and any(
+                v in excluded or v in holders for v in eqn.outvars
+            ):
                 held |= {eqn.invars[0]} if droppable(eqn.invars[0]) else set()
             # Values read only by elementwise functions giving holders (the matmul before a bias add).
             for v in eqn.outvars:
                 if v in holders or v in excluded or not droppable(v):
                     continue
                 if all(
-                    (ops[j].is_elementwise or eqns[j].primitive.name in SHAPE_ONLY_PRIMITIVES)
+                    (ops[j].is_elementwise or eqns[j].primitive.name in _jaxpr.SHAPE_ONLY_PRIMITIVES)
                     and all(w in holders or w in excluded for w in eqns[j].outvars)
                     for j in consumers[v]
                 ):
@@ -258,7 +256,7 @@ class SaveAllExcept(PlanPolicy):
             # through the shape-only equations that read them (their reshape, their name tag).
             for v in outs:
                 if v not in excluded:
-                    save |= {j for j in consumers.get(v, ()) if eqns[j].primitive.name in SHAPE_ONLY_PRIMITIVES}
+                    save |= {j for j in consumers.get(v, ()) if eqns[j].primitive.name in _jaxpr.SHAPE_ONLY_PRIMITIVES}
         return Plan(save=frozenset(save))
 
 

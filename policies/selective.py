@@ -54,10 +54,6 @@ def _is_var(v) -> bool:
     return not isinstance(v, jcore.Literal)
 
 
-#: Matrix products that delimit an attention core found by structure.
-_DOTS = frozenset({_jaxpr.DOT_GENERAL})
-#: Calls whose body may hold a whole softmax (``jax.nn.softmax`` as a ``custom_jvp``).
-_CALLS = _jaxpr.CUSTOM_DERIVATIVE_PRIMITIVES
 #: How the core was found.
 BY_TAG = "tag"
 BY_STRUCTURE = "structure"
@@ -103,7 +99,7 @@ def find_attention_core(program: Program) -> AttentionCore:
         return AttentionCore(frozenset(), BY_FUSED_KERNEL, len(kernels), frozenset(kernels))
     by_tag = attention_core(program)
     if by_tag:
-        n_scores = sum(1 for i in by_tag if program.closed_jaxpr.jaxpr.eqns[i].primitive.name in _DOTS)
+        n_scores = sum(1 for i in by_tag if program.closed_jaxpr.jaxpr.eqns[i].primitive.name == _jaxpr.DOT_GENERAL)
         return AttentionCore(by_tag, BY_TAG, max(1, n_scores // 2))
     cores = structural_attention_cores(program)
     if not cores:
@@ -113,7 +109,7 @@ def find_attention_core(program: Program) -> AttentionCore:
 
 def _softmax_call(eqn) -> bool:
     """A custom-derivative call whose body is a softmax (exp, reduce_sum and div inside)."""
-    if eqn.primitive.name not in _CALLS:
+    if eqn.primitive.name not in _jaxpr.CUSTOM_DERIVATIVE_PRIMITIVES:  # jax.nn.softmax is a custom_jvp
         return False
     found = {inner.primitive.name for sub in _jaxpr.nested_jaxprs(eqn) for inner in _jaxpr.equations(sub)}
     return _jaxpr.SOFTMAX_PRIMITIVES <= found
@@ -137,7 +133,7 @@ def structural_attention_cores(program: Program) -> list[frozenset[int]]:
     for i, e in enumerate(eqns):
         for v in filter(_is_var, e.invars):
             consumers.setdefault(v, []).append(i)
-    is_dot = lambda i: eqns[i].primitive.name in _DOTS
+    is_dot = lambda i: eqns[i].primitive.name == _jaxpr.DOT_GENERAL
 
     def reach(starts, step, stop) -> set[int]:
         """Equations reached from ``starts`` (excluded) by ``step``, not expanding past ``stop``."""

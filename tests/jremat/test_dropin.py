@@ -210,12 +210,9 @@ def test_a_python_scalar_cotangent(remat_engine):
 
 
 def _all_eqns(jaxpr):
-    from jremat._program import nested_jaxprs
+    from jremat._jaxpr import equations
 
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in nested_jaxprs(eqn):
-            yield from _all_eqns(sub)
+    return equations(jaxpr)
 
 
 def test_the_jaxpr_holds_one_remat_equation_and_the_inner_jit(classic_engine):

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 import jremat
 from jremat import _kernel_cost
 from jremat._flops import jaxpr_flops
-from jremat._program import nested_jaxprs
+from jremat._jaxpr import nested_jaxprs
 from jremat.attention import count_forward_passes, pallas_attention
 from jremat.policies.every_k import EveryK
 from jremat.policies.skip_cheap import SkipCheap
