@@ -6,10 +6,11 @@ Every analysis in jremat reads jaxprs through this module:
   them in (:data:`SHAPE_ONLY_PRIMITIVES`, :data:`LOOP_PRIMITIVES`, :data:`CALL_PRIMITIVES`, ...);
 * the jaxprs nested in an equation (:func:`nested_jaxprs`, :func:`subjaxprs`, :func:`call_jaxpr`)
   and one walk over a jaxpr and every jaxpr nested in it (:func:`walk`), which gives each
-  equation with the ``scan`` loops around it;
+  equation with the equations that hold it: the ``scan`` loops among them (:func:`loops`) give
+  how many times it runs (:func:`trip_count`);
 * the name of a ``checkpoint_name`` tag (:func:`name_tag`);
-* liveness (:func:`used_inputs`): which inputs a jaxpr's used outputs read, through calls and
-  ``scan`` loops. JAX's remat3 engine leaves a saved value's recomputation in the backward
+* liveness (:func:`live_equations`, :func:`used_inputs`): which equations and inputs a jaxpr's
+  used outputs need, through calls and ``scan`` loops (carries to a fixed point). JAX's remat3 engine leaves a saved value's recomputation in the backward
   program as an input that a ``custom_jvp_call`` ignores (it only supplies a tangent); XLA removes
   such dead code when it compiles, so neither the recomputation nor a residual that feeds only it
   costs anything. :func:`used_inputs` sees which inputs survive that removal, without compiling.
