@@ -246,10 +246,15 @@ def explain_applied(
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
+    global_saved = (None, None)
     collectives = baseline_collectives = None
     if flat_base is not None:
-        saved = _residuals.saved_residuals_report(flat_remat, *structs, param_argnums=params).computed_bytes
-        base_saved = _residuals.saved_residuals_report(flat_base, *structs, param_argnums=params).computed_bytes
+        residuals = [
+            _residuals.saved_residuals_report(f, *structs, param_argnums=params) for f in (flat_remat, flat_base)
+        ]
+        # Per device: the figure compiled temp is compared with.
+        saved, base_saved = (r.computed_device_bytes for r in residuals)
+        global_saved = tuple(r.computed_bytes for r in residuals)
         if compile and (temp_bytes is None or baseline_temp_bytes is None):
             temps, comms = [], []
             for f in (flat_remat, flat_base):
@@ -308,6 +313,8 @@ def explain_applied(
         baseline_collectives,
         _collectives.mesh_devices(structs),
         kernel_runs=runs,
+        global_saved_bytes=global_saved[0],
+        baseline_global_saved_bytes=global_saved[1],
     )
 
 

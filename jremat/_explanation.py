@@ -58,8 +58,9 @@ class Explanation:
       decisions: one :class:`jremat._decisions.Decision` per (decision, place).
       names: one :class:`NameMatch` per name the policy mentions.
       names_found: every ``checkpoint_name`` tag in the traced function, in first-seen order.
-      saved_bytes: residuals the forward pass computes for the backward pass, with the policy
-        (:attr:`jremat.ResidualsReport.computed_bytes`); ``None`` when not measured.
+      saved_bytes: residuals the forward pass computes for the backward pass, with the policy, on
+        one device (:attr:`jremat.ResidualsReport.computed_device_bytes`: each residual's shard on
+        a mesh; off a mesh the whole value); ``None`` when not measured.
       baseline_saved_bytes: the same without remat.
       temp_bytes: XLA's compiled temp bytes of the gradient with the policy (``None``: not compiled).
       baseline_temp_bytes: the same without remat.
@@ -83,11 +84,15 @@ class Explanation:
       collectives: the collectives the compiled gradient issues with the policy, per device
         (:func:`jremat.collectives_report`; empty on one device); ``None``: not compiled.
       baseline_collectives: the same without remat.
-      devices: the devices the arguments' shardings span; on a mesh the residual and decision
-        bytes are global (traced, unsharded values) and the compiled temp is per device.
+      devices: the devices the arguments' shardings span; on a mesh the residuals, the compiled
+        temp and the collectives are per device, the decision and name bytes global (traced,
+        unsharded values).
       kernel_runs: every kernel the value-and-gradient runs (a ``pallas_call``, an FFI call, a
         ``custom_vjp`` kernel: :mod:`jremat.kernels`), with the policy and without remat; a kernel
         run more often than without remat also gets a message naming how to keep it.
+      global_saved_bytes: :attr:`saved_bytes` of all devices together (the unsharded values,
+        :attr:`jremat.ResidualsReport.computed_bytes`); equal to it off a mesh.
+      baseline_global_saved_bytes: the same without remat.
     """
 
     policy: str
@@ -112,6 +117,8 @@ class Explanation:
     baseline_collectives: _collectives.CollectivesReport | None = None
     devices: int = 1
     kernel_runs: tuple[KernelRuns, ...] = ()
+    global_saved_bytes: int | None = None
+    baseline_global_saved_bytes: int | None = None
 
     def count(self, decision: str) -> int:
         """Values given ``decision``, all places and iterations.
@@ -143,14 +150,20 @@ class Explanation:
         mesh = self.devices > 1
         if mesh:
             lines.append(
-                f"  on {self.devices} devices: values and residuals are global (all devices together, unsharded); "
-                "compiled temp and collectives are per device"
+                f"  on {self.devices} devices: residuals, compiled temp and collectives are per device; the "
+                "values of the decisions and names are global (all devices together, unsharded)"
             )
         if self.saved_bytes is not None:
             lines.append(
-                f"  residuals for the backward pass{' (global)' if mesh else ''}: "
+                f"  residuals for the backward pass{' per device' if mesh else ''}: "
                 f"{_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
                 f"{_memory.format_bytes(self.saved_bytes)} with the policy"
+                + (
+                    f" (global {_memory.format_bytes(self.baseline_global_saved_bytes)} and "
+                    f"{_memory.format_bytes(self.global_saved_bytes)})"
+                    if mesh and self.global_saved_bytes is not None
+                    else ""
+                )
             )
         if self.attention_forward_passes:
             lines.append(

@@ -150,6 +150,24 @@ def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> st
     return instruction
 
 
+#: Opcodes that can change a value's layout or type only (alone, or as the one op of a fusion).
+_LAYOUT_OPS = frozenset({"copy", "bitcast", "transpose", "reshape", "convert", "fusion"})
+
+
+def _is_gathered(instruction: str, hlo: Hlo, depth: int = 0) -> bool:
+    """Whether ``instruction`` is an all-gather's result or a copy of one in another layout or
+    dtype: one operand, as many elements (XLA copies a gathered weight to the layout a matmul of
+    the backward pass reads, under the sharding constraint's name)."""
+    opcode = hlo.opcode.get(instruction, "").removesuffix("-done")
+    if opcode == "all-gather":
+        return True
+    operands = hlo.operands.get(instruction, [])
+    if depth > 4 or opcode not in _LAYOUT_OPS or len(operands) != 1:
+        return False
+    same = _elements(hlo.shape.get(instruction, "")) == _elements(hlo.shape.get(operands[0], ""))
+    return same and _is_gathered(operands[0], hlo, depth + 1)
+
+
 def _name_for(instruction: str, hlo: Hlo, tags: dict) -> str:
     for loc in hlo.source.get(instruction, ()):
         if loc in tags:
@@ -372,7 +390,7 @@ def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward
                 kind = RECOMPUTATION  # forward math the backward pass does again (or re-casts)
             elif kind == FORWARD and e >= backward_start:
                 kind = FORWARD_RESIDUAL
-            if hlo.opcode.get(origin, "").removesuffix("-done") == "all-gather":
+            if _is_gathered(origin, hlo):
                 kind = GATHERED  # communication, not recomputed math, whichever pass gathers it
             if reserved_only or (kind == OTHER and alloc_kind == "output"):
                 kind = OUTPUT
