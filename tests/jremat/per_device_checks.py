@@ -1,4 +1,5 @@
-"""Per-device figures on 8 simulated devices: residuals, explain, the timeline, the live reading;
+"""Per-device figures on 8 simulated devices: residuals, explain, the timeline, the live reading
+(and ``dots:keep_gathered=true`` under remat3);
 run in a subprocess by tests/jremat/test_per_device.py (``python -m tests.jremat.per_device_checks
 [CHECK ...]`` prints one JSON object). The model is tests/jremat/mesh_checks.py's 4-layer MLP.
 """
@@ -112,7 +113,36 @@ def check_live() -> dict:
     return {"devices": live.devices, "available": live.available, "reason": live.reason}
 
 
-CHECKS = {"residuals": check_residuals, "explain": check_explain, "timeline": check_timeline, "live": check_live}
+def check_keep_gathered_remat3() -> dict:
+    """Under remat3, the FSDP model per layout and dots policy with ``keep_gathered=true``:
+    all-gathers of the compiled gradient and its error against no remat."""
+    mesh = mc.make_mesh("fsdp=8")
+    out = {}
+    jax.config.update("jax_remat3", True)
+    try:
+        for layout in ("unrolled", "scanned"):
+            weights, x = mc.arguments(mesh, layout)
+            reference = None
+            for policy in ("none", "dots", "dots:keep_gathered=true", "dots_no_batch:keep_gathered=true"):
+                compiled = mc._compile(mc.loss_fn(mesh, layout, policy), weights, x)
+                grads = compiled(weights, x)
+                reference = grads if reference is None else reference
+                out[f"{layout}/{policy}"] = {
+                    "all-gather": jremat.compiled_collectives_report(compiled).count("all-gather"),
+                    "grad_rel_error": mc._max_rel(grads, reference),
+                }
+    finally:
+        jax.config.update("jax_remat3", False)
+    return out
+
+
+CHECKS = {
+    "residuals": check_residuals,
+    "explain": check_explain,
+    "timeline": check_timeline,
+    "live": check_live,
+    "keep_gathered_remat3": check_keep_gathered_remat3,
+}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ from tests.jremat.test_collectives import _mesh_checks
 
 @pytest.fixture(scope="module")
 def checks():
-    return _mesh_checks("residuals", "explain", "timeline", "live", module="tests.jremat.per_device_checks")
+    return _mesh_checks(
+        "residuals", "explain", "timeline", "live", "keep_gathered_remat3", module="tests.jremat.per_device_checks"
+    )
 
 
 def _rows(checks, key) -> dict:
@@ -104,3 +106,12 @@ def test_plan_layers_table_on_a_mesh_says_per_device():
     assert "per device" not in plan(1).table()
     with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):
         plan(0)
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+def test_dots_keep_gathered_under_remat3_gathers_as_none_does_with_the_same_gradients(checks, layout):
+    rows = {k.split("/", 1)[1]: v for k, v in checks["keep_gathered_remat3"].items() if k.startswith(layout)}
+    assert rows["dots"]["all-gather"] == 2 * rows["none"]["all-gather"] == 16  # dots re-gathers every weight
+    for policy in ("dots:keep_gathered=true", "dots_no_batch:keep_gathered=true"):
+        assert rows[policy]["all-gather"] == rows["none"]["all-gather"], policy
+        assert rows[policy]["grad_rel_error"] <= 1e-5, policy
