@@ -136,12 +136,10 @@ def check_keep_gathered_remat3() -> dict:
     return out
 
 
+#: Each check by its name without ``check_``.
 CHECKS = {
-    "residuals": check_residuals,
-    "explain": check_explain,
-    "timeline": check_timeline,
-    "live": check_live,
-    "keep_gathered_remat3": check_keep_gathered_remat3,
+    f.__name__.removeprefix("check_"): f
+    for f in (check_residuals, check_explain, check_timeline, check_live, check_keep_gathered_remat3)
 }
 
 
