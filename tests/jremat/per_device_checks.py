@@ -12,7 +12,7 @@ import jax
 from jax.sharding import AxisType
 
 import jremat
-from jremat import _timeline
+from jremat import _timeline_buffers
 from tests.device_checks import run_checks
 from tests.jremat import mesh_checks as mc  # sets the 8-device XLA flag before JAX's backend starts
 
@@ -78,7 +78,7 @@ def check_timeline() -> dict:
     or that a sharding constraint names, with its kind; the notes."""
     mesh = mc.make_mesh("fsdp=8")
     out = {}
-    buffers_at = _timeline._buffers_at
+    buffers_at = _timeline_buffers.buffers_at
     for layout in ("unrolled", "scanned"):
         weights, x = mc.arguments(mesh, layout)
         for engine in mc.ENGINES:
@@ -94,12 +94,12 @@ def check_timeline() -> dict:
                 return buffers_at(t, spans, allocations, hlo, tags, backward_start, top)
 
             jax.config.update("jax_remat3", engine == "remat3")
-            _timeline._buffers_at = every_position
+            _timeline_buffers.buffers_at = every_position
             try:
                 grad = jax.grad(mc.loss_fn(mesh, layout, "full"), argnums=(0, 1))
                 timeline = jremat.memory_timeline(grad, weights, x)
             finally:
-                _timeline._buffers_at = buffers_at
+                _timeline_buffers.buffers_at = buffers_at
                 jax.config.update("jax_remat3", False)
             out[f"{layout}/{engine}"] = {"buffers": seen, "notes": list(timeline.notes)}
     return out
