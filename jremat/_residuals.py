@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _collectives, _engine, _jax_compat, _liveness, _memory, _program
+from jremat import _collectives, _engine, _jax_compat, _liveness, _program, _shards
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -270,35 +270,9 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
     jaxpr = inlined.jaxpr
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
     read = _residuals_the_backward_reads(out_shape)
-    fractions = _device_fractions(forward, leaves, jax.tree.leaves(out_shape[1]))
+    fractions = _shards.device_fractions(forward, leaves, jax.tree.leaves(out_shape[1]))
     kept = [i for i, r in enumerate(read) if r]
     return jaxpr, [res_vars[i] for i in kept], [fractions[i] for i in kept], leaves
-
-
-def _device_fractions(forward: Callable, leaves: list, residuals: list) -> list[float]:
-    """The share of each residual one device holds (``1.0``: off a mesh, or replicated).
-
-    Read from the residual's aval where every axis of its mesh is explicit (the sharding is its
-    type); else from the output sharding of the compiled forward pass (``forward``'s outputs end
-    with the residuals): what XLA's SPMD partitioner keeps on each device.
-    """
-    if _collectives.mesh_devices(leaves) <= 1:
-        return [1.0] * len(residuals)
-    shardings = [getattr(r, "sharding", None) for r in residuals]
-    explicit = all(
-        s is not None and s.mesh.axis_types and all(t == jax.sharding.AxisType.Explicit for t in s.mesh.axis_types)
-        for s in shardings
-    )
-    if not explicit:
-        compiled, _ = _memory.compile_for_analysis(forward, *leaves)
-        outputs = jax.tree.leaves(compiled.output_shardings)
-        shardings = outputs[len(outputs) - len(residuals) :]
-    fractions = []
-    for r, sharding in zip(residuals, shardings):
-        size = int(np.prod(r.shape, dtype=np.int64))
-        shard = int(np.prod(sharding.shard_shape(tuple(r.shape)), dtype=np.int64)) if r.shape else 1
-        fractions.append(shard / size if size else 1.0)
-    return fractions
 
 
 def _residuals_the_backward_reads(out_shape) -> list[bool]:
