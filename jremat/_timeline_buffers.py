@@ -13,26 +13,17 @@ import re
 
 import numpy as np
 
-from jremat._timeline_data import (
-    ARGUMENT,
-    FORWARD,
-    FORWARD_RESIDUAL,
-    GATHERED,
-    GRADIENT,
-    OTHER,
-    OUTPUT,
-    RECOMPUTATION,
-    TimelineBuffer,
-)
+from jremat import _timeline_data as kinds
+from jremat._timeline_data import TimelineBuffer
 from jremat._xla_dump import Hlo
 
 
 def _kind(op_name: str) -> str:
     if "rematted_computation" in op_name:
-        return RECOMPUTATION
+        return kinds.RECOMPUTATION
     if "transpose(" in op_name:
-        return GRADIENT
-    return FORWARD if op_name else OTHER
+        return kinds.GRADIENT
+    return kinds.FORWARD if op_name else kinds.OTHER
 
 
 def _short_op(op_name: str) -> str:
@@ -143,17 +134,17 @@ def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_
         origin = _origin(v.instruction, int(index[0]) if index else None, hlo)
         op_name = hlo.op_name.get(origin, "")
         if alloc_kind == "parameter":
-            kind = ARGUMENT
+            kind = kinds.ARGUMENT
         else:
             kind = _kind(op_name)
-            if kind == FORWARD and min(m[0] for m in members) >= backward_start:
-                kind = RECOMPUTATION  # forward math the backward pass does again (or re-casts)
-            elif kind == FORWARD and e >= backward_start:
-                kind = FORWARD_RESIDUAL
+            if kind == kinds.FORWARD and min(m[0] for m in members) >= backward_start:
+                kind = kinds.RECOMPUTATION  # forward math the backward pass does again (or re-casts)
+            elif kind == kinds.FORWARD and e >= backward_start:
+                kind = kinds.FORWARD_RESIDUAL
             if _is_gathered(origin, hlo):
-                kind = GATHERED  # communication, not recomputed math, whichever pass gathers it
-            if reserved_only or (kind == OTHER and alloc_kind == "output"):
-                kind = OUTPUT
+                kind = kinds.GATHERED  # communication, not recomputed math, whichever pass gathers it
+            if reserved_only or (kind == kinds.OTHER and alloc_kind == "output"):
+                kind = kinds.OUTPUT
         chain = hlo.source.get(origin, ())
         source = f"{os.path.basename(chain[0][0])}:{chain[0][1]}" if chain else ""
         out.append(
