@@ -115,12 +115,12 @@ def _argument_name(instruction: str) -> str:
 
 
 def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int):
-    kinds = {a.index: a.kind for a in allocations}
+    alloc_kinds = {a.index: a.kind for a in allocations}
     groups: dict = {}
     for s, e, v, size, reserved in spans:
         if not s <= t <= e:
             continue
-        key = (v.allocation, v.offset) if kinds[v.allocation] == "temp" else (v.allocation,)
+        key = (v.allocation, v.offset) if alloc_kinds[v.allocation] == "temp" else (v.allocation,)
         groups.setdefault(key, []).append((s, e, v, size, reserved))
     out = []
     for members in groups.values():
@@ -129,7 +129,7 @@ def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_
         members = members if reserved_only else live_members
         # Prefer the member with metadata (XLA copies and loop phis have none), then the largest.
         s, e, v, size, _ = max(members, key=lambda m: (bool(hlo.op_name.get(m[2].instruction)), m[3], -m[0]))
-        alloc_kind = kinds[v.allocation]
+        alloc_kind = alloc_kinds[v.allocation]
         index = re.findall(r"\d+", v.key[len(v.instruction) :])
         origin = _origin(v.instruction, int(index[0]) if index else None, hlo)
         op_name = hlo.op_name.get(origin, "")
