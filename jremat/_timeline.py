@@ -395,7 +395,7 @@ def memory_timeline(
                 f"per device: one device's share of the SPMD program on {devices} devices (buffers are "
                 f"shards; all-gathered weights are kind {GATHERED!r})"
             )
-            timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note))
+            timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note), devices=devices)
         return timeline
     finally:
         shutil.rmtree(folder, ignore_errors=True)

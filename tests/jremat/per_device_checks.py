@@ -101,7 +101,12 @@ def check_timeline() -> dict:
             finally:
                 _timeline_buffers.buffers_at = buffers_at
                 jax.config.update("jax_remat3", False)
-            out[f"{layout}/{engine}"] = {"buffers": seen, "notes": list(timeline.notes)}
+            out[f"{layout}/{engine}"] = {
+                "buffers": seen,
+                "notes": list(timeline.notes),
+                "devices": timeline.devices,
+                "header": timeline.table().splitlines()[0],
+            }
     return out
 
 

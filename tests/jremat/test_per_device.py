@@ -69,6 +69,7 @@ def test_timeline_labels_every_all_gathered_weight_and_its_copies_gathered_not_r
         if opcode == "all-gather" or "rematted_computation" in op_name:
             assert kind == "gathered weight", (op_name, opcode)
     assert any(n.startswith("per device: one device's share") for n in timeline["notes"])
+    assert timeline["devices"] == 8 and " per device (8 devices) at position " in timeline["header"]
 
 
 def test_unrolled_layout_copies_of_regathered_weights_are_gathered_weights(checks):
