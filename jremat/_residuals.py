@@ -364,11 +364,13 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
 def saved_residuals_report(
     fn: Callable, *args, n_layers: int = 1, param_argnums: Iterable[int | str] = (), **kwargs
 ) -> ResidualsReport:
-    """List every value ``fn`` keeps for its backward pass, without compiling.
+    """List every value ``fn`` keeps for its backward pass; nothing runs.
 
     Traces ``jax.vjp(fn, *args, **kwargs)`` (like ``jax.ad_checkpoint.print_saved_residuals``)
     and describes each residual. Values that several variables share (a ``checkpoint_name``
-    output and its input, a value a nested ``jit`` forwards) count once.
+    output and its input, a value a nested ``jit`` forwards) count once. Off a mesh, and on a
+    mesh whose axes are all explicit, nothing is compiled; on a mesh with auto axes the forward
+    pass is compiled once to read the shardings XLA gives the residuals (their per-device bytes).
 
     Classification: a residual depending on any argument outside ``param_argnums`` is an
     *activation* (dropout masks count, as in Megatron-LM's accounting: they depend on the key);
