@@ -137,8 +137,8 @@ class Explanation:
     baseline_temp_bytes: int | None = None
     messages: tuple[str, ...] = ()
     matched: tuple[str, ...] = ()
-    attention_forward_passes: int | None = None
-    baseline_attention_forward_passes: int | None = None
+    attention_forward_passes: float | None = None
+    baseline_attention_forward_passes: float | None = None
     stack_depth: int | None = None
     stack_argnum: int | None = None
     stack_temp_bytes: int | None = None
@@ -238,7 +238,7 @@ def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
     Read from the policy's ``save``, ``offload`` and ``exclude`` attributes (tuples of names;
     the name-based built-ins set them, and a custom policy may too).
     """
-    found = []
+    found: list[tuple[str, str]] = []
     for attr, role in NAME_ROLES:
         value = getattr(policy, attr, None)
         if isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value):
@@ -262,7 +262,7 @@ def _flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[in
     decorator treats them. ``param_positions`` are the leaf positions of ``param_argnums``.
     """
     flat_fn, leaves, dynamic = split_static(fn, args, kwargs, _is_dynamic)
-    owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    owners: list[int | None] = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     owners += [None] * (len(leaves) - len(owners))
     wanted = set(param_argnums)
     structs = [
@@ -383,7 +383,7 @@ def _chain_argnum(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterab
             i not in params
             and leaves
             and all(_is_dynamic(leaf) for leaf in leaves)
-            and jax.tree.structure(arg) == jax.tree.structure(out)
+            and jax.tree.structure(arg) == jax.tree.structure(out)  # type: ignore[operator]  # jaxlib: no stub
             and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
         ):
             return i
@@ -407,7 +407,7 @@ def _stack_temps(remat_fn, fn, argnum: int, args: tuple, kwargs: dict, depth: in
     for block in (remat_fn, fn):
         flat, structs, _ = _flatten(chained(block), args, kwargs, ())
         report = _memory.memory_report(_gradient_program(flat, structs), *structs)
-        if not report.available:
+        if not report.available or report.temp_bytes is None:
             return None
         temps.append(report.temp_bytes)
     return temps[0], temps[1]
@@ -545,8 +545,8 @@ def explain_applied(
       ValueError: on a bad policy spec.
     """
     chosen = registry.resolve(policy)
-    label = _label or chosen.spec or type(chosen).__name__
-    name = _name or getattr(remat_fn, "__name__", repr(remat_fn))
+    label: str = _label or chosen.spec or type(chosen).__name__
+    name = _name or str(getattr(remat_fn, "__name__", repr(remat_fn)))
     flat_remat, structs, params = _flatten(remat_fn, args, kwargs, param_argnums)
     flat_base = _flatten(baseline, args, kwargs, param_argnums)[0] if baseline is not None else None
     # Both remat engines save the same values (docs/remat-engines.md); the classic primitives
@@ -608,7 +608,13 @@ def explain_applied(
         if forward:
             passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
     matched = tuple(_match_lines(chosen, jaxpr))
-    if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
+    if (
+        temp_bytes is not None
+        and baseline_temp_bytes is not None
+        and saved is not None
+        and base_saved is not None
+        and n_checkpoints
+    ):
         line = _no_saving_line(
             label,
             recomputed,
@@ -637,7 +643,10 @@ def explain_applied(
         matched,
         passes,
         base_passes,
-        *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
+        None if _stack is None else STACK_DEPTH,
+        None if _stack is None else _stack[0],
+        None if _stack is None else _stack[1],
+        None if _stack is None else _stack[2],
         collectives,
         baseline_collectives,
         _collectives.mesh_devices(structs),

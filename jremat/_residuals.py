@@ -425,7 +425,7 @@ def saved_residuals_report(
     seen_vars = set()
     for v in res_vars:
         if isinstance(v, jcore.Literal):
-            aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
+            aval = jax.typeof(v.val) if not hasattr(v, "aval") else v.aval
             residuals.append(_literal(aval))
             continue
         base, chain_names = canonical(v)
