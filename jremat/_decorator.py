@@ -100,7 +100,7 @@ def policy(
     /,
     *,
     methods: Iterable[str] = ("__call__",),
-    prevent_cse: bool | Sequence = True,
+    prevent_cse: bool | Sequence[bool] = True,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Iterable[str] = (),
     **keys,
@@ -190,7 +190,7 @@ def checkpoint(
     fn: Callable,
     policy: str | Policy | Callable | None = None,
     *,
-    prevent_cse: bool | Sequence = True,
+    prevent_cse: bool | Sequence[bool] = True,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Iterable[str] = (),
     **keys,
@@ -329,7 +329,7 @@ def _resolve(spec, keys: dict) -> Policy:
     )
 
 
-def _check_prevent_cse(prevent_cse):
+def _check_prevent_cse(prevent_cse) -> bool | tuple:
     """``prevent_cse`` as ``jax.checkpoint`` takes it: a bool, or a sequence made a tuple."""
     if isinstance(prevent_cse, Sequence) and not isinstance(prevent_cse, str):
         return tuple(prevent_cse)

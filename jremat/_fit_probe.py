@@ -60,6 +60,7 @@ def _compile(fit_step: FitStep):
     report = compiled_memory_report(compiled)
     if not report.available:
         raise FitError(f"this backend reports no compiled memory figures: {'; '.join(report.notes)}")
+    assert report.peak_bytes is not None  # an available report has a peak
     cost = cost_analysis(compiled)
     devices = max(len(_devices(fit_step.args)), 1)
     xla_flops = float(cost.get("flops", 0.0))  # one device's share on a mesh
@@ -224,7 +225,8 @@ class _Search:
                 fit_step = self.steps[key]
                 if key not in self.executables:
                     self.progress(f"compile {key[0]} batch {key[1]} x {key[2]} to run")
-                    self.executables[key] = fit_step.step.lower(*fit_step.args).compile()
+                    step: Any = fit_step.step  # its .lower was checked when it was compiled for its figures
+                    self.executables[key] = step.lower(*fit_step.args).compile()
                 compiled = self.executables[key]
                 calls = -(-calls_per_round // key[2]) * key[2]  # whole optimizer steps
                 seconds = _time_round(compiled, fit_step, calls)

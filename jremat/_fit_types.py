@@ -219,7 +219,7 @@ class FitResult:
         for r in self.rows:
             p = r.probe
             measured = f"{r.tokens_per_s:,.1f}" if r.tokens_per_s is not None else "-"
-            ratio = f"{r.tokens_per_s / best:.3f}" if r.tokens_per_s is not None else "-"
+            ratio = f"{r.tokens_per_s / best:.3f}" if r.tokens_per_s is not None and best is not None else "-"
             mark = (" <- winner" if r is self.winner else "") + (f" ({r.origin})" if r.origin != "search" else "")
             lines.append(
                 f"  {p.policy:<44} {p.batch_size:>6} {p.micro_batches:>6} {format_bytes(p.peak_bytes):>11} "
@@ -267,6 +267,8 @@ def _row_json(row: FitRow, winner: FitRow) -> dict:
         origin=row.origin,
         tokens_per_s=row.tokens_per_s,
         rounds_tokens_per_s=list(row.rounds_tokens_per_s),
-        ratio_to_best=row.tokens_per_s / winner.tokens_per_s if row.tokens_per_s is not None else None,
+        ratio_to_best=row.tokens_per_s / winner.tokens_per_s
+        if row.tokens_per_s is not None and winner.tokens_per_s is not None
+        else None,
     )
     return out
