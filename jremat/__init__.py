@@ -3,7 +3,10 @@
 The public API is the names below, plus the public submodules :mod:`jremat.registry`,
 :mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention),
 :mod:`jremat.kernels` (kernels such as Pallas attention, recognised and kept), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
-(a pytest plugin), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
+(a pytest plugin), the namespaces :mod:`jremat.diagnosis` (explain, memory, residuals,
+collectives, timeline, counts) and :mod:`jremat.fit` (the fit search, the batch search, budgets),
+whose names that are also below are the same objects, :mod:`jremat.internal` (what the
+command-line tools use, without a stability promise), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
 extra, :mod:`jremat.models` (the reference GPT) and :mod:`jremat.train` (the command-line
 tools). Every other module is private (``jremat._...``).
 
