@@ -172,12 +172,11 @@ class KeepGathered(Policy):
                 f"{KEY}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
             )
         self.inner = inner
-        if isinstance(inner, PlanPolicy):
-            saving = copy.copy(inner)
-            saving.saved_tags = (*inner.saved_tags, GATHERED_TAG)
+        saving = copy.copy(inner)
+        if isinstance(saving, PlanPolicy):
+            saving.saved_tags = (*saving.saved_tags, GATHERED_TAG)
         else:
-            saving = copy.copy(inner)
-            saving.callback = _saving_gathered(inner.callback)
+            saving.callback = _saving_gathered(saving.callback)
         self._saving = saving
 
     @property

@@ -74,7 +74,7 @@ class NameCost:
     @property
     def unsaved_flops(self) -> float:
         """The cost of not saving it on the device: recompute or offload, whichever is cheaper."""
-        return self.offload_flops if self.offloaded else self.recompute_flops
+        return self.offload_flops if self.offload_flops is not None and self.offloaded else self.recompute_flops
 
 
 def name_costs(program: Program, *, skip: Collection[str] = ALWAYS_KEPT) -> tuple[NameCost, ...]:
@@ -174,7 +174,7 @@ def solve(
     start = time.perf_counter()
     compile_s = 0.0
     keyed = sorted(((recompute_flops(c), predict_peak_bytes(c), i) for i, c in enumerate(candidates)))
-    frontier = []
+    frontier: list[tuple[float, int, int]] = []
     for cost, predicted, i in keyed:
         if not frontier or predicted < frontier[-1][1]:
             frontier.append((cost, predicted, i))

@@ -468,7 +468,7 @@ def saved_residuals_report(
     seen_vars = set()
     for v, fraction in zip(res_vars, fractions):
         if isinstance(v, jcore.Literal):
-            aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
+            aval = jax.typeof(v.val) if not hasattr(v, "aval") else v.aval
             residuals.append(_literal(aval))
             continue
         base, chain_names = canonical(v)

@@ -317,7 +317,7 @@ def count_kernel_runs(
     return dict(runs)
 
 
-def kernel_reruns(runs: Mapping[str, int], baseline_runs: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+def kernel_reruns(runs: Mapping[str, float], baseline_runs: Mapping[str, float]) -> dict[str, tuple[float, float]]:
     """The kernels run more often in ``runs`` than in ``baseline_runs``: name -> ``(runs, baseline)``."""
     return {k: (n, baseline_runs.get(k, 0)) for k, n in sorted(runs.items()) if n > baseline_runs.get(k, 0)}
 
@@ -341,7 +341,7 @@ def avoid_rerun_advice(kind: str) -> str:
     )
 
 
-def kernel_rerun_lines(reruns: Mapping[str, tuple[int, int]], kinds: Mapping[str, str], per: str = "") -> list[str]:
+def kernel_rerun_lines(reruns: Mapping[str, tuple[float, float]], kinds: Mapping[str, str], per: str = "") -> list[str]:
     """One line per re-run kernel: ``kernel mha_forward: 2 runs, none: 1; <how to avoid it>``."""
     return [
         f"kernel {name}: {n:g} runs{per}, none: {base:g}; {avoid_rerun_advice(kinds.get(name, CUSTOM))}"
