@@ -65,7 +65,7 @@ def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
     Read from the policy's ``save``, ``offload`` and ``exclude`` attributes (tuples of names;
     the name-based built-ins set them, and a custom policy may too).
     """
-    found = []
+    found: list[tuple[str, str]] = []
     for attr, role in NAME_ROLES:
         value = getattr(policy, attr, None)
         if isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value):
@@ -211,8 +211,8 @@ def explain_applied(
       ValueError: on a bad policy spec.
     """
     chosen = registry.resolve(policy)
-    label = _label or chosen.spec or type(chosen).__name__
-    name = _name or getattr(remat_fn, "__name__", repr(remat_fn))
+    label: str = _label or chosen.spec or type(chosen).__name__
+    name = _name or str(getattr(remat_fn, "__name__", repr(remat_fn)))
     flat_remat, structs, params = _explain_memory.flatten(remat_fn, args, kwargs, param_argnums)
     flat_base = _explain_memory.flatten(baseline, args, kwargs, param_argnums)[0] if baseline is not None else None
     # Both remat engines save the same values (docs/remat-engines.md); the classic primitives
@@ -246,7 +246,7 @@ def explain_applied(
         why = "the policy keeps every value" if isinstance(chosen, NoRemat) else "nothing is rematerialized"
         messages.append(f"no checkpoint ({label}): the policy adds no checkpoint to the traced function; {why}")
     saved = base_saved = None
-    global_saved = (None, None)
+    global_saved: tuple[int | None, ...] = (None, None)
     collectives = baseline_collectives = None
     if flat_base is not None:
         residuals = [
@@ -279,7 +279,13 @@ def explain_applied(
         if forward:
             passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
     matched = tuple(_match_lines(chosen, jaxpr))
-    if None not in (temp_bytes, baseline_temp_bytes, saved, base_saved) and n_checkpoints:
+    if (
+        temp_bytes is not None
+        and baseline_temp_bytes is not None
+        and saved is not None
+        and base_saved is not None
+        and n_checkpoints
+    ):
         line = _explain_memory.no_saving_line(
             label,
             recomputed,
@@ -308,7 +314,10 @@ def explain_applied(
         matched,
         passes,
         base_passes,
-        *((None,) * 4 if _stack is None else (STACK_DEPTH, *_stack)),
+        None if _stack is None else STACK_DEPTH,
+        None if _stack is None else _stack[0],
+        None if _stack is None else _stack[1],
+        None if _stack is None else _stack[2],
         collectives,
         baseline_collectives,
         _collectives.mesh_devices(structs),

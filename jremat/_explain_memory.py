@@ -29,7 +29,7 @@ def flatten(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterable[int
     decorator treats them. ``param_positions`` are the leaf positions of ``param_argnums``.
     """
     flat_fn, leaves, dynamic = split_static(fn, args, kwargs, is_dynamic)
-    owners = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    owners: list[int | None] = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     owners += [None] * (len(leaves) - len(owners))
     wanted = set(param_argnums)
     structs = [
@@ -150,7 +150,7 @@ def chain_argnum(fn: Callable, args: tuple, kwargs: dict, param_argnums: Iterabl
             i not in params
             and leaves
             and all(is_dynamic(leaf) for leaf in leaves)
-            and jax.tree.structure(arg) == jax.tree.structure(out)
+            and jax.tree.structure(arg) == jax.tree.structure(out)  # type: ignore[operator]  # jaxlib: no stub
             and [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves] == out_avals
         ):
             return i
@@ -174,7 +174,7 @@ def stack_temps(remat_fn, fn, argnum: int, args: tuple, kwargs: dict, depth: int
     for block in (remat_fn, fn):
         flat, structs, _ = flatten(chained(block), args, kwargs, ())
         report = _memory.memory_report(gradient_program(flat, structs), *structs)
-        if not report.available:
+        if not report.available or report.temp_bytes is None:
             return None
         temps.append(report.temp_bytes)
     return temps[0], temps[1]

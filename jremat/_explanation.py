@@ -107,8 +107,8 @@ class Explanation:
     baseline_temp_bytes: int | None = None
     messages: tuple[str, ...] = ()
     matched: tuple[str, ...] = ()
-    attention_forward_passes: int | None = None
-    baseline_attention_forward_passes: int | None = None
+    attention_forward_passes: float | None = None
+    baseline_attention_forward_passes: float | None = None
     stack_depth: int | None = None
     stack_argnum: int | None = None
     stack_temp_bytes: int | None = None

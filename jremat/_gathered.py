@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 from jax.extend import core as jcore
@@ -111,8 +112,9 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     return tagged
 
 
-_DotsSaveable = type(jax.checkpoint_policies.dots_saveable)
-_SaveOnlyTheseNames = type(jax.checkpoint_policies.save_only_these_names())
+# JAX's policy classes, reached through public policy objects (their typing is JAX-internal).
+_DotsSaveable: Any = type(jax.checkpoint_policies.dots_saveable)
+_SaveOnlyTheseNames: Any = type(jax.checkpoint_policies.save_only_these_names())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,7 @@ def _saving_gathered(callback: Callable | None) -> Callable:
         return policies.save_only_these_names(*names, GATHERED_TAG)
     if type(callback) is _DotsSaveable:
         return _DotsAndNames(
-            saveable_names=frozenset({GATHERED_TAG}), only_if_no_batch_dims=callback.only_if_no_batch_dims
+            saveable_names=frozenset({GATHERED_TAG}), only_if_no_batch_dims=cast(Any, callback).only_if_no_batch_dims
         )
 
     def either(prim, *avals, **params):

@@ -132,7 +132,7 @@ class ResidualsReport:
         """
         if kind not in RESIDUAL_KINDS:
             raise ValueError(f"unknown residual kind {kind!r}; valid kinds: {', '.join(RESIDUAL_KINDS)}")
-        return sum(r.device_bytes if per_device else r.bytes for r in self.residuals if r.kind == kind)
+        return sum((r.device_bytes or 0) if per_device else r.bytes for r in self.residuals if r.kind == kind)
 
     @property
     def saved_device_bytes(self) -> int:
@@ -168,7 +168,7 @@ class ResidualsReport:
     def computed_device_bytes(self) -> int:
         """:attr:`computed_bytes` on one device (its shards): what the forward pass adds to each
         device's memory for the backward pass."""
-        return sum(r.device_bytes for r in self.residuals if r.primitive != "argument" and r.kind != CONSTANT)
+        return sum(r.device_bytes or 0 for r in self.residuals if r.primitive != "argument" and r.kind != CONSTANT)
 
     @property
     def layer_stacked_bytes(self) -> int:

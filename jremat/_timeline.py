@@ -288,7 +288,7 @@ def checkpoint_name_locations(jaxpr) -> dict:
     The location is the first stack frame outside JAX itself, which is where the model called
     ``checkpoint_name``; the tag names whatever the compiled program computes on that line.
     """
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
+    skip = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (jax,))
     out: dict = collections.defaultdict(set)
 
     def walk(jx):
@@ -316,7 +316,7 @@ def _persistent_cache_off() -> Iterator[None]:
     # the first of several concurrent timelines turns it off and the last turns it back on.
     global _cache_off_users
     with _cache_off_lock:
-        if _cache_off_users == 0 and not jax.config.jax_enable_compilation_cache:
+        if _cache_off_users == 0 and not jax.config.jax_enable_compilation_cache:  # type: ignore[attr-defined]
             owned = False
         else:
             owned = True

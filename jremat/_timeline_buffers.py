@@ -114,7 +114,7 @@ def _argument_name(instruction: str) -> str:
     return re.sub(r"_{2,}", ".", re.sub(r"\.\d+$", "", instruction)).strip("._") or instruction
 
 
-def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int):
+def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int | None):
     alloc_kinds = {a.index: a.kind for a in allocations}
     groups: dict = {}
     for s, e, v, size, reserved in spans:
