@@ -14,14 +14,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 
 import jax
 
 from jremat import _engine, _program, _tie
-
-_tag_counter = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +117,7 @@ class CallbackPolicy(Policy):
         self.callback = callback
 
     def checkpoint(self, fn, *, prevent_cse=True):
-        return _engine.checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
+        return _engine.lower_checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
 
 
 class PlanPolicy(Policy):
@@ -149,19 +146,13 @@ class PlanPolicy(Policy):
             # tagging it would make JAX keep it for a backward pass that never reads it.
             effects_only = _program.feeds_only_effects(prog)
             chosen = Plan(save=chosen.save - effects_only, offload=chosen.offload - effects_only)
-            prefix = f"jremat{next(_tag_counter)}"
-            tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
-            save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]
-            save_names += list(self.saved_tags)
-            offload_names = [n for i in chosen.offload for n in _program.tag_names(tags[i], prog.ops[i])]
-            if offload_names:
+            if chosen.offload:
                 require_host_memory(self.offload_dst)
-            tagged = _engine.checkpoint(
-                lambda *leaves: _program.evaluate_tagged(prog, tags, leaves),
-                save_names=save_names,
-                offload_names=offload_names,
-                offload_src=self.offload_src,
-                offload_dst=self.offload_dst,
+            tagged = _engine.checkpoint_chosen(
+                prog.closed_jaxpr,
+                chosen.save,
+                {i: (self.offload_src, self.offload_dst) for i in chosen.offload},
+                saved_tags=self.saved_tags,
                 prevent_cse=prevent_cse,
             )
             return prog.out_tree, tagged
