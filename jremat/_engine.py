@@ -275,7 +275,7 @@ def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kw
     # checkpoints, which must be re-emitted for remat3.
     closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs, inline=False)
     flat = jax.checkpoint(
-        lambda *leaves: _interpreter._evaluate(closed.jaxpr, closed.consts, leaves, offload, keep_calls=True),
+        lambda *leaves: _interpreter.evaluate_reemitted(closed.jaxpr, closed.consts, leaves, offload, keep_calls=True),
         policy=policy,
     )
     return out_tree, flat, closed.consts
@@ -340,8 +340,8 @@ def checkpoint_chosen(
 ) -> Callable:
     """A flattened program checkpointed to keep the outputs of the equations a policy chose.
 
-    The one pipeline behind every policy that chooses equations (a :class:`jremat.PlanPolicy`'s
-    plan, a callback's answers under remat3): the chosen outputs are tagged with fresh internal
+    The pipeline behind a :class:`jremat.PlanPolicy`'s plan and a callback's answers under
+    remat3 alike: the chosen outputs are tagged with fresh internal
     names (:mod:`jremat._tags`), the program is evaluated with those tags
     (:func:`jremat._interpreter.evaluate_tagged`), and the result is checkpointed by name
     (:func:`lower_checkpoint`).

@@ -49,11 +49,11 @@ def bind_translated(eqn, invals) -> list:
     consts = body.consts if hasattr(body, "consts") else ()
     body = body.jaxpr if hasattr(body, "jaxpr") else body
     policy = eqn.params.get("policy")
-    fun = lambda *xs: _evaluate(body, consts, xs, {})
+    fun = lambda *xs: evaluate_reemitted(body, consts, xs, {})
     return list(_engine.lower_checkpoint(fun, callback=policy)(*invals))
 
 
-def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_calls: bool = False) -> list:
+def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_calls: bool = False) -> list:
     """Evaluate a (classic) jaxpr, re-emitting name tags and checkpoints for the active engine
     and offloading the values tagged with the names in ``offload``; ``keep_calls``: nested calls
     with nothing to re-emit stay calls."""
@@ -229,6 +229,7 @@ __all__ = [
     "bind_equation",
     "bind_translated",
     "evaluate_inlined",
+    "evaluate_reemitted",
     "evaluate_tagged",
     "inline_calls",
     "rebind_scan",

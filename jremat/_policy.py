@@ -3,10 +3,17 @@
 A :class:`Policy` turns a function into its checkpointed version. Three kinds exist:
 
 * :class:`NoRemat` keeps everything (the function is returned unchanged).
-* :class:`CallbackPolicy` wraps one of JAX's per-primitive policy callbacks.
+* :class:`CallbackPolicy` wraps one of JAX's per-primitive policy callbacks; what each answer
+  means (save, offload, recompute) is decided by :func:`jremat._tags.callback_decision`, for
+  the run and for :func:`jremat.explain` alike.
 * :class:`PlanPolicy` decides from the whole traced program (see :mod:`jremat._program`):
-  it returns a :class:`Plan` of equations to save or offload, which is applied by tagging
-  those outputs with unique names and checkpointing with a names policy.
+  its :meth:`~PlanPolicy.plan` returns a :class:`Plan` of equations to save or offload, which
+  is applied by :func:`jremat._engine.checkpoint_chosen` (the chosen outputs tagged with
+  internal names, then checkpointed by name).
+
+:meth:`Policy.wrap` is the checkpoint jremat applies (tied to its cotangent where needed:
+:mod:`jremat._tie`); :meth:`Policy.checkpoint` is the untied checkpoint a subclass defines.
+The built-in policies are in :mod:`jremat.policies`.
 """
 
 from __future__ import annotations

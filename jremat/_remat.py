@@ -1,4 +1,4 @@
-"""The one place where rematerialization is applied.
+"""Rematerialization of a model's layer stacks: where its checkpoints go and with which policy.
 
 Models describe *where* a checkpoint may go (a whole block, or each sublayer) by passing their
 functions through :func:`remat_at`; the :class:`RematConfig` decides which level is active and
