@@ -53,11 +53,25 @@ class PolicyDoesNotApply(ValueError):
 class Policy(abc.ABC):
     """A rematerialization policy.
 
+    A subclass defines :meth:`checkpoint_untied`; :meth:`wrap` is what jremat applies (that
+    checkpoint, tied to its cotangent where XLA could undo it). :meth:`checkpoint` is the older
+    name of :meth:`checkpoint_untied`: a subclass may define either, and both names work.
+
     Attributes:
       spec: the canonical spec string that builds this policy (``"every_k:k=4"``).
     """
 
     spec: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        # Each class that defines one name gets the other, so that ``super()`` calls under
+        # either name reach the parent's own definition.
+        if "checkpoint_untied" in own and "checkpoint" not in own:
+            cls.checkpoint = own["checkpoint_untied"]
+        elif "checkpoint" in own and "checkpoint_untied" not in own:
+            cls.checkpoint_untied = own["checkpoint"]
 
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.
@@ -72,20 +86,24 @@ class Policy(abc.ABC):
             straight-line code, ``False`` inside a ``lax.scan`` of more than one step; or one bool
             per argument leaf (``jax.checkpoint``'s tuple form), tied if any is ``True``.
         """
-        checkpointed = self.checkpoint(fn, prevent_cse=prevent_cse)
+        checkpointed = self.checkpoint_untied(fn, prevent_cse=prevent_cse)
         tie = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
         if tie and checkpointed is not fn:
             return _tie.tie_to_cotangent(checkpointed)
         return checkpointed
 
     @abc.abstractmethod
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` checkpointed under this policy, untied (``fn`` itself if nothing is recomputed).
 
         Args:
           fn: a function of positional pytrees of arrays.
           prevent_cse: passed to ``jax.checkpoint``.
         """
+
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        """:meth:`checkpoint_untied`, by its older name."""
+        return self.checkpoint_untied(fn, prevent_cse=prevent_cse)
 
     def describe_match(self, program: _program.Program) -> list[str]:
         """How this policy matches ``program``, one line each, for :func:`jremat.explain`.
@@ -109,7 +127,7 @@ class Policy(abc.ABC):
 class NoRemat(Policy):
     """Keep every intermediate; no rematerialization at all."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         return fn
 
 
@@ -123,7 +141,7 @@ class CallbackPolicy(Policy):
     def __init__(self, callback: Callable):
         self.callback = callback
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         return _engine.lower_checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
 
 
@@ -144,7 +162,7 @@ class PlanPolicy(Policy):
     def plan(self, program: _program.Program) -> Plan:
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         cache = _program.ProgramCache()
 
         def build(prog: _program.Program):
