@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _interpreter, _kernel_cost, _tags
+from jremat import _engine, _interpreter, _kernel_cost
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -385,8 +385,3 @@ def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequen
       The flat list of outputs.
     """
     return _interpreter.evaluate_tagged(program.closed_jaxpr, tags, flat_args)
-
-
-def tag_names(tag: str, op: Op) -> list[str]:
-    """The checkpoint names :func:`evaluate_tagged` gives the outputs of ``op`` for ``tag``."""
-    return _tags.output_names(tag, len(op.out_shapes))
