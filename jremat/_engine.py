@@ -106,7 +106,7 @@ def natively_understood(callback: Callable | None) -> bool:
         type(cp.save_only_these_names()),
         type(cp.save_any_names_but_these()),
     )
-    return type(callback) in native_types
+    return isinstance(callback, native_types)
 
 
 def lower_checkpoint(
