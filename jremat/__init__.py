@@ -12,6 +12,11 @@ tools). Every other module is private (``jremat._...``).
 
 The names are loaded on first use (PEP 562), so ``import jremat`` and the pytest plugin import
 no JAX until something is used.
+
+What a policy saves is decided in :mod:`jremat._policy` (the kinds of :class:`Policy`: a
+:class:`PlanPolicy`'s :meth:`~PlanPolicy.plan` of the whole program, or a JAX callback asked
+per equation), a callback's answer read by :func:`jremat._tags.callback_decision`; each
+built-in policy's choice is in its module under :mod:`jremat.policies`.
 """
 
 import importlib as _importlib

@@ -54,6 +54,7 @@ from jremat._decorator import policy as _decorate_with
 from jremat._explain_memory import STACK_DEPTH
 from jremat._explanation import Explanation, KernelRuns, NameMatch
 from jremat._policy import NoRemat, Policy
+from jremat._tags import is_internal as is_internal_tag
 
 #: Policy attributes holding the tensor names a policy mentions, and the role each gives them.
 NAME_ROLES = (("save", SAVE), ("offload", OFFLOAD), ("exclude", EXCLUDE))
@@ -221,7 +222,7 @@ def explain_applied(
         tag_jaxpr = jax.make_jaxpr(flat_base or flat_remat)(*structs).jaxpr
         # A kernel's residuals are a name a policy can keep once its call is split (jremat.kernels).
         split_jaxpr = jax.make_jaxpr(kernels.split_kernels(flat_base or flat_remat))(*structs).jaxpr
-    tags = [t for t in _decisions.tags(split_jaxpr) if not _residuals.PLAN_TAG_RE.match(t[0])]
+    tags = [t for t in _decisions.tags(split_jaxpr) if not is_internal_tag(t[0])]
     found = tuple(dict.fromkeys(t[0] for t in tags))
     mentioned = mentioned_names(chosen)
     matches = []

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Generic, TypeVar
 
+from jremat import _tags
 from jremat import names as tensor_names
 from jremat._budget import Budget, as_budget, parse_budget
 from jremat._program import Program
-from jremat._residuals import PLAN_TAG_RE
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
 ALWAYS_KEPT = (tensor_names.BLOCK_INPUT, tensor_names.BLOCK_OUTPUT)
@@ -90,7 +90,7 @@ def name_costs(program: Program, *, skip: Collection[str] = ALWAYS_KEPT) -> tupl
     costs, segment_flops = [], 0.0
     for op in program.ops:
         segment_flops += op.flops
-        if op.primitive == "name" and op.tensor_name and not PLAN_TAG_RE.match(op.tensor_name):
+        if op.primitive == "name" and op.tensor_name and not _tags.is_internal(op.tensor_name):
             if op.tensor_name not in skip:
                 costs.append(NameCost(op.tensor_name, op.out_bytes, segment_flops))
             segment_flops = 0.0

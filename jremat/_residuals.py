@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _collectives, _engine, _jax_compat, _liveness, _program, _shards
+from jremat import _collectives, _engine, _jax_compat, _liveness, _program, _shards, _tags
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -33,11 +32,6 @@ RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 
 #: Primitives that return their input unchanged; a residual is looked through them.
 IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
-
-#: Names that :class:`jremat.PlanPolicy` gives the values it chose (``jremat3/17``), and
-#: that :func:`jremat._engine.checkpoint` gives the values a callback keeps under jax_remat3
-#: (``jremat_cb2/5``).
-PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
 
 _LOOP_PRIMITIVES = ("scan",)
 
@@ -458,7 +452,7 @@ def saved_residuals_report(
                         found.append(_engine.tag_name(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
-            user = [n for n in found if not PLAN_TAG_RE.match(n)]
+            user = _tags.user_names(found)
             if user:
                 return user
             frontier = nxt
@@ -482,8 +476,8 @@ def saved_residuals_report(
         aval = base.aval
         nbytes = _program.aval_bytes(aval)
         names = chain_names + [n for n in forward_names(base) if n not in chain_names]
-        user_names = [n for n in names if not PLAN_TAG_RE.match(n)]
-        plan_tags = [n for n in names if PLAN_TAG_RE.match(n)]
+        user_names = _tags.user_names(names)
+        plan_tags = [n for n in names if _tags.is_internal(n)]
         name = user_names[0] if user_names else None
         plan_tag = plan_tags[0] if plan_tags else None
         mask = deps.get(base, 0)
@@ -528,7 +522,6 @@ __all__ = [
     "CONSTANT",
     "IDENTITY_PRIMITIVES",
     "PARAMETER",
-    "PLAN_TAG_RE",
     "RESIDUAL_KINDS",
     "RNG_KEY",
     "ResidualGroup",

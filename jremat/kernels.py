@@ -43,7 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _kernel_cost, _liveness, names
+from jremat import _interpreter, _jax_compat, _kernel_cost, _liveness, names
 from jremat._program import nested_jaxprs
 
 #: A ``pallas_call`` whose name holds one of these (lower case) is an attention kernel...
@@ -406,7 +406,7 @@ def split_kernels(fn: Callable, which: Callable = _is_kernel_call) -> Callable:
     def split(*args, **kwargs):
         # The traced program is evaluated, not ``fn`` called again: a second call would draw
         # a Linen module's random values anew (its RNG counter moved on in the trace).
-        closed, _, out_tree = _engine.trace_flat(fn, args, kwargs)
+        closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs)
         flat = _evaluate_split(closed.jaxpr, closed.consts, jax.tree.leaves((args, kwargs)), which)
         return jax.tree.unflatten(out_tree, flat)
 
@@ -430,11 +430,11 @@ def _evaluate_split(jaxpr, consts, flat_args, which) -> list:
             with jax.named_scope(f"{SPLIT_FORWARD_SCOPE}.{_function_name(eqn)}"):
                 outs = _split_call(eqn, invals)
         elif eqn.primitive.name == "scan" and _holds_call(eqn.params["jaxpr"].jaxpr, which):
-            outs = _engine.rebind_scan(
+            outs = _interpreter.rebind_scan(
                 eqn, invals, lambda body, args: _evaluate_split(body.jaxpr, body.consts, args, which)
             )
         if outs is None:
-            outs = _engine.bind_equation(eqn, invals)
+            outs = _interpreter.bind_equation(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
