@@ -189,8 +189,8 @@ class KeepGathered(Policy):
     def offload_dst(self) -> str:
         return getattr(self.inner, "offload_dst", "pinned_host")
 
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
-        return self._saving.checkpoint(tag_gathered_weights(fn), prevent_cse=prevent_cse)
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        return self._saving.checkpoint_untied(tag_gathered_weights(fn), prevent_cse=prevent_cse)
 
     def describe_match(self, program: Program) -> list[str]:
         n = len(gathered_weights(program))

@@ -37,6 +37,9 @@ def device_fractions(fn: Callable, leaves: list, outputs: list) -> list[float]:
         shardings = compiled_shardings[len(compiled_shardings) - len(outputs) :]
     fractions = []
     for r, sharding in zip(outputs, shardings):
+        if sharding is None:  # no sharding known for this output: counted as replicated
+            fractions.append(1.0)
+            continue
         size = int(np.prod(r.shape, dtype=np.int64))
         shard = int(np.prod(sharding.shard_shape(tuple(r.shape)), dtype=np.int64)) if r.shape else 1
         fractions.append(shard / size if size else 1.0)
