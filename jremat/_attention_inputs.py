@@ -84,7 +84,7 @@ def scale_or_default(scale, head_dim: int) -> float:
 
 def threefry_key_data(key) -> jax.Array:
     """The ``uint32[2]`` data of a single threefry2x32 key, which the kernel hashes block by block."""
-    if not jax.config.jax_threefry_partitionable:
+    if not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
         raise ValueError(
             "attention dropout regenerates masks block by block, which needs jax_threefry_partitionable=True "
             "(the default); it is off"

@@ -7,6 +7,7 @@ program_flops(grad without remat)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import jax
 
@@ -58,7 +59,7 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if _kernel_cost.is_kernel(eqn):
-            total += _kernel_cost.kernel_cost(eqn).flops
+            total += cast(_kernel_cost.KernelCost, _kernel_cost.kernel_cost(eqn)).flops
         elif grid_position is not None and name in _jaxpr.KERNEL_MEMORY_PRIMITIVES:
             if name in (_jaxpr.PROGRAM_ID, _jaxpr.NUM_PROGRAMS):
                 ids, grid = grid_position

@@ -364,7 +364,7 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # primal program, not inside a custom_vjp forward rule: both remat engines then see the tags
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
-    out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
+    out, lse = _forward(cfg, lax.stop_gradient(q), lax.stop_gradient(k), lax.stop_gradient(v), key_data)
     out = _engine.name_tag(out, names.ATTN_CONTEXT)
     lse = _engine.name_tag(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)
