@@ -30,7 +30,7 @@ def translates(eqn) -> bool:
     re-emitted for remat3 when re-bound (true only while remat3 is active)."""
     name = eqn.primitive.name
     return (
-        name == _engine.NAME_PRIMITIVE or name in _engine.CLASSIC_CHECKPOINT_PRIMITIVES
+        name == _jaxpr.NAME or name in _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES
     ) and _engine.active_engine() == _engine.REMAT3
 
 
@@ -43,7 +43,7 @@ def bind_translated(eqn, invals) -> list:
     Returns:
       The equation's outputs, as a list.
     """
-    if eqn.primitive.name == _engine.NAME_PRIMITIVE:
+    if eqn.primitive.name == _jaxpr.NAME:
         return [_engine.name_tag(invals[0], eqn.params["name"])]
     body = eqn.params["jaxpr"]
     consts = body.consts if hasattr(body, "consts") else ()
@@ -59,7 +59,7 @@ def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str
     with nothing to re-emit stay calls."""
 
     def offload_named(eqn, outs):
-        if eqn.primitive.name == _engine.NAME_PRIMITIVE and eqn.params["name"] in offload:
+        if eqn.primitive.name == _jaxpr.NAME and eqn.params["name"] in offload:
             return [_engine.offload_function(*offload[eqn.params["name"]])(outs[0])]
         return outs
 
@@ -144,7 +144,7 @@ def evaluate_inlined(jaxpr, consts, args, after_bind=None, keep_calls: bool = Fa
         invals = [_read(env, v) for v in eqn.invars]
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-        if eqn.primitive.name in _engine.INLINED_CALL_PRIMITIVES and not (
+        if eqn.primitive.name in _jaxpr.INLINED_CALL_PRIMITIVES and not (
             keep_calls and not _holds_translated(sub_jaxpr)
         ):
             sub_consts = sub.consts if hasattr(sub, "consts") else ()

@@ -16,7 +16,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat import _engine
+from jremat import _jaxpr
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 W = jnp.linspace(0.5, -0.5, 16).reshape(4, 4)
@@ -191,7 +191,7 @@ def test_prevent_cse_as_a_bool_or_a_pytree_prefix(remat_engine, prevent_cse):
 def test_prevent_cse_per_argument_reaches_the_remat_equation(classic_engine):
     got = jremat.checkpoint(lambda a, b: jnp.sin(a) * b, prevent_cse=(False, True))
     jaxpr = jax.make_jaxpr(got)(X, X)
-    remat = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name in _engine.CLASSIC_CHECKPOINT_PRIMITIVES]
+    remat = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name in _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES]
     assert [e.params["prevent_cse"] for e in remat] == [(False, True)]
 
 
@@ -210,9 +210,7 @@ def test_a_python_scalar_cotangent(remat_engine):
 
 
 def _all_eqns(jaxpr):
-    from jremat._jaxpr import equations
-
-    return equations(jaxpr)
+    return _jaxpr.equations(jaxpr)
 
 
 def test_the_jaxpr_holds_one_remat_equation_and_the_inner_jit(classic_engine):
@@ -222,7 +220,7 @@ def test_the_jaxpr_holds_one_remat_equation_and_the_inner_jit(classic_engine):
     fn = lambda x: jnp.cos(inner(x))
     for checkpointed in both(fn):
         eqns = list(_all_eqns(jax.make_jaxpr(checkpointed)(X).jaxpr))
-        remat = [e for e in eqns if e.primitive.name in _engine.CLASSIC_CHECKPOINT_PRIMITIVES]
+        remat = [e for e in eqns if e.primitive.name in _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES]
         assert len(remat) == 1
         assert "jit" in {e.primitive.name for e in _all_eqns(remat[0].params["jaxpr"])}
 
