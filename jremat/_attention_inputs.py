@@ -14,6 +14,9 @@ from jax.extend.random import threefry_2x32
 
 
 def check_inputs(q, k, v) -> None:
+    """Raise ``ValueError`` unless ``q``, ``k``, ``v`` are self-attention operands: 4-D
+    ``[batch, seq, heads, head_dim]`` arrays of one floating dtype, ``k`` of ``q``'s shape, ``v``
+    matching in batch, seq and heads, no dimension empty."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
             raise ValueError(f"{name} must be an array [batch, seq, heads, head_dim], got {type(x).__name__}")
@@ -57,6 +60,7 @@ def static_float(value, what: str) -> float:
 
 
 def check_not_float64(q) -> None:
+    """Raise ``ValueError`` for float64 inputs (the blockwise kernel computes in float32)."""
     if jax.dtypes.canonicalize_dtype(q.dtype).itemsize > 4:  # float64 only where x64 is on
         raise ValueError(
             f"blockwise attention computes its scores and softmax in float32; got {q.dtype} inputs, which "
@@ -65,6 +69,7 @@ def check_not_float64(q) -> None:
 
 
 def check_rate(rate) -> float:
+    """A dropout rate as a Python float; ``ValueError`` unless a static number in ``[0, 1)``."""
     rate = static_float(rate, "dropout rate")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
@@ -72,6 +77,7 @@ def check_rate(rate) -> float:
 
 
 def static_bool(value, what: str) -> bool:
+    """``value`` as a Python bool; a traced value is a ``ValueError`` naming ``what``."""
     try:
         return bool(value)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError) as err:
@@ -79,6 +85,7 @@ def static_bool(value, what: str) -> bool:
 
 
 def scale_or_default(scale, head_dim: int) -> float:
+    """``scale`` as a Python float, ``1 / sqrt(head_dim)`` if ``None``; ``ValueError`` if not a static number."""
     return 1.0 / math.sqrt(head_dim) if scale is None else static_float(scale, "scale")
 
 
