@@ -31,7 +31,7 @@ import jremat
 from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES, whole_step_head_chunks
+from jremat.models.config import whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
@@ -55,17 +55,16 @@ MAX_PARAMETER_BYTES = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryConfig:
+class MemoryConfig(model_flags.ModelFlags):
     """What ``python -m train.memory`` measures; one field per command-line flag (``a_b`` <-> ``--a-b``).
+
+    The model flags are :class:`train.model_flags.ModelFlags`'.
 
     ``policy_keys`` collects the per-policy-key flags (``--k 4``); each applies to every
     ``--policy`` that takes the key. Model overrides left ``None`` keep the preset's value.
     """
 
-    preset: str = option("small", "model preset", choices=tuple(PRESETS))
     batch_size: int = option(8, "sequences per batch")
-    seq_len: int | None = option(None, "tokens per sequence (<= the model's positions, --max-seq-len; default: equal)")
-    dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
     policy: tuple[str, ...] = option(
         (),
         "policy spec NAME or NAME:key=value, one report row each (default none and full; with --fit, the "
@@ -78,12 +77,6 @@ class MemoryConfig:
     d_ff: int | None = option(None, "override the MLP width")
     heads: int | None = option(None, "override the head count (head_dim = d_model / heads unless --head-dim)")
     head_dim: int | None = option(None, "override head_dim")
-    dropout: float | None = option(None, "attention and residual dropout rate")
-    attention: str = model_flags.attention_option()
-    attention_block_size: int = model_flags.attention_block_size_option()
-    max_seq_len: int | None = model_flags.max_seq_len_option()
-    granularity: str | None = option(None, "remat granularity", choices=jremat.GRANULARITIES)
-    unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
     policy_module: tuple[str, ...] = option((), "import a module that registers policies", metavar="MODULE")
     json: bool = option(False, "print a JSON list, one object per policy")
     plot: str | None = option(
@@ -95,11 +88,6 @@ class MemoryConfig:
         None,
         "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's); "
         "for --fit, a size",
-    )
-    remat_head_chunks: int | None = option(
-        None,
-        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
     )
     fit: bool = option(
         False,
@@ -148,11 +136,7 @@ class MemoryConfig:
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
-        if self.dtype is not None:
-            require_choice("dtype", self.dtype, DTYPES)
-        require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
-        if self.granularity is not None:
-            require_choice("granularity", self.granularity, jremat.GRANULARITIES)
+        self.check_model_flags()
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
