@@ -30,12 +30,10 @@ if __name__ == "__main__":  # the CLI: Ctrl-C, SIGTERM and argument mistakes are
     exit_on_argument_error(TrainConfig, "train.ptb")
 
 import dataclasses
-import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +49,18 @@ from jremat.train import distributed as distributed_lib
 from jremat.train import fit as fit_lib
 from jremat.train import sharding as sharding_lib
 from jremat.train import step as step_lib
-from jremat.train.checkpoint import (
-    CheckpointError,
-    Checkpoints,
-    CorruptCheckpoint,
-    model_shape,
-    pack_state,
-    unpack_state,
-)
 from jremat.train.config import AUTO_BATCH, TrainConfig, resume_differences
 from jremat.train.metrics import MetricsFile
+from jremat.train.state_files import (
+    StateFiles,
+    StateFilesError,
+    jsonable,
+    no_state_error,
+    pack_state,
+    resume_from_newest_good,
+    state_meta,
+    unpack_state,
+)
 from jremat.train.usage import EXIT_USAGE, UsageError, program_name
 
 EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
@@ -288,57 +288,6 @@ def compiled_steps(
     return _STEP_CACHE[key]
 
 
-def resume_from_newest_good(
-    ckpts: Checkpoints,
-    template: dict,
-    check: Callable[[dict], list[str]],
-    log,
-    move: bool,
-    agree: Callable[[int], None] = lambda step: None,
-):
-    """``(step, meta, state)`` of the newest checkpoint that reads back and that ``check(meta)`` accepts.
-
-    ``check`` raises to refuse a checkpoint (another model or data: the search stops) and
-    returns notes, logged for the checkpoint resumed from. A damaged checkpoint
-    (:class:`CorruptCheckpoint`) is reported and the next older one tried. Once an older one has
-    restored and ``agree(step)`` has accepted its step (every process of a run found the same),
-    the damaged ones are moved aside when ``move`` (process 0). If none restores, nothing is moved.
-
-    Raises:
-      CheckpointError: no checkpoint, none intact, a checkpoint that cannot be read (permissions),
-        ``check``'s refusal, or ``agree``'s.
-    """
-    damaged = []
-    for step in ckpts.all_steps():
-        try:
-            meta = ckpts.read_meta(step)
-            notes = check(meta)
-            state = ckpts.restore_state(step, template)
-        except CorruptCheckpoint as err:
-            damaged.append((step, err))
-            log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}); trying the one before")
-            continue
-        agree(step)
-        for bad_step, _ in damaged:
-            if move:
-                log(f"warning: moved the damaged checkpoint step {bad_step} to {ckpts.quarantine(bad_step)}")
-        for note in notes:
-            log(note)
-        return step, meta, state
-    if not damaged:
-        raise no_checkpoint_error(ckpts.path)
-    listed = "; ".join(f"step {step}: {err}" for step, err in damaged)
-    raise CheckpointError(
-        f"--resume: no intact checkpoint in {str(ckpts.path)!r} ({listed}); nothing was moved; start a fresh run "
-        "in another --ckpt-dir"
-    )
-
-
-def no_checkpoint_error(path) -> CheckpointError:
-    """The error of ``--resume`` on a directory without checkpoints."""
-    return CheckpointError(f"--resume: no checkpoint found in {str(path)!r}; run without --resume to start fresh")
-
-
 def train(
     cfg: TrainConfig,
     *,
@@ -368,26 +317,28 @@ def train(
     model_cfg = cfg.model_config(PRESETS[cfg.preset].vocab_size)
     if cfg.mesh is None:  # a mesh may shard the parameters
         model_flags.check_training_state_fits(model_cfg)
-    ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
+    state_files = StateFiles(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
     try:
-        return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
+        return _train(
+            cfg, state_files, signals, primary, log if primary else (lambda _line: None), progress and primary
+        )
     finally:
-        if ckpts:
-            ckpts.close()
+        if state_files:
+            state_files.close()
 
 
-def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool) -> RunResult:
+def _train(cfg: TrainConfig, state_files, signals, primary: bool, log, progress: bool) -> RunResult:
     from tqdm import tqdm
 
     signals.startup_note = "nothing was trained, nothing to save"
-    if ckpts and ckpts.lock is not None and ckpts.lock.taken_over:
-        log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
-    latest = ckpts.latest_step() if ckpts else None
+    if state_files and state_files.lock is not None and state_files.lock.taken_over:
+        log(f"note: took over the lock of a run that ended without releasing it ({state_files.lock.taken_over})")
+    latest = state_files.latest_step() if state_files else None
     if cfg.resume and latest is None:
-        raise no_checkpoint_error(ckpts.path)
-    if ckpts and not cfg.resume and latest is not None:
-        raise CheckpointError(
-            f"--ckpt-dir {str(ckpts.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
+        raise no_state_error(state_files.path)
+    if state_files and not cfg.resume and latest is not None:
+        raise StateFilesError(
+            f"--ckpt-dir {str(state_files.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
             "run; pass --resume to continue it or choose another --ckpt-dir"
         )
 
@@ -425,10 +376,10 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     if cfg.resume:
 
         def check(meta):
-            refused, notes = resume_differences(meta, cfg, _jsonable(dataclasses.asdict(model_cfg)), corpus.vocab_md5())
+            refused, notes = resume_differences(meta, cfg, jsonable(dataclasses.asdict(model_cfg)), corpus.vocab_md5())
             if refused:
-                raise CheckpointError(
-                    f"cannot resume from {str(ckpts.path)!r} (step {meta.get('step')}): the checkpoint is of another "
+                raise StateFilesError(
+                    f"cannot resume from {str(state_files.path)!r} (step {meta.get('step')}): the checkpoint is of another "
                     f"model or data ({'; '.join(refused)}); resume with the flags and --data-dir of the original run, "
                     "or start a fresh run in another --ckpt-dir"
                 )
@@ -438,17 +389,17 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
 
         def agree(step):  # each process reads the directory itself
             if not distributed_lib.same_on_every_process(step):
-                raise CheckpointError(
-                    f"--resume: this process's newest intact checkpoint in {str(ckpts.path)!r} is step {step}, but "
+                raise StateFilesError(
+                    f"--resume: this process's newest intact checkpoint in {str(state_files.path)!r} is step {step}, but "
                     "other processes found another; every process must see the same --ckpt-dir (a shared file system)"
                 )
 
-        latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary, agree=agree)
+        latest, meta, tree = resume_from_newest_good(state_files, template, check, log, move=primary, agree=agree)
         params, opt_state, base_key = unpack_state(tree, params, opt_state)
         start_step = int(meta["step"])
         if start_step >= total_steps:
             raise UsageError(
-                f"--resume: the checkpoint in {str(ckpts.path)!r} is at step {start_step}, which --steps "
+                f"--resume: the checkpoint in {str(state_files.path)!r} is at step {start_step}, which --steps "
                 f"{total_steps} already reaches; nothing is left to train: pass a larger --steps (or --epochs)"
             )
         signals.startup_note = f"the checkpoint of step {start_step} is unchanged"
@@ -457,7 +408,7 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
                 f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
                 f"micro-batch {start_step * cfg.accum}"
             )
-        log(f"resumed from {ckpts.path} at step {start_step}")
+        log(f"resumed from {state_files.path} at step {start_step}")
 
     metrics = (
         MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None, log=log)
@@ -466,10 +417,10 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
     )
 
     def save(step):
-        ckpts.save(
+        state_files.save(
             step,
             pack_state(params, opt_state, base_key),
-            checkpoint_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps),
+            state_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps),
         )
 
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
@@ -520,11 +471,11 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
                 loss = float(np.mean([float(v) for v in micro_losses]))
                 step_time_s = time.perf_counter() - t0
                 if not math.isfinite(loss):
-                    kept = ckpts.latest_step() if ckpts else None
+                    kept = state_files.latest_step() if state_files else None
                     where = (
-                        f"the last good checkpoint is step {kept} in {ckpts.path}"
+                        f"the last good checkpoint is step {kept} in {state_files.path}"
                         if kept is not None
-                        else ("no checkpoint was saved" + ("" if ckpts else " (no --ckpt-dir)"))
+                        else ("no checkpoint was saved" + ("" if state_files else " (no --ckpt-dir)"))
                     )
                     result.status = "nonfinite"
                     result.message = (
@@ -560,26 +511,28 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
                     refresh=False,
                 )
                 bar.update(1)
-                if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                if state_files and cfg.ckpt_every and step % cfg.ckpt_every == 0:
                     save(step)
                     last_saved = step
                 if distributed_lib.agree_any(signals.requested):  # every process stops after the same step
-                    if ckpts and last_saved != step:
+                    if state_files and last_saved != step:
                         save(step)
                         last_saved = step
                     result.status = "interrupted"
                     result.message = f"interrupted ({signal_name(signals)}) after step {step}; " + (
-                        f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
-                        if ckpts
+                        f"checkpoint saved in {state_files.path}; continue with the same flags plus --resume"
+                        if state_files
                         else "no --ckpt-dir, so nothing was saved"
                     )
                     return result
-            if ckpts and last_saved != step:
+            if state_files and last_saved != step:
                 save(step)
             if signals.requested:  # during the last step or its save: saved, but the user asked to stop
                 result.status = "interrupted"
                 result.message = f"interrupted ({signal_name(signals)}) after the last step, {step}; " + (
-                    f"checkpoint saved in {ckpts.path}; nothing left to train" if ckpts else "nothing was saved"
+                    f"checkpoint saved in {state_files.path}; nothing left to train"
+                    if state_files
+                    else "nothing was saved"
                 )
                 return result
     finally:
@@ -590,32 +543,14 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
             result.mean_step_time_s = float(np.mean(step_times))
             result.tokens_per_s = tokens_per_step * len(step_times) / float(np.sum(step_times))
 
-    signals.startup_note = f"finished {step} steps" + (f"; the checkpoint of step {step} is saved" if ckpts else "")
+    signals.startup_note = f"finished {step} steps" + (
+        f"; the checkpoint of step {step} is saved" if state_files else ""
+    )
     result.valid_ppl = _perplexity(evaluate(eval_step, params, valid_batches, cfg.eval_batches, put))
     result.test_ppl = _perplexity(evaluate(eval_step, params, test_batches, cfg.eval_batches, put))
     result.message = f"finished {step} steps"
     log(summary_table(cfg, model_cfg, result))
     return result
-
-
-def checkpoint_meta(
-    cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, step: int, batches_per_epoch: int, total_steps: int
-) -> dict[str, Any]:
-    """The JSON metadata stored with the checkpoint of ``step`` (what ``--resume`` checks)."""
-    return {
-        "step": step,
-        "data_position": step * cfg.accum,
-        "epoch": step * cfg.accum / batches_per_epoch,
-        "model_shape": model_shape(model_cfg),
-        "model": _jsonable(dataclasses.asdict(model_cfg)),
-        "train": _jsonable(dataclasses.asdict(cfg)),
-        "vocab_md5": corpus.vocab_md5(),
-        "total_steps": total_steps,
-    }
-
-
-def _jsonable(value):
-    return json.loads(json.dumps(value, default=list))
 
 
 def start_distributed(cfg: TrainConfig) -> bool:
