@@ -47,7 +47,7 @@ class TrainConfig(model_flags.ModelFlags):
     batch_size: str | int | None = option(
         None,
         "sequences per micro-batch (preset default), or auto: the batch with the highest measured tokens/s "
-        "whose train step fits --memory-budget (with --policy auto, the policy too; train.fit)",
+        "whose train step fits --memory-budget (with --policy auto, the policy too; on --mesh, per device; train.fit)",
     )
     steps: int | None = option(None, "optimizer steps (preset default unless --epochs)")
     epochs: float | None = option(None, "passes over the training split instead of --steps")
@@ -126,7 +126,6 @@ class TrainConfig(model_flags.ModelFlags):
                 "--batch-size auto needs --memory-budget, a size such as 12GiB (the train step's compiled peak)",
             )
             require(self.accum == 1, "--batch-size auto chooses the batch of one optimizer step: leave --accum at 1")
-            require(self.mesh is None, "--batch-size auto runs on one device: drop --mesh or give --batch-size N")
             require(
                 not self.resume,
                 "--resume continues with the checkpoint's batch: give it as --batch-size N (the run that wrote "
