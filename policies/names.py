@@ -58,7 +58,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     cache = ProgramCache()
 
     def build(program: Program):
-        checkpointed = engine.checkpoint(
+        checkpointed = engine.lower_checkpoint(
             lambda *leaves: evaluate_tagged(program, {}, leaves), callback=policy.callback, prevent_cse=prevent_cse
         )
         return program, checkpointed

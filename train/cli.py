@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jremat import Budget, registry
-from jremat._builtin_keys import BUILTIN_PARAMS
+from jremat.internal import BUILTIN_PARAMS
 from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).

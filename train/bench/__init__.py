@@ -28,6 +28,6 @@ Modules: :mod:`~train.bench.config` (what runs, the command line), :mod:`~train.
 """
 
 if __name__ != "jremat.train.bench":  # run from a checkout as `python -m train.bench`
-    from jremat._checkout import alias_installed
+    from jremat.internal import alias_installed
 
     alias_installed(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jremat._fit import largest_fitting
+from jremat.fit import largest_fitting
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import FUSED_ATTENTIONS
 from jremat.models.policy_memory import policy_memory
