@@ -161,11 +161,13 @@ def model_shape(model_cfg: ModelConfig) -> dict[str, Any]:
 
 
 class StateFiles:
-    """An orbax ``CheckpointManager`` for one run directory (synchronous, atomic saves).
+    """The training-state files of one run directory (``--ckpt-dir``): one saved step each (orbax calls
+    it a checkpoint), through an orbax ``CheckpointManager`` (synchronous, atomic saves).
 
     Args:
-      directory: where checkpoints go (created if missing; must be writable).
-      keep: how many most recent checkpoints to keep.
+      directory: where the saved steps go (created if missing; must be writable).
+      keep: how many most recent saved steps to keep.
+      lock: hold the directory's :class:`RunLock` (one run at a time).
 
     Raises:
       StateFilesError: if the directory is not writable.
