@@ -27,171 +27,29 @@ from jremat.train.bench import (
 )
 from jremat.train.bench.config import BenchConfig
 from jremat.train.bench.part_time import TIME
-
-
-def row(part: str, policy: str, cfg, batch: int, seq: int, **values) -> dict:
-    """One row of the part that writes rows of ``part``."""
-    return parts.owner(part).row(policy, cfg, batch, seq, part=part, **values)
-
-
-def fake_rows() -> list[dict]:
-    """One set of rows for every part, as the parts would give them (numbers chosen by hand)."""
-    cfg = BenchConfig(quick=True).block_model()
-    rows = []
-    for part, (key, values) in (("needle_batch", ("batch_size", (256, 2048))), ("needle_dff", ("d_ff", (256, 2048)))):
-        for v in values:
-            for scope, red in (("none", 0.0), ("blocks", 0.05), ("head", 0.6), ("whole step", 0.7 + v / 1e5)):
-                rows.append(
-                    row(
-                        part,
-                        "every_k:k=4",
-                        cfg,
-                        2048,
-                        20,
-                        scope=scope,
-                        model="needle",
-                        peak_reduction_vs_none=red,
-                        peak_bytes=int(100e6 * (1 - red)),
-                        **{key: v},
-                    )
-                )
-    for k, t in ((0, 1.0), (1, 1.1), (4, 1.2)):
-        rows.append(
-            row(
-                "needle_time",
-                f"every_k:k={k}",
-                cfg,
-                64,
-                20,
-                k=k,
-                time_ratio_vs_none=t,
-                time_ratio_low=t - 0.01,
-                time_ratio_high=t + 0.01,
-                flops_bound=1.1,
-                peak_bytes=10**7,
-            )
-        )
-    for spec, sbh, ref, err in (
-        ("none", 114.0, 114.0, -0.008),
-        ("selective", 32.0, 34.0, 0.02),
-        ("full", 2.0, 2.0, 0.039),
-    ):
-        rows.append(
-            row(
-                "megatron",
-                spec,
-                cfg,
-                8,
-                1024,
-                model="gpt2-small",
-                saved_bytes_per_layer=sbh * 8 * 1024,
-                saved_per_sbh=sbh,
-                megatron_per_sbh=ref,
-                peak_bytes=10**9,
-                analytic_peak_bytes=10**9,
-                analytic_error=err,
-            )
-        )
-    for spec, batch in (("none", 8), ("full", 40)):
-        rows.append(
-            row(
-                "maxbatch",
-                spec,
-                cfg,
-                batch,
-                1024,
-                model="gpt2-small",
-                budget_bytes=16 * 2**30,
-                max_batch=batch,
-                max_batch_verified=True,
-                peak_bytes=15 * 2**30,
-            )
-        )
-    for model in ("head-dominated (small)", "block-dominated"):
-        for spec, t, bound in (
-            ("none", 1.0, 1.0),
-            ("selective", 1.01, 1.02),
-            ("every_k:k=4", 1.05, 1.1),
-            ("full", 1.08, 1.24),
-        ):
-            rows.append(
-                row(
-                    "time",
-                    spec,
-                    cfg,
-                    8,
-                    128,
-                    model=model,
-                    time_ratio_vs_none=t,
-                    time_ratio_low=t,
-                    time_ratio_high=t,
-                    flops_bound=bound,
-                    peak_bytes=10**7,
-                    compile_s=2.0,
-                    peak_reduction_vs_none=0.1,
-                    **flops.throughput_fields(cfg, 8, 128, 0.5e-3 * t, 989.4),
-                )
-            )
-    for label, ours, t, peak in (
-        ("none", "", 1.0, 100),
-        ("full", "", 1.1, 50),
-        ("jax.checkpoint", "full", 1.2, 50),
-        ("linen nn.remat_scan", "full", 1.0, 60),
-    ):
-        rows.append(
-            row(
-                "peers",
-                label,
-                cfg,
-                8,
-                128,
-                compared_with=ours,
-                time_ratio_vs_none=t,
-                time_ratio_low=t,
-                time_ratio_high=t,
-                flops_bound=1.2,
-                peak_bytes=peak,
-                temp_bytes=peak,
-                compile_s=1.0,
-            )
-        )
-    rows.append(
-        row(
-            "auto",
-            "auto:budget=900 (plan)",
-            cfg,
-            20,
-            64,
-            model="small",
-            budget_bytes=900,
-            peak_bytes=800,
-            time_ratio_vs_none=1.01,
-            best_fitting_policy="full",
-            best_fitting_time_ratio=1.0,
-            compile_s=3.0,
-        )
-    )
-    return rows
+from tests.train.bench_rows import measured_rows
 
 
 def test_verdict_holds_every_target_and_says_where_jremat_is_worse():
-    verdict = {t.text: (t.measured, t.met) for t in report.check_targets(fake_rows())}
+    verdict = {t.text: (t.measured, t.met) for t in report.check_targets(measured_rows(miss=False))}
     assert verdict["Needle fig. 1 (whole step): peak reduction > 55% at every batch"][1]
     assert verdict["Needle fig. 2: reduction grows with d_ff"][1]
     assert verdict["Needle fig. 3: step time grows with k (largest k slower than smallest)"][1]
     assert verdict["Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)"][1]
-    assert verdict["Max batch (whole step): full >= 5x none"] == ("40 vs 8 (5.00x)", True)
+    assert verdict["Max batch (whole step): full >= 5x none"] == ("48 vs 8 (6.00x)", True)
     assert verdict["Time, block-dominated: full <= 1.35x none"] == ("1.080x (FLOPs bound 1.240x)", True)
     analytic = [ok for target, (_, ok) in verdict.items() if target.startswith("Analytic peak")]
-    assert analytic == [True, True, True]
-    # jremat full beats jax.checkpoint; Linen nn.remat_scan is faster here: the verdict says no.
-    assert verdict["Peer jax.checkpoint: jremat full peak <= it and time within 5%"][1]
-    assert not verdict["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"][1]
-    assert verdict["auto fits budget 900 B"][1]
+    assert analytic == [True, True, True, True]
+    assert verdict["auto fits budget 900.00 MiB"][1]
+    assert all(met for _, met in verdict.values())
+    # jremat full beats jax.checkpoint; Linen nn.remat_scan faster than it: the verdict says no.
+    missed = {t.text: t.met for t in report.check_targets(measured_rows(miss=True))}
+    assert missed["Peer jax.checkpoint: jremat full peak <= it and time within 5%"]
+    assert not missed["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"]
 
 
-def test_report_csv_and_plots_from_fake_rows(tmp_path):
-    measured = fake_rows()
+def test_report_csv_and_plots_from_measured_rows(tmp_path):
+    measured = measured_rows(miss=True)
     back = []
     for name, own in parts.part_of_rows(measured).items():
         part = parts.BENCH_PARTS[name]
@@ -210,8 +68,12 @@ def test_report_csv_and_plots_from_fake_rows(tmp_path):
     assert "## Verdict" in text and "| **no** |" in text and "## Guide" in text and "- a note" in text
     assert "![time.png](results/time.png)" in text and "[results/bench-time.csv](results/bench-time.csv)" in text
     # a Needle table row: none, blocks, head and whole step side by side
-    assert "| 256 | 64 | 95.37 MiB | 90.60 MiB (5.0%) | 38.15 MiB (60.0%) | 28.37 MiB (70.3%) |" in text
+    assert "| 256 | 64 | 95.37 MiB | 90.60 MiB (5.0%) | 38.15 MiB (60.0%) | 47.93 MiB (49.7%) |" in text
     assert "run " not in text.lower().replace("one run", "")
+
+
+def time_rows() -> list[dict]:
+    return [r for r in measured_rows(miss=False) if r["part"] == "time"]
 
 
 def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeypatch, capsys):
@@ -219,7 +81,7 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
     def fake_part(config, policies):
         seen.append(tuple(policies))
-        return [r for r in fake_rows() if r["part"] == "time"]
+        return time_rows()
 
     monkeypatch.setitem(bench.BENCH_PARTS, "time", dataclasses.replace(TIME, run=fake_part))
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
@@ -242,7 +104,7 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
 def test_a_run_that_fails_midway_leaves_the_last_csv_and_report(tmp_path, monkeypatch, capsys):
     def done_part(config, policies):
-        return [r for r in fake_rows() if r["part"] == "time"]
+        return time_rows()
 
     def failing_part(config, policies):
         raise RuntimeError("out of memory")
@@ -410,7 +272,13 @@ def test_this_cpu_has_no_peak_so_no_mfu():
 
 
 def test_report_shows_absolute_figures_and_the_peak_used():
-    text = report.results_markdown(fake_rows(), [], "results", "python -m train.bench", 60.0)
+    cfg = BenchConfig(quick=True).block_model()
+    timing = dict(time_ratio_vs_none=1.0, time_ratio_low=1.0, time_ratio_high=1.0, flops_bound=1.0, compile_s=2.0)
+    timing.update(peak_bytes=10**7, peak_reduction_vs_none=0.0)
+    row = TIME.row(
+        "none", cfg, 8, 128, model="block-dominated", **timing, **flops.throughput_fields(cfg, 8, 128, 0.5e-3, 989.4)
+    )
+    text = report.results_markdown([row], [], "results", "python -m train.bench", 60.0)
     assert "| step | tokens/s | TFLOP/s | MFU (bf16 peak) |" in text
     assert "dense bf16 peak, 989.4 TFLOP/s" in text
     # block-dominated none: 8 x 128 tokens in 0.5 ms
