@@ -147,8 +147,8 @@ def _main(argv: list[str]) -> int:
     config = parse_config(argv)
     rows, plots, _ = run(config, "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv))
     print(
-        f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench-<part>.csv')}, {len(plots)} plots"
-        + (f" and {config.report}" if config.report else "")
+        f"wrote {len(rows)} rows to {', '.join(BENCH_PARTS[p].csv_name for p in dict.fromkeys(config.parts))} in "
+        f"{config.out}, {len(plots)} plots" + (f" and {config.report}" if config.report else "")
     )
     for target in check_targets(rows):
         print(f"  {'met   ' if target.met else 'MISSED'} {target.text}: {target.measured}")
