@@ -14,7 +14,14 @@ import zipfile
 
 ALLOWED_TOP = re.compile(r"^(jremat|jremat-[^/]+\.dist-info)$")
 #: Packages of the library that must be in the wheel, under jremat/.
-REQUIRED = ("jremat/__init__.py", "jremat/policies/__init__.py", "jremat/models/gpt.py", "jremat/train/ptb.py")
+#: jremat/py.typed tells type checkers the package has annotations (PEP 561).
+REQUIRED = (
+    "jremat/__init__.py",
+    "jremat/py.typed",
+    "jremat/policies/__init__.py",
+    "jremat/models/gpt.py",
+    "jremat/train/ptb.py",
+)
 #: The checkout folders the sdist must carry to rebuild the wheel.
 SDIST_REQUIRED = ("pyproject.toml", "README.md", "LICENSE", "jremat/", "policies/", "models/", "train/")
 #: METADATA fields (name, value) the wheel must have: its license and where the project lives.

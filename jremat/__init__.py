@@ -3,15 +3,24 @@
 The public API is the names below, plus the public submodules :mod:`jremat.registry`,
 :mod:`jremat.names`, :mod:`jremat.ops`, :mod:`jremat.attention` (memory-efficient attention),
 :mod:`jremat.kernels` (kernels such as Pallas attention, recognised and kept), :mod:`jremat.testing`, :mod:`jremat.pytest_plugin`
-(a pytest plugin), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
+(a pytest plugin), the namespaces :mod:`jremat.diagnosis` (explain, memory, residuals,
+collectives, timeline, counts) and :mod:`jremat.fit` (the fit search, the batch search, budgets),
+whose names that are also below are the same objects, :mod:`jremat.internal` (what the
+command-line tools use, without a stability promise), :mod:`jremat.policies` (the built-in policies) and, with the ``[train]``
 extra, :mod:`jremat.models` (the reference GPT) and :mod:`jremat.train` (the command-line
 tools). Every other module is private (``jremat._...``).
 
 The names are loaded on first use (PEP 562), so ``import jremat`` and the pytest plugin import
 no JAX until something is used.
+
+What a policy saves is decided in :mod:`jremat._policy` (the kinds of :class:`Policy`: a
+:class:`PlanPolicy`'s :meth:`~PlanPolicy.plan` of the whole program, or a JAX callback asked
+per equation), a callback's answer read by :func:`jremat._tags.callback_decision`; each
+built-in policy's choice is in its module under :mod:`jremat.policies`.
 """
 
 import importlib as _importlib
+from typing import TYPE_CHECKING
 
 from jremat._version import __version__ as __version__
 
@@ -39,23 +48,16 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "jremat._compile": ("compiler_options", "jit"),
     # Decorators: a policy applied to a function or module, and custom policies.
     "jremat._decorator": ("checkpoint", "custom_policy", "filter_checkpoint", "policy"),
+    # The diagnosis tools (explain, the memory, residuals, collectives and timeline reports, counts) in one namespace.
+    "jremat.diagnosis": (),
     # What a policy did to a function: each decision, the names it matched, whether memory fell.
     "jremat._explain": ("Explanation", "explain", "explain_applied"),
     # Throughput at a memory budget: the (policy, batch) that trains fastest, measured.
-    "jremat._fit": (
-        "FitError",
-        "FitProbe",
-        "FitResult",
-        "FitRow",
-        "FitStep",
-        "TimeModel",
-        "calibrate_time_model",
-        "fit_search",
-        "fit_search_budgets",
-        "keep_gathered_variants",
-        "measure_throughput",
-        "with_collective_rates",
-    ),
+    # (All of it, with the batch search and budgets, is the namespace jremat.fit.)
+    "jremat.fit": (),
+    "jremat._fit": ("fit_search", "fit_search_budgets", "keep_gathered_variants", "measure_throughput"),
+    "jremat._fit_time": ("calibrate_time_model", "with_collective_rates"),
+    "jremat._fit_types": ("FitError", "FitProbe", "FitResult", "FitRow", "FitStep", "TimeModel"),
     # FLOPs of traced programs (scan bodies times their length).
     "jremat._flops": ("jaxpr_flops", "program_flops"),
     # Kernels (pallas_call, FFI calls): their price for every policy and analysis, and declaring one.
@@ -92,6 +94,99 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # The policy registry (a public submodule): specs, parameters, registration and lookup.
     "jremat.registry": ("Param", "available", "describe", "load_module", "register", "resolve"),
 }
+if TYPE_CHECKING:
+    # The same names for type checkers and IDEs (kept equal to _EXPORTS by tests/jremat/test_public_api.py).
+    from jremat import attention as attention
+    from jremat import diagnosis as diagnosis
+    from jremat import fit as fit
+    from jremat import kernels as kernels
+    from jremat import names as names
+    from jremat import ops as ops
+    from jremat import registry as registry
+    from jremat._budget import Budget as Budget
+    from jremat._budget import parse_budget as parse_budget
+    from jremat._collectives import Collective as Collective
+    from jremat._collectives import CollectivesReport as CollectivesReport
+    from jremat._collectives import collective_flops_per_byte as collective_flops_per_byte
+    from jremat._collectives import collective_s_per_byte as collective_s_per_byte
+    from jremat._collectives import collectives_report as collectives_report
+    from jremat._collectives import compiled_collectives_report as compiled_collectives_report
+    from jremat._compile import compiler_options as compiler_options
+    from jremat._compile import jit as jit
+    from jremat._decorator import checkpoint as checkpoint
+    from jremat._decorator import custom_policy as custom_policy
+    from jremat._decorator import filter_checkpoint as filter_checkpoint
+    from jremat._decorator import policy as policy
+    from jremat._explain import Explanation as Explanation
+    from jremat._explain import explain as explain
+    from jremat._explain import explain_applied as explain_applied
+    from jremat._fit import fit_search as fit_search
+    from jremat._fit import fit_search_budgets as fit_search_budgets
+    from jremat._fit import keep_gathered_variants as keep_gathered_variants
+    from jremat._fit import measure_throughput as measure_throughput
+    from jremat._fit_time import calibrate_time_model as calibrate_time_model
+    from jremat._fit_time import with_collective_rates as with_collective_rates
+    from jremat._fit_types import FitError as FitError
+    from jremat._fit_types import FitProbe as FitProbe
+    from jremat._fit_types import FitResult as FitResult
+    from jremat._fit_types import FitRow as FitRow
+    from jremat._fit_types import FitStep as FitStep
+    from jremat._fit_types import TimeModel as TimeModel
+    from jremat._flops import jaxpr_flops as jaxpr_flops
+    from jremat._flops import program_flops as program_flops
+    from jremat._granularity import GRANULARITIES as GRANULARITIES
+    from jremat._host_offload import host_offload_available as host_offload_available
+    from jremat._host_offload import offload_flops_per_byte as offload_flops_per_byte
+    from jremat._kernel_cost import KernelCost as KernelCost
+    from jremat._kernel_cost import kernel_cost as kernel_cost
+    from jremat._kernel_cost import register_kernel as register_kernel
+    from jremat._kernel_cost import unregister_kernel as unregister_kernel
+    from jremat._live import LiveMemory as LiveMemory
+    from jremat._live import allocator_stats_missing as allocator_stats_missing
+    from jremat._live import live_memory as live_memory
+    from jremat._memory import MemoryReport as MemoryReport
+    from jremat._memory import compiled_memory_report as compiled_memory_report
+    from jremat._memory import diagnose_remat as diagnose_remat
+    from jremat._memory import format_bytes as format_bytes
+    from jremat._memory import memory_report as memory_report
+    from jremat._planner import Candidate as Candidate
+    from jremat._planner import LayerPlan as LayerPlan
+    from jremat._planner import NameCost as NameCost
+    from jremat._planner import name_costs as name_costs
+    from jremat._planner import plan_function as plan_function
+    from jremat._planner import plan_layers as plan_layers
+    from jremat._policy import CallbackPolicy as CallbackPolicy
+    from jremat._policy import NoRemat as NoRemat
+    from jremat._policy import Plan as Plan
+    from jremat._policy import PlanPolicy as PlanPolicy
+    from jremat._policy import Policy as Policy
+    from jremat._policy import PolicyDoesNotApply as PolicyDoesNotApply
+    from jremat._policy import require_host_memory as require_host_memory
+    from jremat._program import Op as Op
+    from jremat._program import Program as Program
+    from jremat._program import trace_program as trace_program
+    from jremat._remat import RematConfig as RematConfig
+    from jremat._remat import remat_at as remat_at
+    from jremat._remat import rematerialized_chunks as rematerialized_chunks
+    from jremat._remat import run_layers as run_layers
+    from jremat._residuals import ResidualsReport as ResidualsReport
+    from jremat._residuals import saved_residuals_report as saved_residuals_report
+    from jremat._rng import dropout as dropout
+    from jremat._rng import layer_keys as layer_keys
+    from jremat._rng import site_key as site_key
+    from jremat._timeline import MemoryTimeline as MemoryTimeline
+    from jremat._timeline import TimelineBuffer as TimelineBuffer
+    from jremat._timeline import build_timeline as build_timeline
+    from jremat._timeline import memory_timeline as memory_timeline
+    from jremat.attention import blockwise_attention as blockwise_attention
+    from jremat.attention import count_forward_passes as count_forward_passes
+    from jremat.registry import Param as Param
+    from jremat.registry import available as available
+    from jremat.registry import describe as describe
+    from jremat.registry import load_module as load_module
+    from jremat.registry import register as register
+    from jremat.registry import resolve as resolve
+
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 _WHERE.update({module.rpartition(".")[2]: module for module in _EXPORTS if not module.startswith("jremat._")})
 

@@ -46,6 +46,7 @@ class Budget:
         """
         if self.bytes is not None:
             return self.bytes
+        assert self.fraction is not None  # a budget holds bytes or a fraction
         return int(floor_bytes + self.fraction * (none_bytes - floor_bytes))
 
 

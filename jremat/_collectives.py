@@ -233,6 +233,7 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
         if kind == "reduce-scatter":
             size = sum(shape_bytes(hlo.shape.get(o, "")) for o in hlo.operands.get(name, ()))
         op_name = hlo.op_name.get(name, "")
+        assert kind is not None  # runs is 0 for an opcode of no kind
         found.append(Collective(kind, _phase(op_name), size, runs, name, hlo.computation[name], op_name))
     return CollectivesReport(tuple(found), devices, tuple(dict.fromkeys(notes)))
 

@@ -13,14 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend import core as jcore
 
-from jremat import _program, _residuals
+from jremat import _program, _residuals, _tags
 
-SAVE = "save"
-OFFLOAD = "offload"
-RECOMPUTE = "recompute"
+SAVE = _tags.SAVE
+OFFLOAD = _tags.OFFLOAD
+RECOMPUTE = _tags.RECOMPUTE
 EXCLUDE = "exclude"
 #: Decisions in report order.
 DECISIONS = (SAVE, OFFLOAD, RECOMPUTE, EXCLUDE)
@@ -84,16 +83,8 @@ def tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
 
 
 def _decide(callback, eqn) -> str:
-    if callback is None:
-        return RECOMPUTE
-    result = callback(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
-    if isinstance(result, Offloadable):
-        return OFFLOAD
-    if result is Saveable or result is True:
-        return SAVE
-    if result is Recompute or not result:
-        return RECOMPUTE
-    return SAVE
+    # No policy saves nothing but the inputs (jax.checkpoint's default).
+    return RECOMPUTE if callback is None else _tags.ask_callback(callback, eqn)[0]
 
 
 def _is_float_var(v) -> bool:
@@ -106,7 +97,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
     producer = {v: e for e in body.eqns for v in e.outvars}
     user_name: dict = {}
     for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
-        if e.primitive.name == "name" and not _residuals.PLAN_TAG_RE.match(e.params["name"]):
+        if e.primitive.name == "name" and not _tags.is_internal(e.params["name"]):
             v = e.invars[0]
             user_name.setdefault(v, e.params["name"])
             user_name.setdefault(e.outvars[0], e.params["name"])

@@ -1,4 +1,8 @@
-"""The one function through which jremat's checkpoints are lowered, for either JAX remat engine.
+"""Lowering jremat's checkpoints for either JAX remat engine.
+
+Every checkpoint jremat builds goes through :func:`lower_checkpoint` (a policy's chosen values
+through :func:`checkpoint_chosen`, which tags them and calls it). Programs are traced and
+evaluated again by the jaxpr interpreter, :mod:`jremat._interpreter`.
 
 JAX has two implementations behind ``jax.checkpoint``:
 
@@ -11,7 +15,7 @@ JAX has two implementations behind ``jax.checkpoint``:
   everything else is recomputed; any other callback is never called (a silent full remat), and
   there is no offload path.
 
-:func:`checkpoint` takes what a jremat policy means (names to save, names to offload, or a
+:func:`lower_checkpoint` takes what a jremat policy means (names to save, names to offload, or a
 callback) and lowers it for the engine that ``jax.checkpoint`` uses *when the checkpointed
 function is called* (so flipping ``jax_remat3`` between calls is honoured and jit caches, keyed
 on the flag, never mix engines). Under remat3:
@@ -20,8 +24,9 @@ on the flag, never mix engines). Under remat3:
   the function traced once with the classic primitives and re-bound (name tags re-emitted as
   below);
 * any other callback is asked about every equation of the traced function (nested ``jit``
-  inlined), exactly as the classic engine asks it, and the equations it keeps are tagged with
-  unique names that are then saved (or offloaded) by name;
+  inlined), exactly as the classic engine asks it (its answers read by
+  :func:`jremat._tags.callback_decision`), and the equations it keeps are tagged with unique
+  names (:mod:`jremat._tags`) that are then saved (or offloaded) by name;
 * name tags are re-emitted as :func:`name_tag` (a remat3 ``checkpoint_name`` that also
   batches, so ``vmap`` and ``jax.jacfwd`` pass through jremat's checkpoints);
 * offloaded names are re-emitted through :func:`offload_function`: the forward pass copies the
@@ -37,10 +42,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
-from jax.extend import core as jcore
+from jax.ad_checkpoint import checkpoint_name
 
-from jremat import _jax_compat
+from jremat import _interpreter, _jax_compat, _tags
 from jremat._cache import BoundedCache
 
 #: Call-like primitives whose body is inlined when a program is flattened.
@@ -92,7 +96,7 @@ def natively_understood(callback: Callable | None) -> bool:
     True for ``None`` / ``nothing_saveable`` (save only the inputs), ``dots_saveable``,
     ``dots_with_no_batch_dims_saveable``, ``save_only_these_names`` and
     ``save_any_names_but_these``. Everything else (``everything_saveable``, offload policies,
-    user callbacks) is lowered by :func:`checkpoint` under remat3.
+    user callbacks) is lowered by :func:`lower_checkpoint` under remat3.
     """
     cp = jax.checkpoint_policies
     if callback is None or callback is cp.nothing_saveable:
@@ -102,10 +106,10 @@ def natively_understood(callback: Callable | None) -> bool:
         type(cp.save_only_these_names()),
         type(cp.save_any_names_but_these()),
     )
-    return type(callback) in native_types
+    return isinstance(callback, native_types)
 
 
-def checkpoint(
+def lower_checkpoint(
     fn: Callable,
     *,
     save_names: Iterable[str] = (),
@@ -140,11 +144,24 @@ def checkpoint(
     save_names = tuple(save_names)
     offload_names = tuple(offload_names)
     if callback is not None and (save_names or offload_names):
-        raise ValueError("jremat._engine.checkpoint: give save_names/offload_names or a callback, not both")
+        raise ValueError("jremat._engine.lower_checkpoint: give save_names/offload_names or a callback, not both")
     both = sorted(set(save_names) & set(offload_names))
     if both:
-        raise ValueError(f"jremat._engine.checkpoint: {both} listed both to save and to offload; give each name once")
+        raise ValueError(
+            f"jremat._engine.lower_checkpoint: {both} listed both to save and to offload; give each name once"
+        )
+    offload = {name: (offload_src, offload_dst) for name in offload_names}
+    return _lower(fn, save_names, offload, callback, prevent_cse)
 
+
+def _lower(
+    fn: Callable,
+    save_names: tuple[str, ...],
+    offload: Mapping[str, tuple[str, str]],
+    callback: Callable | None,
+    prevent_cse: bool,
+) -> Callable:
+    """:func:`lower_checkpoint` with the offloaded names mapped to their ``(src, dst)`` memory kinds."""
     # jax.checkpoint fixes its engine when it is built, so the classic one is built at the first
     # call under the classic engine, not here (a function decorated under remat3 may run under both).
     classic = None
@@ -155,7 +172,7 @@ def checkpoint(
         nonlocal classic
         if active_engine() == CLASSIC:
             if classic is None:
-                classic = _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse)
+                classic = _classic(fn, save_names, offload, callback, prevent_cse)
             return classic(*args, **kwargs)
         if callback is not None and not natively_understood(callback):
             lower = lambda: _remat3_callback(fn, callback, args, kwargs)
@@ -163,7 +180,6 @@ def checkpoint(
             policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
             lower = lambda: _remat3_rebound(fn, policy, {}, args, kwargs)
         else:
-            offload = {name: (offload_src, offload_dst) for name in offload_names}
             lower = lambda: _remat3_names(fn, save_names, offload, args, kwargs)
         out_tree, flat = remat3_traces.get(args, kwargs, lambda: _split_consts(lower()))
         return jax.tree.unflatten(out_tree, flat(*jax.tree.leaves((args, kwargs))))
@@ -212,13 +228,19 @@ def _split_consts(lowered: tuple) -> tuple[tuple, Sequence]:
     return (out_tree, flat), consts
 
 
-def _classic(fn, save_names, offload_names, offload_src, offload_dst, callback, prevent_cse):
+def _classic(fn, save_names, offload: Mapping[str, tuple[str, str]], callback, prevent_cse):
     cp = jax.checkpoint_policies
     if callback is None:
-        if offload_names:
+        if offload:
+            pairs = set(offload.values())
+            if len(pairs) > 1:
+                raise ValueError(
+                    f"the classic engine offloads all names between one pair of memory kinds; got {sorted(pairs)}"
+                )
+            ((offload_src, offload_dst),) = pairs
             callback = cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=list(save_names),
-                names_which_can_be_offloaded=list(offload_names),
+                names_which_can_be_offloaded=list(offload),
                 offload_src=offload_src,
                 offload_dst=offload_dst,
             )
@@ -251,9 +273,9 @@ def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kw
         offload_function(src, dst)  # check the memory kinds before tracing anything
     # Nested jits stay jits (their compile caches and names kept) unless they hold name tags or
     # checkpoints, which must be re-emitted for remat3.
-    closed, _, out_tree = trace_flat(fn, args, kwargs, inline=False)
+    closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs, inline=False)
     flat = jax.checkpoint(
-        lambda *leaves: _evaluate(closed.jaxpr, closed.consts, leaves, offload, keep_calls=True),
+        lambda *leaves: _interpreter.evaluate_reemitted(closed.jaxpr, closed.consts, leaves, offload, keep_calls=True),
         policy=policy,
     )
     return out_tree, flat, closed.consts
@@ -263,31 +285,32 @@ def callback_decisions(closed_jaxpr, callback: Callable) -> tuple[frozenset[int]
     """Ask ``callback`` about every equation of a flattened jaxpr, as the classic engine does.
 
     Args:
-      closed_jaxpr: a flattened program's jaxpr (nested ``jit`` inlined: :func:`trace_flat`).
+      closed_jaxpr: a flattened program's jaxpr (nested ``jit`` inlined:
+        :func:`jremat._interpreter.trace_flat`).
       callback: ``(prim, *in_avals, **params)`` returning a bool or ``Saveable`` /
-        ``Recompute`` / ``Offloadable``.
+        ``Recompute`` / ``Offloadable`` (read by :func:`jremat._tags.callback_decision`).
 
     Returns:
       ``(save, offload)``: equation indices to save, and equation index -> ``(src, dst)``
       memory kinds for those to offload.
+
+    Raises:
+      TypeError: if the callback gives an answer the classic engine refuses too.
     """
     save, offload = set(), {}
     for i, eqn in enumerate(closed_jaxpr.jaxpr.eqns):
         if not eqn.outvars:
             continue
-        decision = callback(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
-        if isinstance(decision, Offloadable):
-            offload[i] = (decision.src, decision.dst)
-        elif decision is Saveable or (decision is not Recompute and isinstance(decision, bool) and decision):
+        decision, answer = _tags.ask_callback(callback, eqn)
+        if decision == _tags.OFFLOAD:
+            offload[i] = (answer.src, answer.dst)
+        elif decision == _tags.SAVE:
             save.add(i)
     return frozenset(save), offload
 
 
-_callback_tag_counter = iter(range(1 << 62))
-
-
 def _remat3_callback(fn, callback, args, kwargs):
-    closed, _, out_tree = trace_flat(fn, args, kwargs)
+    closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs)
     eqns = closed.jaxpr.eqns
     save, offload = callback_decisions(closed, callback)
     # A kept name tag is saved under its own name (the value keeps its name in reports), unless
@@ -302,17 +325,52 @@ def _remat3_callback(fn, callback, args, kwargs):
         for i in save | set(offload)
         if eqns[i].primitive.name == NAME_PRIMITIVE and len(by_name[eqns[i].params["name"]]) == 1
     }
-    prefix = f"jremat_cb{next(_callback_tag_counter)}"
-    tags = {i: f"{prefix}/{i}" for i in sorted(save | set(offload)) if i not in own_name}
+    flat = checkpoint_chosen(closed, save, offload, own_names=own_name)
+    return out_tree, flat, closed.consts
+
+
+def checkpoint_chosen(
+    closed_jaxpr,
+    save: Iterable[int],
+    offload: Mapping[int, tuple[str, str]],
+    *,
+    own_names: Mapping[int, str] | None = None,
+    saved_tags: Iterable[str] = (),
+    prevent_cse: bool = True,
+) -> Callable:
+    """A flattened program checkpointed to keep the outputs of the equations a policy chose.
+
+    The pipeline behind a :class:`jremat.PlanPolicy`'s plan and a callback's answers under
+    remat3 alike: the chosen outputs are tagged with fresh internal
+    names (:mod:`jremat._tags`), the program is evaluated with those tags
+    (:func:`jremat._interpreter.evaluate_tagged`), and the result is checkpointed by name
+    (:func:`lower_checkpoint`).
+
+    Args:
+      closed_jaxpr: the flattened program (:func:`jremat._interpreter.trace_flat`).
+      save: indices of the equations whose outputs stay in device memory.
+      offload: equation index -> ``(src, dst)`` memory kinds, for outputs moved out and back.
+      own_names: equation index -> the name its output is saved under instead of a fresh tag
+        (a ``checkpoint_name`` tag kept by its own name).
+      saved_tags: further ``checkpoint_name`` tags to save wherever they are.
+      prevent_cse: as in :func:`lower_checkpoint`.
+
+    Returns:
+      A function of the program's flattened inputs returning its flat outputs.
+    """
+    save = frozenset(save)
+    own_names = own_names or {}
+    eqns = closed_jaxpr.jaxpr.eqns
+    prefix = _tags.new_prefix()
+    tags = {i: _tags.equation_tag(prefix, i) for i in sorted(save | set(offload)) if i not in own_names}
 
     def names_of(i):
-        return [own_name[i]] if i in own_name else output_tag_names(tags[i], len(eqns[i].outvars))
+        return [own_names[i]] if i in own_names else _tags.output_names(tags[i], len(eqns[i].outvars))
 
-    save_names = sorted({n for i in save for n in names_of(i)})
+    save_names = tuple(sorted({n for i in save for n in names_of(i)} | set(saved_tags)))
     offload_by_name = {n: offload[i] for i in sorted(offload) for n in names_of(i)}
-    tagged = lambda *leaves: evaluate_tagged(closed, tags, leaves)
-    _, flat, _ = _remat3_names(tagged, save_names, offload_by_name, tuple(jax.tree.leaves((args, kwargs))), {})
-    return out_tree, lambda *leaves: flat(*leaves), closed.consts
+    tagged = lambda *leaves: _interpreter.evaluate_tagged(closed_jaxpr, tags, leaves)
+    return _lower(tagged, save_names, offload_by_name, None, prevent_cse)
 
 
 def offload_function(src: str, dst: str) -> Callable:
@@ -359,221 +417,18 @@ def tag_name(eqn) -> str | None:
     return _jax_compat.remat3_tag_name(eqn)
 
 
-def translates(eqn) -> bool:
-    """Whether ``eqn`` is a classic ``checkpoint_name`` / ``jax.checkpoint`` equation that must be
-    re-emitted for remat3 when re-bound (true only while remat3 is active)."""
-    name = eqn.primitive.name
-    return (name == NAME_PRIMITIVE or name in CLASSIC_CHECKPOINT_PRIMITIVES) and active_engine() == REMAT3
-
-
-def bind_translated(eqn, invals) -> list:
-    """Re-emit a classic name tag or checkpoint equation (see :func:`translates`) for remat3.
-
-    A ``name`` equation becomes :func:`name_tag` (remat3's name tag); a ``remat2`` equation
-    becomes :func:`checkpoint` of its body with the same policy, the body re-emitted the same way.
-
-    Returns:
-      The equation's outputs, as a list.
-    """
-    if eqn.primitive.name == NAME_PRIMITIVE:
-        return [name_tag(invals[0], eqn.params["name"])]
-    body = eqn.params["jaxpr"]
-    consts = body.consts if hasattr(body, "consts") else ()
-    body = body.jaxpr if hasattr(body, "jaxpr") else body
-    policy = eqn.params.get("policy")
-    fun = lambda *xs: _evaluate(body, consts, xs, {})
-    return list(checkpoint(fun, callback=policy)(*invals))
-
-
-def _evaluate(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_calls: bool = False) -> list:
-    """Evaluate a (classic) jaxpr, re-emitting name tags and checkpoints for the active engine
-    and offloading the values tagged with the names in ``offload``; ``keep_calls``: nested calls
-    with nothing to re-emit stay calls."""
-
-    def offload_named(eqn, outs):
-        if eqn.primitive.name == NAME_PRIMITIVE and eqn.params["name"] in offload:
-            return [offload_function(*offload[eqn.params["name"]])(outs[0])]
-        return outs
-
-    return evaluate_inlined(jaxpr, consts, args, offload_named, keep_calls=keep_calls)
-
-
-def _holds_translated(jaxpr) -> bool:
-    """Whether ``jaxpr`` (or one nested in it) holds a name tag or a classic checkpoint."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == NAME_PRIMITIVE or eqn.primitive.name in CLASSIC_CHECKPOINT_PRIMITIVES:
-            return True
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", item)
-                if isinstance(inner, jcore.Jaxpr) and _holds_translated(inner):
-                    return True
-    return False
-
-
-# ---------------------------------------------------------------------------------------------
-# Flattened programs: tracing with nested calls inlined, and re-evaluation (tags added)
-# ---------------------------------------------------------------------------------------------
-
-
-def _read(env, v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def bind_equation(eqn, invals) -> list:
-    """Bind ``eqn``'s primitive to ``invals`` with its source line and name stack, for the active engine.
-
-    Returns:
-      The outputs, as a list.
-    """
-    if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
-        return bind_translated(eqn, invals)
-    if eqn.primitive.name == "scan" and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
-        return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
-        name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
-        with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **bind_params)
-    else:  # pragma: no cover
-        outs = eqn.primitive.bind(*invals, **bind_params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def rebind_scan(eqn, invals, evaluate_body: Callable) -> list:
-    """Run a ``scan`` equation with ``lax.scan``, its body evaluated by
-    ``evaluate_body(closed_body, flat_body_args)`` (which may re-emit or rewrite equations).
-
-    Returns:
-      The final carries, then the stacked outputs, as a list.
-    """
-    n_consts, n_carry = _jax_compat.scan_counts(eqn)
-    consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
-    body = eqn.params["jaxpr"]
-
-    def step(carry, x):
-        outs = evaluate_body(body, [*consts, *carry, *x])
-        return outs[:n_carry], outs[n_carry:]
-
-    carry, ys = jax.lax.scan(
-        step,
-        list(init),
-        list(xs),
-        length=eqn.params["length"],
-        reverse=eqn.params["reverse"],
-        unroll=eqn.params.get("unroll", 1),
-    )
-    return [*carry, *ys]
-
-
-def evaluate_inlined(jaxpr, consts, args, after_bind=None, keep_calls: bool = False) -> list:
-    """Evaluate ``jaxpr`` with nested call bodies inlined; ``after_bind(eqn, outs)`` may replace
-    the outputs of each re-bound equation. With ``keep_calls``, a nested call (``jit``) whose body
-    holds nothing to re-emit for the active engine is bound as the call it is."""
-    env = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        sub_jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-        if eqn.primitive.name in INLINED_CALL_PRIMITIVES and not (keep_calls and not _holds_translated(sub_jaxpr)):
-            sub_consts = sub.consts if hasattr(sub, "consts") else ()
-            outs = evaluate_inlined(sub_jaxpr, sub_consts, invals, after_bind, keep_calls)
-        else:
-            outs = bind_equation(eqn, invals)
-            if after_bind is not None:
-                outs = after_bind(eqn, outs)
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
-def inline_calls(closed_jaxpr, flat_args: Sequence):
-    """Re-trace ``closed_jaxpr`` with nested ``jit`` / ``closed_call`` bodies inlined.
-
-    Args:
-      closed_jaxpr: the jaxpr to flatten.
-      flat_args: arguments (arrays, tracers or shape structs) matching its inputs.
-
-    Returns:
-      A ``ClosedJaxpr`` computing the same values without nested call equations.
-    """
-    return jax.make_jaxpr(lambda *a: evaluate_inlined(closed_jaxpr.jaxpr, closed_jaxpr.consts, a))(*flat_args)
-
-
-def trace_flat(fn: Callable, args: tuple, kwargs: dict, *, inline: bool = True):
-    """Trace ``fn(*args, **kwargs)`` with the classic primitives, nested calls inlined (``inline``).
-
-    Traced with the classic primitives (``name``, ``remat2``) under either remat engine, so that
-    policies see the same program; re-binding (:func:`bind_equation`) re-emits them for the
-    active engine.
-
-    Returns:
-      ``(closed_jaxpr, in_tree, out_tree)``; the jaxpr takes the flattened ``(args, kwargs)`` leaves.
-    """
-    flat_args, in_tree = jax.tree.flatten((args, kwargs))
-
-    def flat_fn(*leaves):
-        a, kw = jax.tree.unflatten(in_tree, leaves)
-        return fn(*a, **kw)
-
-    with _jax_compat.classic_remat_context():
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_args)
-        flat = inline_calls(closed, flat_args) if inline else closed
-    return flat, in_tree, jax.tree.structure(out_shape)
-
-
-def output_tag_names(tag: str, n_outputs: int) -> list[str]:
-    """The checkpoint names :func:`evaluate_tagged` gives an equation's outputs for ``tag``."""
-    return [tag] if n_outputs == 1 else [f"{tag}.{j}" for j in range(n_outputs)]
-
-
-def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) -> list:
-    """Evaluate a flattened jaxpr with the outputs of equation ``i`` tagged as ``tags[i]``
-    (several outputs: :func:`output_tag_names`).
-
-    Returns:
-      The flat list of outputs.
-    """
-    jaxpr = closed_jaxpr.jaxpr
-    env = {}
-    for v, c in zip(jaxpr.constvars, closed_jaxpr.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, flat_args):
-        env[v] = a
-    for i, eqn in enumerate(jaxpr.eqns):
-        outs = bind_equation(eqn, [_read(env, v) for v in eqn.invars])
-        tag = tags.get(i)
-        if tag is not None:
-            outs = [name_tag(o, n) for o, n in zip(outs, output_tag_names(tag, len(outs)))]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
 __all__ = [
     "CLASSIC",
     "ENGINES",
     "REMAT3",
     "INLINED_CALL_PRIMITIVES",
+    "TraceCache",
     "active_engine",
-    "bind_equation",
-    "bind_translated",
     "callback_decisions",
-    "checkpoint",
-    "evaluate_inlined",
-    "evaluate_tagged",
-    "inline_calls",
-    "output_tag_names",
-    "trace_flat",
+    "checkpoint_chosen",
+    "lower_checkpoint",
     "name_tag",
     "natively_understood",
     "offload_function",
     "tag_name",
-    "translates",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,8 @@ class Call:
         return _RUNNERS.get(key, lambda: self._runner(fn, graphdef))
 
     def _runner(self, fn: Callable, graphdef) -> Callable:
+        merge: Callable[..., Any]
+        state: Callable[..., Any]
         if self.node_pos:
             from flax import nnx
 

@@ -7,6 +7,7 @@ program_flops(grad without remat)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 
@@ -86,7 +87,7 @@ def _walk(jaxpr, known: dict, grid_position) -> float:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if _kernel_cost.is_kernel(eqn):
-            total += _kernel_cost.kernel_cost(eqn).flops
+            total += cast(_kernel_cost.KernelCost, _kernel_cost.kernel_cost(eqn)).flops
         elif grid_position is not None and name in KERNEL_MEMORY_PRIMITIVES:
             if name in ("program_id", "num_programs"):
                 ids, grid = grid_position
@@ -140,7 +141,7 @@ def _truncating_div(a, b):
 
 
 #: Integer and boolean scalar arithmetic a kernel computes its loop bounds with.
-_FOLDS = {
+_FOLDS: dict[str, Callable[..., Any]] = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,

@@ -22,8 +22,10 @@ explicit axes, where a sharding constraint does not gather), as the reference mo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 from jax.extend import core as jcore
@@ -110,16 +112,39 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     return tagged
 
 
+# JAX's policy classes, reached through public policy objects (their typing is JAX-internal).
+_DotsSaveable: Any = type(jax.checkpoint_policies.dots_saveable)
+_SaveOnlyTheseNames: Any = type(jax.checkpoint_policies.save_only_these_names())
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotsAndNames(_DotsSaveable, _SaveOnlyTheseNames):
+    """``dots_saveable`` (or ``dots_with_no_batch_dims_saveable``) and ``save_only_these_names`` as
+    one JAX policy. remat3 decides by the policy's type (a matmul is saved for a ``DotsSaveable``, a
+    name for a ``SaveOnlyTheseNames``), inside ``scan`` bodies too; a policy of both types keeps
+    both there. The classic engine calls it: a matmul the dots policy saves, or a listed name."""
+
+    def __call__(self, prim, *args, **params):
+        return _DotsSaveable.__call__(self, prim, *args, **params) or _SaveOnlyTheseNames.__call__(
+            self, prim, *args, **params
+        )
+
+
 def _saving_gathered(callback: Callable | None) -> Callable:
     """A checkpoint-policy callback that saves what ``callback`` saves and every value tagged
-    :data:`GATHERED_TAG`; JAX's own name lists stay JAX policies, which remat3 applies inside
-    ``scan`` bodies too (a combined callback it applies to the checkpoint's top level only)."""
+    :data:`GATHERED_TAG`. JAX's own policies (name lists, the dots policies) stay JAX policies,
+    which remat3 applies inside ``scan`` bodies too; another callback is combined with the tag in
+    a function, which remat3 applies at the checkpoint's top level only."""
     policies = jax.checkpoint_policies
     if callback is None or callback is policies.nothing_saveable:
         return policies.save_only_these_names(GATHERED_TAG)
     names = getattr(callback, "saveable_names", None)  # save_only_these_names(...)
     if names is not None:
         return policies.save_only_these_names(*names, GATHERED_TAG)
+    if type(callback) is _DotsSaveable:
+        return _DotsAndNames(
+            saveable_names=frozenset({GATHERED_TAG}), only_if_no_batch_dims=cast(Any, callback).only_if_no_batch_dims
+        )
 
     def either(prim, *avals, **params):
         if prim.name == "name" and params.get("name") == GATHERED_TAG:
@@ -149,12 +174,11 @@ class KeepGathered(Policy):
                 f"{KEY}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
             )
         self.inner = inner
-        if isinstance(inner, PlanPolicy):
-            saving = copy.copy(inner)
-            saving.saved_tags = (*inner.saved_tags, GATHERED_TAG)
+        saving = copy.copy(inner)
+        if isinstance(saving, PlanPolicy):
+            saving.saved_tags = (*saving.saved_tags, GATHERED_TAG)
         else:
-            saving = copy.copy(inner)
-            saving.callback = _saving_gathered(inner.callback)
+            saving.callback = _saving_gathered(saving.callback)
         self._saving = saving
 
     @property
@@ -165,8 +189,8 @@ class KeepGathered(Policy):
     def offload_dst(self) -> str:
         return getattr(self.inner, "offload_dst", "pinned_host")
 
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
-        return self._saving.checkpoint(tag_gathered_weights(fn), prevent_cse=prevent_cse)
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        return self._saving.checkpoint_untied(tag_gathered_weights(fn), prevent_cse=prevent_cse)
 
     def describe_match(self, program: Program) -> list[str]:
         n = len(gathered_weights(program))

@@ -87,7 +87,7 @@ def trace_context() -> tuple:
     """
     if _trace_context is not None:
         return _trace_context()
-    return (bool(jax.config.jax_enable_x64),)
+    return (bool(jax.config.jax_enable_x64),)  # type: ignore[attr-defined]
 
 
 # Source-line helpers are optional: reports fall back to "unknown" without them.
@@ -250,7 +250,7 @@ def _remat3_primitives() -> _Remat3Primitives:
 
 
 def _build_remat3_primitives() -> _Remat3Primitives:
-    checkpoint_name_type = private("jax._src.ad_checkpoint", "CheckpointName")
+    checkpoint_name_type: Any = private("jax._src.ad_checkpoint", "CheckpointName")
     try:
         from jax.experimental.hijax import VJPHiPrimitive
     except ImportError as err:

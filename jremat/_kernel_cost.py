@@ -193,7 +193,7 @@ def _declaration(name: str) -> _Declaration | None:
         predicates = tuple(_BY_PREDICATE)
     if found is not None:
         return found
-    return next((d for d in predicates if d.match(name)), None)
+    return next((d for d in predicates if callable(d.match) and d.match(name)), None)
 
 
 def is_kernel(eqn) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -63,7 +64,8 @@ class MemoryReport:
         """``argument + output - alias + temp`` (``None`` when unavailable)."""
         if not self.available:
             return None
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        # An available report has every size (compiled_memory_report).
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes  # type: ignore[operator]
 
 
 def format_bytes(n) -> str:
@@ -112,7 +114,7 @@ def compiled_memory_report(compiled, *, platform: str | None = None) -> MemoryRe
         error = "memory_analysis() returned None"
     if stats is None:
         return _unavailable(platform, f"{error}; no compiled memory figures (see jax issue #18954)")
-    fields = {
+    fields: dict[str, Any] = {
         "argument_bytes": _stat(stats, "argument_size_in_bytes"),
         "output_bytes": _stat(stats, "output_size_in_bytes"),
         "alias_bytes": _stat(stats, "alias_size_in_bytes"),

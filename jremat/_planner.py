@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Generic, TypeVar
 
+from jremat import _tags
 from jremat import names as tensor_names
 from jremat._budget import Budget, as_budget, parse_budget
 from jremat._program import Program
-from jremat._residuals import PLAN_TAG_RE
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
 ALWAYS_KEPT = (tensor_names.BLOCK_INPUT, tensor_names.BLOCK_OUTPUT)
@@ -74,7 +74,7 @@ class NameCost:
     @property
     def unsaved_flops(self) -> float:
         """The cost of not saving it on the device: recompute or offload, whichever is cheaper."""
-        return self.offload_flops if self.offloaded else self.recompute_flops
+        return self.offload_flops if self.offload_flops is not None and self.offloaded else self.recompute_flops
 
 
 def name_costs(program: Program, *, skip: Collection[str] = ALWAYS_KEPT) -> tuple[NameCost, ...]:
@@ -90,7 +90,7 @@ def name_costs(program: Program, *, skip: Collection[str] = ALWAYS_KEPT) -> tupl
     costs, segment_flops = [], 0.0
     for op in program.ops:
         segment_flops += op.flops
-        if op.primitive == "name" and op.tensor_name and not PLAN_TAG_RE.match(op.tensor_name):
+        if op.primitive == "name" and op.tensor_name and not _tags.is_internal(op.tensor_name):
             if op.tensor_name not in skip:
                 costs.append(NameCost(op.tensor_name, op.out_bytes, segment_flops))
             segment_flops = 0.0
@@ -174,7 +174,7 @@ def solve(
     start = time.perf_counter()
     compile_s = 0.0
     keyed = sorted(((recompute_flops(c), predict_peak_bytes(c), i) for i, c in enumerate(candidates)))
-    frontier = []
+    frontier: list[tuple[float, int, int]] = []
     for cost, predicted, i in keyed:
         if not frontier or predicted < frontier[-1][1]:
             frontier.append((cost, predicted, i))
@@ -285,6 +285,9 @@ class LayerPlan:
       none_peak_bytes: compiled peak without remat.
       full_peak_bytes: compiled peak with full remat on every layer.
       step_flops: FLOPs of one step without remat (for the overhead fraction).
+      devices: the devices of the step's mesh (1: none). Above 1 the budget and the peaks are per
+        device (a compiled SPMD program's peak is one device's share) and the names' bytes global
+        (traced values, all devices together); :meth:`table` says so.
     """
 
     config: Any
@@ -296,6 +299,7 @@ class LayerPlan:
     none_peak_bytes: int
     full_peak_bytes: int
     step_flops: float
+    devices: int = 1
 
     @property
     def recompute_fraction(self) -> float:
@@ -305,11 +309,14 @@ class LayerPlan:
     def table(self) -> str:
         """Every tensor name with its decision, then predicted vs compiled peak and overhead."""
         cand = self.candidate
+        mesh = self.devices > 1
+        per = " per device" if mesh else ""
         lines = [
-            f"auto plan for budget {self.budget_bytes:,} bytes ({self.budget_bytes / 2**30:.3f} GiB): "
-            f"{cand.describe(self.n_layers)}"
+            f"auto plan for budget {self.budget_bytes:,} bytes{per} ({self.budget_bytes / 2**30:.3f} GiB)"
+            f"{f' on {self.devices} devices' if mesh else ''}: {cand.describe(self.n_layers)}"
         ]
-        lines.append(f"  {'tensor':<14} {'bytes/layer':>14} {'recompute FLOPs':>16}  decision")
+        column = "global B/layer" if mesh else "bytes/layer"
+        lines.append(f"  {'tensor':<14} {column:>14} {'recompute FLOPs':>16}  decision")
         for nc in self.names:
             if cand.remat_layers == 0 or nc.name in cand.save:
                 decision = "save"
@@ -320,7 +327,7 @@ class LayerPlan:
             lines.append(f"  {nc.name:<14} {nc.bytes:>14,} {nc.recompute_flops:>16,.0f}  {decision}")
         sol = self.solution
         lines.append(
-            f"  predicted peak {sol.predicted_peak_bytes:,} B, compiled peak {sol.compiled_peak_bytes:,} B "
+            f"  predicted peak {sol.predicted_peak_bytes:,} B{per}, compiled peak {sol.compiled_peak_bytes:,} B{per} "
             f"(none {self.none_peak_bytes:,} B, full {self.full_peak_bytes:,} B); predicted recompute "
             f"{self.recompute_fraction:.1%} of the step's FLOPs"
             f"{' (offloads priced in FLOP-equivalents)' if cand.offload else ''}; solved in {sol.solve_s * 1e3:.1f} ms "
@@ -341,6 +348,7 @@ def plan_layers(
     step_flops: float = 0.0,
     offload_cost_per_byte: float | None = None,
     regather_flops: float = 0.0,
+    devices: int = 1,
 ) -> LayerPlan:
     """The least-recompute layer plan whose measured step peak fits ``budget``.
 
@@ -364,10 +372,17 @@ def plan_layers(
         rematerialized layer that does not keep them (``keep_gathered``); the peak of full remat
         keeping them all is measured too, to price keeping them per layer. ``0`` (default): no
         mesh, no such candidates.
+      devices: the devices of the step's mesh: above 1, ``budget`` and ``measure_peak_bytes`` are
+        per device (as a sharded step's compiled peak is) and :meth:`LayerPlan.table` says so;
+        ``costs`` and the layer bytes may be global (traced values), the prediction being
+        calibrated on the measured peaks.
 
     Raises:
-      ValueError: on a bad budget, or when no plan fits (with the smallest achievable peak).
+      ValueError: on a bad budget, when no plan fits (with the smallest achievable peak), or when
+        ``devices`` is not a positive integer.
     """
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
     budget = as_budget(budget)
     if offload_cost_per_byte is not None:
         costs = tuple(dataclasses.replace(c, offload_flops=c.bytes * offload_cost_per_byte) for c in costs)
@@ -422,6 +437,7 @@ def plan_layers(
         none_peak_bytes=none_peak,
         full_peak_bytes=full_peak,
         step_flops=step_flops,
+        devices=devices,
     )
 
 

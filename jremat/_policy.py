@@ -3,10 +3,17 @@
 A :class:`Policy` turns a function into its checkpointed version. Three kinds exist:
 
 * :class:`NoRemat` keeps everything (the function is returned unchanged).
-* :class:`CallbackPolicy` wraps one of JAX's per-primitive policy callbacks.
+* :class:`CallbackPolicy` wraps one of JAX's per-primitive policy callbacks; what each answer
+  means (save, offload, recompute) is decided by :func:`jremat._tags.callback_decision`, for
+  the run and for :func:`jremat.explain` alike.
 * :class:`PlanPolicy` decides from the whole traced program (see :mod:`jremat._program`):
-  it returns a :class:`Plan` of equations to save or offload, which is applied by tagging
-  those outputs with unique names and checkpointing with a names policy.
+  its :meth:`~PlanPolicy.plan` returns a :class:`Plan` of equations to save or offload, which
+  is applied by :func:`jremat._engine.checkpoint_chosen` (the chosen outputs tagged with
+  internal names, then checkpointed by name).
+
+:meth:`Policy.wrap` is the checkpoint jremat applies (tied to its cotangent where needed:
+:mod:`jremat._tie`); :meth:`Policy.checkpoint` is the untied checkpoint a subclass defines.
+The built-in policies are in :mod:`jremat.policies`.
 """
 
 from __future__ import annotations
@@ -14,14 +21,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 
 import jax
 
 from jremat import _engine, _program, _tie
-
-_tag_counter = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +53,25 @@ class PolicyDoesNotApply(ValueError):
 class Policy(abc.ABC):
     """A rematerialization policy.
 
+    A subclass defines :meth:`checkpoint_untied`; :meth:`wrap` is what jremat applies (that
+    checkpoint, tied to its cotangent where XLA could undo it). :meth:`checkpoint` is the older
+    name of :meth:`checkpoint_untied`: a subclass may define either, and both names work.
+
     Attributes:
       spec: the canonical spec string that builds this policy (``"every_k:k=4"``).
     """
 
     spec: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        # Each class that defines one name gets the other, so that ``super()`` calls under
+        # either name reach the parent's own definition.
+        if "checkpoint_untied" in own and "checkpoint" not in own:
+            cls.checkpoint = own["checkpoint_untied"]
+        elif "checkpoint" in own and "checkpoint_untied" not in own:
+            cls.checkpoint_untied = own["checkpoint"]
 
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.
@@ -68,20 +86,24 @@ class Policy(abc.ABC):
             straight-line code, ``False`` inside a ``lax.scan`` of more than one step; or one bool
             per argument leaf (``jax.checkpoint``'s tuple form), tied if any is ``True``.
         """
-        checkpointed = self.checkpoint(fn, prevent_cse=prevent_cse)
+        checkpointed = self.checkpoint_untied(fn, prevent_cse=prevent_cse)
         tie = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
         if tie and checkpointed is not fn:
             return _tie.tie_to_cotangent(checkpointed)
         return checkpointed
 
     @abc.abstractmethod
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` checkpointed under this policy, untied (``fn`` itself if nothing is recomputed).
 
         Args:
           fn: a function of positional pytrees of arrays.
           prevent_cse: passed to ``jax.checkpoint``.
         """
+
+    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        """:meth:`checkpoint_untied`, by its older name."""
+        return self.checkpoint_untied(fn, prevent_cse=prevent_cse)
 
     def describe_match(self, program: _program.Program) -> list[str]:
         """How this policy matches ``program``, one line each, for :func:`jremat.explain`.
@@ -105,7 +127,7 @@ class Policy(abc.ABC):
 class NoRemat(Policy):
     """Keep every intermediate; no rematerialization at all."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         return fn
 
 
@@ -119,8 +141,8 @@ class CallbackPolicy(Policy):
     def __init__(self, callback: Callable):
         self.callback = callback
 
-    def checkpoint(self, fn, *, prevent_cse=True):
-        return _engine.checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
+        return _engine.lower_checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)
 
 
 class PlanPolicy(Policy):
@@ -140,7 +162,7 @@ class PlanPolicy(Policy):
     def plan(self, program: _program.Program) -> Plan:
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         cache = _program.ProgramCache()
 
         def build(prog: _program.Program):
@@ -149,19 +171,13 @@ class PlanPolicy(Policy):
             # tagging it would make JAX keep it for a backward pass that never reads it.
             effects_only = _program.feeds_only_effects(prog)
             chosen = Plan(save=chosen.save - effects_only, offload=chosen.offload - effects_only)
-            prefix = f"jremat{next(_tag_counter)}"
-            tags = {i: f"{prefix}/{i}" for i in sorted(chosen.save | chosen.offload)}
-            save_names = [n for i in chosen.save for n in _program.tag_names(tags[i], prog.ops[i])]
-            save_names += list(self.saved_tags)
-            offload_names = [n for i in chosen.offload for n in _program.tag_names(tags[i], prog.ops[i])]
-            if offload_names:
+            if chosen.offload:
                 require_host_memory(self.offload_dst)
-            tagged = _engine.checkpoint(
-                lambda *leaves: _program.evaluate_tagged(prog, tags, leaves),
-                save_names=save_names,
-                offload_names=offload_names,
-                offload_src=self.offload_src,
-                offload_dst=self.offload_dst,
+            tagged = _engine.checkpoint_chosen(
+                prog.closed_jaxpr,
+                chosen.save,
+                {i: (self.offload_src, self.offload_dst) for i in chosen.offload},
+                saved_tags=self.saved_tags,
                 prevent_cse=prevent_cse,
             )
             return prog.out_tree, tagged

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _kernel_cost
+from jremat import _engine, _interpreter, _kernel_cost
 
 #: Primitives that only reshape, relabel or move data; never counted, never saved by tagging.
 SHAPE_ONLY_PRIMITIVES = frozenset(
@@ -77,8 +77,8 @@ ELEMENTWISE_PRIMITIVES = frozenset(
 
 #: Call-like primitives whose body is inlined before classification.
 INLINED_CALL_PRIMITIVES = _engine.INLINED_CALL_PRIMITIVES
-#: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._engine.inline_calls`).
-inline_calls = _engine.inline_calls
+#: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._interpreter.inline_calls`).
+inline_calls = _interpreter.inline_calls
 
 #: Primitives priced as matrix multiplies by the cost model.
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
@@ -294,7 +294,7 @@ def trace_program(fn: Callable, *args, **kwargs) -> Program:
     Returns:
       The :class:`Program`; its jaxpr takes the flattened ``(args, kwargs)`` leaves.
     """
-    flat, in_tree, out_tree = _engine.trace_flat(fn, args, kwargs)
+    flat, in_tree, out_tree = _interpreter.trace_flat(fn, args, kwargs)
     return Program(closed_jaxpr=flat, ops=_classify(flat.jaxpr), in_tree=in_tree, out_tree=out_tree)
 
 
@@ -384,9 +384,4 @@ def evaluate_tagged(program: Program, tags: Mapping[int, str], flat_args: Sequen
     Returns:
       The flat list of outputs.
     """
-    return _engine.evaluate_tagged(program.closed_jaxpr, tags, flat_args)
-
-
-def tag_names(tag: str, op: Op) -> list[str]:
-    """The checkpoint names :func:`evaluate_tagged` gives the outputs of ``op`` for ``tag``."""
-    return _engine.output_tag_names(tag, len(op.out_shapes))
+    return _interpreter.evaluate_tagged(program.closed_jaxpr, tags, flat_args)

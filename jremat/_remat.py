@@ -1,4 +1,4 @@
-"""The one place where rematerialization is applied.
+"""Rematerialization of a model's layer stacks: where its checkpoints go and with which policy.
 
 Models describe *where* a checkpoint may go (a whole block, or each sublayer) by passing their
 functions through :func:`remat_at`; the :class:`RematConfig` decides which level is active and
@@ -226,8 +226,8 @@ class _InScan(Policy):
         self.scan_length = scan_length
         self.spec = policy.spec
 
-    def checkpoint(self, fn, *, prevent_cse=True):
-        return self.policy.checkpoint(fn, prevent_cse=_tie.needs_tie(self.scan_length))
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
+        return self.policy.checkpoint_untied(fn, prevent_cse=_tie.needs_tie(self.scan_length))
 
     def wrap(self, fn, *, prevent_cse=True):
         return self.policy.wrap(fn, prevent_cse=_tie.needs_tie(self.scan_length))

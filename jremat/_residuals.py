@@ -3,13 +3,17 @@
 :func:`saved_residuals_report` traces ``jax.vjp`` of a function and lists every value kept for
 the backward pass (shape, dtype, bytes, tensor name or producing primitive, source line),
 classified as activations, parameter-derived values, PRNG keys or constants.
+
+On a mesh each residual also has the bytes one device holds: its shard's, from the sharding its
+aval carries where every mesh axis is explicit, else from the output sharding XLA's SPMD
+partitioner gives it in the compiled forward pass (``jax.vjp``'s residuals as outputs; one
+compile, nothing runs).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _collectives, _engine, _jax_compat, _liveness, _program
+from jremat import _collectives, _engine, _jax_compat, _liveness, _program, _shards, _tags
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -29,11 +33,6 @@ RESIDUAL_KINDS = (ACTIVATION, PARAMETER, RNG_KEY, CONSTANT)
 #: Primitives that return their input unchanged; a residual is looked through them.
 IDENTITY_PRIMITIVES = frozenset({"name", "reduce_precision", "copy", "copy_p"})
 
-#: Names that :class:`jremat.PlanPolicy` gives the values it chose (``jremat3/17``), and
-#: that :func:`jremat._engine.checkpoint` gives the values a callback keeps under jax_remat3
-#: (``jremat_cb2/5``).
-PLAN_TAG_RE = re.compile(r"^jremat(_cb)?\d+/\d+(\.\d+)?$")
-
 _LOOP_PRIMITIVES = ("scan",)
 
 
@@ -44,7 +43,7 @@ class SavedResidual:
     Attributes:
       shape: its shape.
       dtype: its dtype name.
-      bytes: its size.
+      bytes: its size (global: the whole value, all devices together).
       kind: :data:`ACTIVATION` (depends on a non-parameter argument: data, keys),
         :data:`PARAMETER` (depends only on parameter arguments, e.g. a bf16 copy of a weight),
         :data:`RNG_KEY` (a PRNG key) or :data:`CONSTANT` (depends on no argument, e.g. a causal
@@ -55,6 +54,7 @@ class SavedResidual:
       source: ``file:line (function)`` of the producing equation, or the argument's path.
       plan_tag: the :class:`jremat.PlanPolicy` tag (``jremat3/17``) if a plan chose it.
       layer_stacked: whether it is a stacked ``[n_layers, ...]`` output of a loop over layers.
+      device_bytes: the bytes one device holds (its shard; :attr:`bytes` off a mesh or replicated).
     """
 
     shape: tuple[int, ...]
@@ -66,6 +66,11 @@ class SavedResidual:
     source: str
     plan_tag: str | None = None
     layer_stacked: bool = False
+    device_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.device_bytes is None:
+            object.__setattr__(self, "device_bytes", self.bytes)
 
     @property
     def label(self) -> str:
@@ -81,9 +86,10 @@ class ResidualGroup:
       label: tensor name or producing primitive.
       kind: the residuals' kind.
       count: how many residuals.
-      bytes: their total size.
+      bytes: their total size (global).
       bytes_per_layer: ``bytes / n_layers``.
       shapes: the distinct shapes, in first-seen order.
+      device_bytes: their total size on one device.
     """
 
     label: str
@@ -92,6 +98,7 @@ class ResidualGroup:
     bytes: int
     bytes_per_layer: float
     shapes: tuple[tuple[int, ...], ...]
+    device_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,23 +109,29 @@ class ResidualsReport:
       residuals: one :class:`SavedResidual` per distinct saved value.
       n_layers: how many layers the analysed function spans (1 for one block, ``L`` for the
         whole model); per-layer figures divide by it.
-      devices: the devices the arguments' shardings span. Residual sizes are of the traced
-        (global, unsharded) values, all devices together; on a mesh each device holds its share.
+      devices: the devices the arguments' shardings span. :attr:`SavedResidual.bytes` is the
+        traced (global) value's size, :attr:`SavedResidual.device_bytes` one device's share; the
+        ``per_device`` figures and :meth:`table` on a mesh use the latter.
     """
 
     residuals: tuple[SavedResidual, ...]
     n_layers: int = 1
     devices: int = 1
 
-    def bytes_of(self, kind: str) -> int:
-        """Total bytes of the residuals of ``kind``.
+    def bytes_of(self, kind: str, per_device: bool = False) -> int:
+        """Total bytes of the residuals of ``kind``: global, or one device's with ``per_device``.
 
         Raises:
           ValueError: if ``kind`` is not one of :data:`RESIDUAL_KINDS`.
         """
         if kind not in RESIDUAL_KINDS:
             raise ValueError(f"unknown residual kind {kind!r}; valid kinds: {', '.join(RESIDUAL_KINDS)}")
-        return sum(r.bytes for r in self.residuals if r.kind == kind)
+        return sum((r.device_bytes or 0) if per_device else r.bytes for r in self.residuals if r.kind == kind)
+
+    @property
+    def saved_device_bytes(self) -> int:
+        """:attr:`saved_bytes` on one device (its shards)."""
+        return self.bytes_of(ACTIVATION, per_device=True)
 
     @property
     def saved_bytes(self) -> int:
@@ -146,6 +159,12 @@ class ResidualsReport:
         return sum(r.bytes for r in self.residuals if r.primitive != "argument" and r.kind != CONSTANT)
 
     @property
+    def computed_device_bytes(self) -> int:
+        """:attr:`computed_bytes` on one device (its shards): what the forward pass adds to each
+        device's memory for the backward pass."""
+        return sum(r.device_bytes or 0 for r in self.residuals if r.primitive != "argument" and r.kind != CONSTANT)
+
+    @property
     def layer_stacked_bytes(self) -> int:
         """Bytes of activations that are stacked ``[n_layers, ...]`` outputs of a layer loop."""
         return sum(r.bytes for r in self.residuals if r.layer_stacked and r.kind == ACTIVATION)
@@ -163,31 +182,42 @@ class ResidualsReport:
         for r in self.residuals:
             if r.kind not in kinds:
                 continue
-            entry = acc.setdefault((r.kind, r.label), [0, 0, []])
+            entry = acc.setdefault((r.kind, r.label), [0, 0, [], 0])
             entry[0] += 1
             entry[1] += r.bytes
+            entry[3] += r.device_bytes
             if r.shape not in entry[2]:
                 entry[2].append(r.shape)
         groups = [
-            ResidualGroup(label, kind, count, nbytes, nbytes / self.n_layers, tuple(shapes))
-            for (kind, label), (count, nbytes, shapes) in acc.items()
+            ResidualGroup(label, kind, count, nbytes, nbytes / self.n_layers, tuple(shapes), device_bytes)
+            for (kind, label), (count, nbytes, shapes, device_bytes) in acc.items()
         ]
         return tuple(sorted(groups, key=lambda g: -g.bytes))
 
     def table(self, kinds: Sequence[str] = RESIDUAL_KINDS) -> str:
-        """A printable table: one line per residual group, then totals per kind."""
-        lines = [f"{'kind':<10} {'label':<28} {'count':>5} {'bytes':>14} {'bytes/layer':>14}  shapes"]
+        """A printable table: one line per residual group, then totals per kind.
+
+        On a mesh the bytes are one device's (its shards) and a column gives the global bytes.
+        """
+        mesh = self.devices > 1
+        header = (
+            f"{'kind':<10} {'label':<28} {'count':>5} {'bytes/device' if mesh else 'bytes':>14} {'bytes/layer':>14}"
+        )
+        lines = [header + (f" {'global bytes':>14}" if mesh else "") + "  shapes"]
         for g in self.groups(kinds):
             shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in g.shapes[:3])
-            lines.append(
-                f"{g.kind:<10} {g.label:<28} {g.count:>5} {g.bytes:>14,} {g.bytes_per_layer:>14,.0f}  {shapes}"
-            )
+            nbytes = g.device_bytes if mesh else g.bytes
+            row = f"{g.kind:<10} {g.label:<28} {g.count:>5} {nbytes:>14,} {nbytes / self.n_layers:>14,.0f}"
+            lines.append(row + (f" {g.bytes:>14,}" if mesh else "") + f"  {shapes}")
         for kind in kinds:
+            nbytes = self.bytes_of(kind, per_device=mesh)
+            line = f"total {kind}: {nbytes:,} bytes{' per device' if mesh else ''} ({nbytes / self.n_layers:,.0f} per layer)"
+            lines.append(line + (f", {self.bytes_of(kind):,} global" if mesh else ""))
+        if mesh:
             lines.append(
-                f"total {kind}: {self.bytes_of(kind):,} bytes ({self.bytes_of(kind) / self.n_layers:,.0f} per layer)"
+                f"bytes are per device (each device's shard on {self.devices} devices); global bytes are the "
+                "unsharded values, all devices together"
             )
-        if self.devices > 1:
-            lines.append(f"bytes are global (unsharded values, all {self.devices} devices together), not per device")
         return "\n".join(lines)
 
 
@@ -223,7 +253,10 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
         a, kw = jax.tree.unflatten(in_tree, flat)
         return fn(*a, **kw)
 
-    closed, out_shape = jax.make_jaxpr(lambda *flat: jax.vjp(flat_fn, *flat), return_shape=True)(*leaves)
+    def forward(*flat):
+        return jax.vjp(flat_fn, *flat)
+
+    closed, out_shape = jax.make_jaxpr(forward, return_shape=True)(*leaves)
     n_res = len(jax.tree.leaves(out_shape[1]))
     # Inline nested jit calls so that each residual's producer is a real primitive, and values a
     # jit merely forwards become the same variable (no double counting).
@@ -231,7 +264,9 @@ def _vjp_residual_jaxpr(fn, args, kwargs):
     jaxpr = inlined.jaxpr
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
     read = _residuals_the_backward_reads(out_shape)
-    return jaxpr, [v for v, r in zip(res_vars, read) if r], leaves, in_tree
+    fractions = _shards.device_fractions(forward, leaves, jax.tree.leaves(out_shape[1]))
+    kept = [i for i, r in enumerate(read) if r]
+    return jaxpr, [res_vars[i] for i in kept], [fractions[i] for i in kept], leaves
 
 
 def _residuals_the_backward_reads(out_shape) -> list[bool]:
@@ -323,11 +358,13 @@ def _propagate_deps(jaxpr, deps: dict) -> None:
 def saved_residuals_report(
     fn: Callable, *args, n_layers: int = 1, param_argnums: Iterable[int | str] = (), **kwargs
 ) -> ResidualsReport:
-    """List every value ``fn`` keeps for its backward pass, without compiling.
+    """List every value ``fn`` keeps for its backward pass; nothing runs.
 
     Traces ``jax.vjp(fn, *args, **kwargs)`` (like ``jax.ad_checkpoint.print_saved_residuals``)
     and describes each residual. Values that several variables share (a ``checkpoint_name``
-    output and its input, a value a nested ``jit`` forwards) count once.
+    output and its input, a value a nested ``jit`` forwards) count once. Off a mesh, and on a
+    mesh whose axes are all explicit, nothing is compiled; on a mesh with auto axes the forward
+    pass is compiled once to read the shardings XLA gives the residuals (their per-device bytes).
 
     Classification: a residual depending on any argument outside ``param_argnums`` is an
     *activation* (dropout masks count, as in Megatron-LM's accounting: they depend on the key);
@@ -362,7 +399,7 @@ def saved_residuals_report(
                 f"param_argnums entry {a!r} names no argument (fn got {len(args)} positional "
                 f"arguments and keywords {sorted(kwargs)})"
             )
-    jaxpr, res_vars, leaves, _ = _vjp_residual_jaxpr(fn, args, kwargs)
+    jaxpr, res_vars, fractions, leaves = _vjp_residual_jaxpr(fn, args, kwargs)
     owners = _argnum_of_leaves(args, kwargs)
     paths = _leaf_paths(args, kwargs)
 
@@ -415,7 +452,7 @@ def saved_residuals_report(
                         found.append(_engine.tag_name(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _program.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
-            user = [n for n in found if not PLAN_TAG_RE.match(n)]
+            user = _tags.user_names(found)
             if user:
                 return user
             frontier = nxt
@@ -423,9 +460,9 @@ def saved_residuals_report(
 
     residuals = []
     seen_vars = set()
-    for v in res_vars:
+    for v, fraction in zip(res_vars, fractions):
         if isinstance(v, jcore.Literal):
-            aval = jax.core.get_aval(v.val) if not hasattr(v, "aval") else v.aval
+            aval = jax.typeof(v.val) if not hasattr(v, "aval") else v.aval
             residuals.append(_literal(aval))
             continue
         base, chain_names = canonical(v)
@@ -439,8 +476,8 @@ def saved_residuals_report(
         aval = base.aval
         nbytes = _program.aval_bytes(aval)
         names = chain_names + [n for n in forward_names(base) if n not in chain_names]
-        user_names = [n for n in names if not PLAN_TAG_RE.match(n)]
-        plan_tags = [n for n in names if PLAN_TAG_RE.match(n)]
+        user_names = _tags.user_names(names)
+        plan_tags = [n for n in names if _tags.is_internal(n)]
         name = user_names[0] if user_names else None
         plan_tag = plan_tags[0] if plan_tags else None
         mask = deps.get(base, 0)
@@ -465,7 +502,16 @@ def saved_residuals_report(
             kind = CONSTANT
         residuals.append(
             SavedResidual(
-                tuple(aval.shape), _dtype_name(aval), nbytes, kind, name, primitive, source, plan_tag, stacked
+                tuple(aval.shape),
+                _dtype_name(aval),
+                nbytes,
+                kind,
+                name,
+                primitive,
+                source,
+                plan_tag,
+                stacked,
+                round(nbytes * fraction),
             )
         )
     return ResidualsReport(tuple(residuals), n_layers, _collectives.mesh_devices((args, kwargs)))
@@ -476,7 +522,6 @@ __all__ = [
     "CONSTANT",
     "IDENTITY_PRIMITIVES",
     "PARAMETER",
-    "PLAN_TAG_RE",
     "RESIDUAL_KINDS",
     "RNG_KEY",
     "ResidualGroup",

@@ -35,12 +35,14 @@ of the program: parameters, optimizer state, data), ``forward`` (computed by the
 ``forward residual`` when it is still live once the backward pass has begun), ``recomputation``
 (JAX's ``rematted_computation``, or forward-pass math that runs after the backward pass has begun,
 such as a dropout mask drawn again from its key or a residual converted to another dtype),
+``gathered weight`` (on a mesh, an all-gather's result or a copy of it in another layout or dtype,
+in either pass: communication, not recomputed math),
 ``gradient`` (the backward pass:
 cotangents and their working set), ``output`` (a result buffer with no live value at that
 position, or one written by an instruction without metadata), ``other`` (XLA-inserted values
 without metadata). A name is the place a value was computed: a tag whose line also casts a
 weight (``self.fc_in(x)`` casts the kernel to the compute dtype) names that cast too, and the
-source column tells the two apart.
+source column tells the two apart. Kinds and names are given in :mod:`jremat._timeline_buffers`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import contextlib
 import dataclasses
 import glob
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -60,7 +61,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _collectives, _compile, _jax_compat, _memory, _program
+from jremat import _collectives, _compile, _jax_compat, _memory, _program, _timeline_buffers
 from jremat._timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
@@ -82,84 +83,6 @@ from jremat._xla_dump import (
     parse_hlo,
     parse_live_range,
 )
-
-
-def _kind(op_name: str) -> str:
-    if "rematted_computation" in op_name:
-        return RECOMPUTATION
-    if "transpose(" in op_name:
-        return GRADIENT
-    return FORWARD if op_name else OTHER
-
-
-def _short_op(op_name: str) -> str:
-    parts = [p for p in op_name.split("/") if p]
-    return "/".join(parts[-2:]) if parts else ""
-
-
-def _elements(shape: str) -> int:
-    m = re.match(r"^[a-z]\w*\[([\d,]*)\]", shape)
-    if not m:
-        return 0
-    dims = [int(d) for d in m.group(1).split(",") if d]
-    return int(np.prod(dims)) if dims else 1
-
-
-def _origin(instruction: str, index: int | None, hlo: Hlo, depth: int = 0) -> str:
-    """The instruction whose metadata best names a value: looks through loop outputs (to what the
-    body stored), in-place updates (to the update), copies, bitcasts and XLA-made fusions."""
-    if depth > 8:
-        return instruction
-    opcode = hlo.opcode.get(instruction, "")
-    operands = hlo.operands.get(instruction, [])
-    if opcode == "while" and index is not None and instruction in hlo.whiles:
-        root = hlo.root.get(hlo.whiles[instruction][1])
-        if root and hlo.opcode.get(root) == "tuple" and index < len(hlo.operands.get(root, [])):
-            return _origin(hlo.operands[root][index], None, hlo, depth + 1)
-        return instruction
-    if opcode == "parameter" and index is not None:
-        body = hlo.computation.get(instruction)
-        caller = hlo.body_of.get(body)
-        # A loop-carried value holds what the body stores at that index (else its initial value).
-        root = hlo.root.get(body) if caller else None
-        if root and hlo.opcode.get(root) == "tuple" and index < len(hlo.operands.get(root, [])):
-            stored = _origin(hlo.operands[root][index], None, hlo, depth + 1)
-            if hlo.op_name.get(stored) and stored != instruction:
-                return stored
-        init = hlo.operands.get(caller, [None])[0] if caller else None
-        if init and hlo.opcode.get(init) == "tuple" and index < len(hlo.operands[init]):
-            return _origin(hlo.operands[init][index], None, hlo, depth + 1)
-        if init and hlo.opcode.get(init) == "while":
-            return _origin(init, index, hlo, depth + 1)
-        return instruction
-    op_name = hlo.op_name.get(instruction, "")
-    if (
-        "dynamic_update_slice" in op_name
-        or opcode == "dynamic-update-slice"
-        or (opcode == "fusion" and not op_name and "dynamic-update-slice" in instruction)
-    ):
-        own = hlo.shape.get(instruction, "")
-        updates = [o for o in operands if _elements(hlo.shape.get(o, "")) > 1 and hlo.shape.get(o) != own]
-        if updates:
-            return _origin(max(updates, key=lambda o: _elements(hlo.shape[o])), None, hlo, depth + 1)
-    if operands and not op_name and opcode in ("copy", "bitcast", "fusion", "convert", "transpose"):
-        big = max(operands, key=lambda o: _elements(hlo.shape.get(o, "")))
-        found = _origin(big, None, hlo, depth + 1)
-        if hlo.op_name.get(found):
-            return found
-    return instruction
-
-
-def _name_for(instruction: str, hlo: Hlo, tags: dict) -> str:
-    for loc in hlo.source.get(instruction, ()):
-        if loc in tags:
-            return "|".join(sorted(tags[loc]))
-    return _short_op(hlo.op_name.get(instruction, "")) or instruction
-
-
-def _argument_name(instruction: str) -> str:
-    """``p__blocks____mlp____kernel___value.1`` (JAX's argument path, sanitized) -> ``p.blocks.mlp.kernel.value``."""
-    return re.sub(r"_{2,}", ".", re.sub(r"\.\d+$", "", instruction)).strip("._") or instruction
 
 
 def _reachable(comp: str, called: dict) -> set:
@@ -252,7 +175,7 @@ def build_timeline(
 
     loops = _loop_spans(hlo, position)
     backward_start = _backward_start(sequence, hlo, loops)
-    top_buffers = _buffers_at(peak_position, spans, allocations, hlo, tags, backward_start, top)
+    top_buffers = _timeline_buffers.buffers_at(peak_position, spans, allocations, hlo, tags, backward_start, top)
     compiled_peak = report.peak_bytes if report is not None and report.available else None
     notes = [
         (
@@ -345,56 +268,6 @@ def _backward_start(sequence: list, hlo: Hlo, loops: Sequence[LoopSpan]) -> int:
     return len(sequence)
 
 
-def _buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_start: int, top: int):
-    kinds = {a.index: a.kind for a in allocations}
-    groups: dict = {}
-    for s, e, v, size, reserved in spans:
-        if not s <= t <= e:
-            continue
-        key = (v.allocation, v.offset) if kinds[v.allocation] == "temp" else (v.allocation,)
-        groups.setdefault(key, []).append((s, e, v, size, reserved))
-    out = []
-    for members in groups.values():
-        live_members = [m for m in members if not m[4]]
-        reserved_only = not live_members
-        members = members if reserved_only else live_members
-        # Prefer the member with metadata (XLA copies and loop phis have none), then the largest.
-        s, e, v, size, _ = max(members, key=lambda m: (bool(hlo.op_name.get(m[2].instruction)), m[3], -m[0]))
-        alloc_kind = kinds[v.allocation]
-        index = re.findall(r"\d+", v.key[len(v.instruction) :])
-        origin = _origin(v.instruction, int(index[0]) if index else None, hlo)
-        op_name = hlo.op_name.get(origin, "")
-        if alloc_kind == "parameter":
-            kind = ARGUMENT
-        else:
-            kind = _kind(op_name)
-            if kind == FORWARD and min(m[0] for m in members) >= backward_start:
-                kind = RECOMPUTATION  # forward math the backward pass does again (or re-casts)
-            elif kind == FORWARD and e >= backward_start:
-                kind = FORWARD_RESIDUAL
-            if hlo.opcode.get(origin, "").removesuffix("-done") == "all-gather":
-                kind = GATHERED  # communication, not recomputed math, whichever pass gathers it
-            if reserved_only or (kind == OTHER and alloc_kind == "output"):
-                kind = OUTPUT
-        chain = hlo.source.get(origin, ())
-        source = f"{os.path.basename(chain[0][0])}:{chain[0][1]}" if chain else ""
-        out.append(
-            TimelineBuffer(
-                name=_argument_name(v.instruction) if alloc_kind == "parameter" else _name_for(origin, hlo, tags),
-                kind=kind,
-                size_bytes=max(m[3] for m in members),
-                shape=v.shape,
-                instruction=v.instruction,
-                op_name=op_name,
-                source=source,
-                start_position=min(m[0] for m in members),
-                end_position=max(m[1] for m in members),
-            )
-        )
-    out.sort(key=lambda b: (-b.size_bytes, b.start_position))
-    return tuple(out if top is None else out[:top])
-
-
 # ---------------------------------------------------------------------------------------------
 # Tags and the entry point
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +288,7 @@ def checkpoint_name_locations(jaxpr) -> dict:
     The location is the first stack frame outside JAX itself, which is where the model called
     ``checkpoint_name``; the tag names whatever the compiled program computes on that line.
     """
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
+    skip = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (jax,))
     out: dict = collections.defaultdict(set)
 
     def walk(jx):
@@ -443,7 +316,7 @@ def _persistent_cache_off() -> Iterator[None]:
     # the first of several concurrent timelines turns it off and the last turns it back on.
     global _cache_off_users
     with _cache_off_lock:
-        if _cache_off_users == 0 and not jax.config.jax_enable_compilation_cache:
+        if _cache_off_users == 0 and not jax.config.jax_enable_compilation_cache:  # type: ignore[attr-defined]
             owned = False
         else:
             owned = True
@@ -522,14 +395,22 @@ def memory_timeline(
                 f"per device: one device's share of the SPMD program on {devices} devices (buffers are "
                 f"shards; all-gathered weights are kind {GATHERED!r})"
             )
-            timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note))
+            timeline = dataclasses.replace(timeline, notes=(*timeline.notes, note), devices=devices)
         return timeline
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 __all__: Sequence[str] = (
+    "ARGUMENT",
     "BUFFER_KINDS",
+    "FORWARD",
+    "FORWARD_RESIDUAL",
+    "GATHERED",
+    "GRADIENT",
+    "OTHER",
+    "OUTPUT",
+    "RECOMPUTATION",
     "LoopSpan",
     "MemoryTimeline",
     "TimelineBuffer",

@@ -93,6 +93,8 @@ class MemoryTimeline:
       notes: what was and was not modelled, and disagreements with the compiled peak.
       report: the :class:`jremat.MemoryReport` of the same executable (``None`` when built
         from dump text without one).
+      devices: the devices the program's input shardings span; above 1 every figure is one
+        device's (its share of the SPMD program), and :meth:`table` says so.
     """
 
     live_bytes: tuple[int, ...]
@@ -108,6 +110,7 @@ class MemoryTimeline:
     platform: str
     notes: tuple[str, ...] = ()
     report: _memory.MemoryReport | None = None
+    devices: int = 1
 
     @property
     def agreement(self) -> float | None:
@@ -124,8 +127,10 @@ class MemoryTimeline:
         where = f"position {self.peak_position} of {len(self.live_bytes)}"
         if loop is not None:
             where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
+        per = f" per device ({self.devices} devices)" if self.devices > 1 else ""
         lines = [
-            f"peak {_memory.format_bytes(self.peak_bytes)} at {where}; compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
+            f"peak {_memory.format_bytes(self.peak_bytes)}{per} at {where}; "
+            f"compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
             + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")
         ]
         header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"

@@ -325,7 +325,7 @@ def _scale(scale, head_dim: int) -> float:
 
 def _threefry_key_data(key) -> jax.Array:
     """The ``uint32[2]`` data of a single threefry2x32 key, which the kernel hashes block by block."""
-    if not jax.config.jax_threefry_partitionable:
+    if not jax.config.jax_threefry_partitionable:  # type: ignore[attr-defined]
         raise ValueError(
             "attention dropout regenerates masks block by block, which needs jax_threefry_partitionable=True "
             "(the default); it is off"
@@ -605,7 +605,7 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # primal program, not inside a custom_vjp forward rule: both remat engines then see the tags
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
-    out, lse = _forward(cfg, *(lax.stop_gradient(x) for x in (q, k, v)), key_data)
+    out, lse = _forward(cfg, lax.stop_gradient(q), lax.stop_gradient(k), lax.stop_gradient(v), key_data)
     out = _engine.name_tag(out, names.ATTN_CONTEXT)
     lse = _engine.name_tag(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)

@@ -1,4 +1,4 @@
-"""The one place where intermediate-tensor names are defined.
+"""The intermediate-tensor names of jremat's reference model, each defined once here.
 
 The reference model tags its tensors with these names through
 :func:`jax.ad_checkpoint.checkpoint_name`, and ``selective`` finds the attention core by them.

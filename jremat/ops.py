@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jremat import _engine
 
 
-@_engine.checkpoint
+@_engine.lower_checkpoint
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last axis with statistics in float32; output in ``x.dtype``.
 
@@ -36,13 +36,13 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return (y * scale32 + bias32).astype(x.dtype)
 
 
-@_engine.checkpoint
+@_engine.lower_checkpoint
 def gelu(x: jax.Array) -> jax.Array:
     """tanh-approximate GELU (as in GPT-2); keeps only its input for the backward pass."""
     return jax.nn.gelu(x, approximate=True)
 
 
-@_engine.checkpoint
+@_engine.lower_checkpoint
 def softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis computed in float32, output in ``x.dtype``; keeps only its input."""
     return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)

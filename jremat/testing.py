@@ -82,6 +82,8 @@ def policy_examples(tags: Iterable[str] = (), *, examples: Mapping[str, str] | N
     if unknown:
         raise ValueError(f"examples for unknown policies {unknown}; registered policies: {', '.join(sorted(entries))}")
     out = []
+    spec: str | None
+    reason: str | None
     for name, entry in sorted(entries.items()):
         if entry.stack:
             out.append(
@@ -345,7 +347,8 @@ def assert_remat_exact(
     for where, ref_tree, got_tree, name, initial in groups:
         ref_leaves = jax.tree_util.tree_flatten_with_path(ref_tree)[0]
         got_leaves = jax.tree.leaves(got_tree)
-        if jax.tree.structure(ref_tree) != jax.tree.structure(got_tree):
+        # PyTreeDef comes from jaxlib's extension module, which has no type stub.
+        if jax.tree.structure(ref_tree) != jax.tree.structure(got_tree):  # type: ignore[operator]
             raise RematMismatch(
                 f"remat under {label}: the {where} has another structure with the policy "
                 f"({jax.tree.structure(got_tree)}) than without ({jax.tree.structure(ref_tree)})",

@@ -27,10 +27,10 @@ class EveryK(PlanPolicy):
         self.skip_cheap = skip_cheap
         self.min_flops_per_byte = min_flops_per_byte
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         if self.skip_cheap:
             fn = kernels.split_attention_kernels(fn)
-        return super().checkpoint(fn, prevent_cse=prevent_cse)
+        return super().checkpoint_untied(fn, prevent_cse=prevent_cse)
 
     def numbered_ops(self, program: Program):
         """The ops this policy numbers, in order (all compute ops, or the non-cheap ones)."""

@@ -58,7 +58,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     cache = ProgramCache()
 
     def build(program: Program):
-        checkpointed = engine.checkpoint(
+        checkpointed = engine.lower_checkpoint(
             lambda *leaves: evaluate_tagged(program, {}, leaves), callback=policy.callback, prevent_cse=prevent_cse
         )
         return program, checkpointed
@@ -81,7 +81,7 @@ class SaveNames(CallbackPolicy):
         self.save = tuple(save)
         super().__init__(jax.checkpoint_policies.save_only_these_names(*self.save))
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         # A kernel's custom_vjp residuals become values tagged kernel_residuals (jremat.kernels).
         return _checked(kernels.split_kernels(fn), self, [(self.save, "names", "save")], prevent_cse)
 
@@ -235,9 +235,9 @@ class SaveAllExcept(PlanPolicy):
     def __init__(self, exclude: Iterable[str]):
         self.exclude = tuple(exclude)
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         # A kernel's custom_vjp residuals become values it saves, so the kernel runs once (jremat.kernels).
-        return super().checkpoint(kernels.split_kernels(fn), prevent_cse=prevent_cse)
+        return super().checkpoint_untied(kernels.split_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         found = {op.tensor_name for op in program.ops if op.primitive == "name"}
@@ -288,7 +288,7 @@ class OffloadNames(CallbackPolicy):
             )
         )
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         require_host_memory(self.offload_dst)  # the backend may differ from construction time
         requirements = [(self.offload, "offload", "names"), (self.save, "offload", "save")]
         return _checked(kernels.split_kernels(fn), self, requirements, prevent_cse)

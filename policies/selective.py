@@ -243,10 +243,10 @@ class Selective(PlanPolicy):
     # An attention kernel's output and statistics, split inside a scan body too (jremat.kernels).
     saved_tags = (names.KERNEL_RESIDUALS,)
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         # A Pallas attention kernel's forward rule runs in the ordinary program, so that its
         # output and log-sum-exp are values the plan keeps (jremat.kernels).
-        return super().checkpoint(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
+        return super().checkpoint_untied(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         found = find_attention_core(program)

@@ -31,9 +31,9 @@ class SkipCheap(PlanPolicy):
     def __init__(self, min_flops_per_byte: float):
         self.min_flops_per_byte = min_flops_per_byte
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         # Keeping an attention kernel's output alone would leave its log-sum-exp to recompute.
-        return super().checkpoint(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
+        return super().checkpoint_untied(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         return Plan(save=frozenset(op.index for op in program.compute_ops if not is_cheap(op, self.min_flops_per_byte)))

@@ -5,6 +5,6 @@ Needs the ``[train]`` extra (Flax, optax, orbax, matplotlib, pooch, tqdm).
 """
 
 if __name__ != "jremat.train":  # run from a checkout as `python -m train.X`
-    from jremat._checkout import alias_installed
+    from jremat.internal import alias_installed
 
     alias_installed(__name__)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jremat import Budget, registry
-from jremat._builtin_keys import BUILTIN_PARAMS
+from jremat.internal import BUILTIN_PARAMS
 from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError, program_name
 
 #: Internal name of the field that collects the per-policy-key flags (``--k 4`` -> ``(("k", "4"),)``).
@@ -179,15 +179,34 @@ def check_mesh_flag(mesh: str, batch_size: int | None, seq_len: int | None) -> N
 STACK_POLICIES = frozenset({"nested"})
 
 
+def with_universal_keys(name: str, params: dict[str, registry.Param]) -> dict[str, registry.Param]:
+    """``params`` of policy ``name`` with ``keep_gathered``, the key every policy of one function takes
+    (:data:`jremat.registry.KEEP_GATHERED`); a layer-stack policy (:data:`STACK_POLICIES`, or an entry
+    registered with ``stack=True``) takes it not."""
+    entry = registry.entries().get(name) if name not in BUILTIN_POLICY_KEYS else None
+    stack = name in STACK_POLICIES or (entry is not None and entry.stack)
+    return params if stack else params | {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
+
+
+def registered_policy_params() -> dict[str, dict[str, registry.Param]]:
+    """Every registered policy's keys, ``keep_gathered`` included where the policy takes it."""
+    return {name: with_universal_keys(name, entry.params) for name, entry in registry.entries().items()}
+
+
+#: The policy-key flag that is a switch: ``--keep-gathered`` is ``keep_gathered=true`` in every ``--policy``
+#: that takes it but ``none`` (which keeps everything, and stays the baseline the reports compare with).
+SWITCH_KEYS = {registry.KEEP_GATHERED: "true"}
+
+
 def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
     """Flag name of every policy key: ``{"k": "--k", "skip_cheap": "--skip-cheap"}``.
 
     Args:
       taken: flags the CLI has already; a key whose flag is among them is spelled ``--policy-<key>``.
-      keys: the keys (default: every key of every registered policy).
+      keys: the keys (default: every key of every registered policy, and ``keep_gathered``).
     """
     if keys is None:
-        keys = [key for entry in registry.entries().values() for key in entry.params]
+        keys = [key for params in registered_policy_params().values() for key in params]
     flags = {}
     for key in keys:
         flag = flag_name(key)
@@ -206,11 +225,12 @@ def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> 
     keys = dict(keys)
     used: set[str] = set()
     canonical = []
+    accepting = registered_policy_params()
     for spec in specs:
         try:
             name = registry.parse_spec(spec)[0]
-            accepted = registry.entries()[name].params if name in registry.entries() else {}
-            mine = {k: v for k, v in keys.items() if k in accepted}
+            accepted = accepting.get(name, {})
+            mine = {k: v for k, v in keys.items() if k in accepted and not (k in SWITCH_KEYS and name == "none")}
             used |= set(mine)
             normalized = registry.normalize_spec(spec, **mine)
             canonical.append(normalized if mine else spec)
@@ -218,7 +238,10 @@ def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> 
             raise UsageError(f"bad policy {spec!r}: {err}") from None
     unused = sorted(set(keys) - used)
     if unused:
-        takers = {k: sorted(n for n, e in registry.entries().items() if k in e.params) for k in unused}
+        takers = {
+            k: sorted(n for n, params in accepting.items() if k in params and not (k in SWITCH_KEYS and n == "none"))
+            for k in unused
+        }
         detail = "; ".join(f"--{k.replace('_', '-')} is a key of {', '.join(v)}" for k, v in takers.items())
         raise UsageError(f"{detail}, not of the given policies ({', '.join(specs)})")
     return tuple(canonical)
@@ -259,12 +282,17 @@ def build_parser(
     add_config_flags(parser, config_cls)
     if POLICY_KEYS_FIELD in {f.name for f in dataclasses.fields(config_cls)}:
         group = parser.add_argument_group("policy keys (each applies to the --policy that takes it)")
-        keys = BUILTIN_POLICY_KEYS_ALL if builtin_keys_only else None
+        keys = BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS) if builtin_keys_only else None
+        tables = {} if keys else registered_policy_params()
         for key, flag in sorted(key_flags(config_cls, keys).items()):
-            helps = [] if keys else sorted({e.params[key].help for e in registry.entries().values() if key in e.params})
-            group.add_argument(
-                flag, dest="policykey__" + key, default=argparse.SUPPRESS, metavar="VALUE", help="; ".join(helps)
-            )
+            helps = sorted({params[key].help for params in tables.values() if key in params})
+            kwargs: dict[str, Any] = dict(dest="policykey__" + key, default=argparse.SUPPRESS, help="; ".join(helps))
+            if key in SWITCH_KEYS:
+                kwargs.update(action="store_const", const=SWITCH_KEYS[key])
+                kwargs["help"] += f" ({key}={SWITCH_KEYS[key]} in every --policy that takes it but none)"
+            else:
+                kwargs["metavar"] = "VALUE"
+            group.add_argument(flag, **kwargs)
     return parser
 
 
@@ -283,8 +311,7 @@ def parse(config_cls: type, argv: Sequence[str] | None, *, prog: str, descriptio
     values = vars(build_parser(config_cls, prog, description, epilog).parse_args(argv))
     values, keys = _split_policy_keys(values)
     if keys:
-        params = {name: entry.params for name, entry in registry.entries().items()}
-        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls), params)
+        require_keys_given_once(_given_specs(values), keys, key_flags(config_cls), registered_policy_params())
         values[POLICY_KEYS_FIELD] = keys
     return config_cls(**values)
 
@@ -331,9 +358,9 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     values, keys = _split_policy_keys(values)
     # A spec-valued key is written back as given: resolving it would load the policies (and JAX).
     params = {
-        name: {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
-        # keep_gathered is a key of every policy of one function (the registry's KEEP_GATHERED).
-        | ({} if name in STACK_POLICIES else {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM})
+        name: with_universal_keys(
+            name, {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
+        )
         for name, table in BUILTIN_PARAMS.items()
     }
     specs = _given_specs(values)
@@ -344,7 +371,7 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
                 raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(params))}")
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
-    require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL), params)
+    require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS)), params)
     for spec in specs:
         name, written = registry.parse_spec(spec)
         try:

@@ -14,18 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jremat
 from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
+from jremat.models.config import NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
 from jremat.train import model_flags
 from jremat.train.cli import (
     UsageError,
     check_mesh_flag,
     option,
     require,
-    require_choice,
     require_int,
     require_number,
     require_one_budget,
@@ -33,38 +31,32 @@ from jremat.train.cli import (
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(model_flags.ModelFlags):
     """Everything a PTB training run depends on (with the model preset it names).
 
-    Attributes are documented by their ``metadata["help"]``, which is also the CLI help.
+    Attributes are documented by their ``metadata["help"]``, which is also the CLI help; the
+    model flags are :class:`train.model_flags.ModelFlags`' (``--dtype`` and ``--granularity`` left
+    unset take the preset's).
     """
 
-    preset: str = option("small", "model preset", choices=tuple(PRESETS))
     policy: str = option("full", "remat policy name or spec (NAME or NAME:key=value,...)", metavar="SPEC")
     policy_keys: tuple = option((), "policy keys given as separate flags, as (key, raw value) pairs", cli=False)
     policy_module: tuple[str, ...] = option(
         (), "import this module first (it may register custom policies)", metavar="MODULE"
     )
-    granularity: str = option("block", "where remat applies", choices=jremat.GRANULARITIES)
     batch_size: str | int | None = option(
         None,
         "sequences per micro-batch (preset default), or auto: the batch with the highest measured tokens/s "
-        "whose train step fits --memory-budget (with --policy auto, the policy too; train.fit)",
+        "whose train step fits --memory-budget (with --policy auto, the policy too; on --mesh, per device; train.fit)",
     )
-    seq_len: int | None = option(None, "tokens per sequence; <= the model's positions, --max-seq-len (default: equal)")
     steps: int | None = option(None, "optimizer steps (preset default unless --epochs)")
     epochs: float | None = option(None, "passes over the training split instead of --steps")
     lr: float = option(3e-3, "peak AdamW learning rate")
     warmup: int | None = option(None, "linear warmup steps, then cosine decay to lr/10 (preset default)")
     clip: float = option(1.0, "global gradient-norm clip (0 disables)")
     weight_decay: float = option(0.01, "AdamW decoupled weight decay")
-    dtype: str = option("float32", "compute dtype; parameters stay float32", choices=DTYPES)
     accum: int = option(1, "micro-batches accumulated per optimizer step (optax.MultiSteps)")
     seed: int = option(0, "seed for initialization and dropout")
-    dropout: float | None = option(None, "attention and residual dropout rate (preset default)")
-    attention: str = model_flags.attention_option()
-    attention_block_size: int = model_flags.attention_block_size_option()
-    max_seq_len: int | None = model_flags.max_seq_len_option()
     eval_every: int | None = option(None, "valid perplexity every N steps (0: only at the end)")
     eval_batches: int = option(0, "limit each evaluation to N batches (0: the whole split)")
     ckpt_dir: str | None = option(None, "orbax checkpoint directory (none: no checkpoints)")
@@ -74,12 +66,6 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "how many most recent checkpoints to keep")
     resume: bool = option(False, "continue from the latest checkpoint in --ckpt-dir")
     metrics_file: str | None = option(None, "per-step metrics file: JSON lines, or CSV if it ends in .csv")
-    unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
-    remat_head_chunks: int | None = option(
-        None,
-        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
-    )
     data_dir: str | None = option(None, "folder with ptb.{train,valid,test}.txt (else $JREMAT_PTB_DIR, else cache)")
     memory_report: bool = option(True, "print the compile-time memory report at start")
     mesh: str | None = option(
@@ -127,6 +113,9 @@ class TrainConfig:
                         f"--batch-size must be a positive whole number or {AUTO_BATCH}, got {self.batch_size!r}"
                     ) from None
             object.__setattr__(self, "batch_size", text)
+        for name, preset_field in (("dtype", "dtype"), ("granularity", "remat_granularity")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(PRESETS[self.preset], preset_field))
         if self.seq_len is None:
             object.__setattr__(self, "seq_len", model_flags.positions(self))
         if self.steps is None and self.epochs is None:
@@ -137,7 +126,6 @@ class TrainConfig:
                 "--batch-size auto needs --memory-budget, a size such as 12GiB (the train step's compiled peak)",
             )
             require(self.accum == 1, "--batch-size auto chooses the batch of one optimizer step: leave --accum at 1")
-            require(self.mesh is None, "--batch-size auto runs on one device: drop --mesh or give --batch-size N")
             require(
                 not self.resume,
                 "--resume continues with the checkpoint's batch: give it as --batch-size N (the run that wrote "
@@ -155,9 +143,8 @@ class TrainConfig:
         require_int("warmup", self.warmup, minimum=0)
         require_number("clip", self.clip, inclusive=True)
         require_number("weight_decay", self.weight_decay, inclusive=True)
-        require_choice("dtype", self.dtype, DTYPES)
         require_int("accum", self.accum)
-        require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
+        self.check_model_flags()
         require_int("eval_every", self.eval_every, minimum=0)
         require_int("eval_batches", self.eval_batches, minimum=0)
         require_int("ckpt_every", self.ckpt_every, minimum=0)
@@ -170,7 +157,6 @@ class TrainConfig:
             self.remat_head_chunks == 0 or self.seq_len % self.remat_head_chunks == 0,
             f"--remat-head-chunks {self.remat_head_chunks} does not divide --seq-len {self.seq_len}",
         )
-        require_choice("granularity", self.granularity, jremat.GRANULARITIES)
         require(not self.resume or self.ckpt_dir, "--resume needs --ckpt-dir (the directory to resume from)")
 
     def _check_policy(self) -> None:

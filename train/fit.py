@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 import jremat
 from jremat import registry
-from jremat._fit import compile_figures
+from jremat.fit import compile_figures
 from jremat.models import ModelConfig
 from jremat.models.planning import plan_for_budget
 from jremat.models.programs import adam_train_step

@@ -8,7 +8,8 @@ policy's recompute FLOPs as a fraction of the step's FLOPs.
 
 The measurement is :func:`models.policy_memory.compare_policies` (its fields are documented on
 :class:`models.policy_memory.PolicyMemory`); this module holds the command line: its
-configuration, the table, JSON and plot output, and ``--live`` (one fresh process per policy).
+configuration and what it runs; the table is :mod:`train.memory_table`, ``--live`` :mod:`train.memory_live`,
+``--mesh`` :mod:`train.memory_mesh`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ if __name__ == "__main__":  # the CLI: Ctrl-C and SIGTERM end it at once, from b
 
 import dataclasses
 import json
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -31,7 +31,7 @@ import jremat
 from jremat import parse_budget, registry
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES, whole_step_head_chunks
+from jremat.models.config import whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags
 from jremat.train.cli import (
     UsageError,
@@ -55,17 +55,16 @@ MAX_PARAMETER_BYTES = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryConfig:
+class MemoryConfig(model_flags.ModelFlags):
     """What ``python -m train.memory`` measures; one field per command-line flag (``a_b`` <-> ``--a-b``).
+
+    The model flags are :class:`train.model_flags.ModelFlags`'.
 
     ``policy_keys`` collects the per-policy-key flags (``--k 4``); each applies to every
     ``--policy`` that takes the key. Model overrides left ``None`` keep the preset's value.
     """
 
-    preset: str = option("small", "model preset", choices=tuple(PRESETS))
     batch_size: int = option(8, "sequences per batch")
-    seq_len: int | None = option(None, "tokens per sequence (<= the model's positions, --max-seq-len; default: equal)")
-    dtype: str | None = option(None, "compute dtype (default: the preset's)", choices=DTYPES)
     policy: tuple[str, ...] = option(
         (),
         "policy spec NAME or NAME:key=value, one report row each (default none and full; with --fit, the "
@@ -78,12 +77,6 @@ class MemoryConfig:
     d_ff: int | None = option(None, "override the MLP width")
     heads: int | None = option(None, "override the head count (head_dim = d_model / heads unless --head-dim)")
     head_dim: int | None = option(None, "override head_dim")
-    dropout: float | None = option(None, "attention and residual dropout rate")
-    attention: str = model_flags.attention_option()
-    attention_block_size: int = model_flags.attention_block_size_option()
-    max_seq_len: int | None = model_flags.max_seq_len_option()
-    granularity: str | None = option(None, "remat granularity", choices=jremat.GRANULARITIES)
-    unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
     policy_module: tuple[str, ...] = option((), "import a module that registers policies", metavar="MODULE")
     json: bool = option(False, "print a JSON list, one object per policy")
     plot: str | None = option(
@@ -95,11 +88,6 @@ class MemoryConfig:
         None,
         "budget for --policy auto: 6GiB, 512MiB, bytes, or a fraction in (0, 1] (of none's peak above full's); "
         "for --fit, a size",
-    )
-    remat_head_chunks: int | None = option(
-        None,
-        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
     )
     fit: bool = option(
         False,
@@ -148,11 +136,7 @@ class MemoryConfig:
         for field in ("batch_size", "seq_len", "layers", "d_model", "d_ff", "heads", "head_dim"):
             if getattr(self, field) is not None:
                 require_int(field, getattr(self, field))
-        if self.dtype is not None:
-            require_choice("dtype", self.dtype, DTYPES)
-        require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
-        if self.granularity is not None:
-            require_choice("granularity", self.granularity, jremat.GRANULARITIES)
+        self.check_model_flags()
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget)
@@ -216,11 +200,9 @@ class MemoryConfig:
         """``--mesh``: its syntax, the batch split, and the flags it does not combine with.
 
         Raises:
-          UsageError: on a bad mesh, a batch (``--batch-size``, or with ``--fit`` ``--global-batch``)
-            that does not split, or ``--live`` / ``--timeline``.
+          UsageError: on a bad mesh, or a batch (``--batch-size``, or with ``--fit`` ``--global-batch``)
+            that does not split.
         """
-        for flag, given in (("--live", self.live), ("--timeline", self.timeline)):
-            require(not given, f"{flag} measures one device: drop --mesh or {flag}")
         if self.fit:  # --fit chooses the batch per data-parallel shard; a --global-batch must split
             check_mesh_flag(self.mesh, None, self.seq_len)
             if self.global_batch is not None:
@@ -302,6 +284,7 @@ class MemoryConfig:
             "granularity",
             "remat_head_chunks",
             "memory_budget",
+            "mesh",
         ):
             value = getattr(self, field)
             if value is not None:
@@ -314,157 +297,11 @@ class MemoryConfig:
 if __name__ == "__main__":  # argument mistakes are reported before JAX is imported (below)
     cli.exit_on_argument_error(MemoryConfig, "train.memory")
 
-from jremat import allocator_stats_missing, format_bytes
-from jremat.models.policy_memory import (
-    NONE_DEFINITION,
-    RECOMPUTE_DEFINITION,
-    PolicyMemory,
-    compare_policies,
-    config_for_spec,
-    format_recompute,
-    head_label,
-    live_step_memory,
-    ratio,
-)
+from jremat import format_bytes
+from jremat.models.policy_memory import PolicyMemory, compare_policies
 from jremat.train import fit as fit_lib
-from jremat.train import timeline_plot
-
-# ---------------------------------------------------------------------------------------------
-# Output
-# ---------------------------------------------------------------------------------------------
-
-
-def format_table(rows: Sequence[PolicyMemory], base: PolicyMemory) -> str:
-    """The human-readable table: one line per policy, then notes."""
-    live = any(r.live_peak_bytes is not None for r in rows)
-    fused = any(r.attention_forward_passes for r in rows)
-    header = (
-        f"{'policy':<24} {'head':>9} {'peak':>11} {'temp':>11} {'saved/layer':>12} {'peak/none':>9} "
-        f"{'saved/none':>10} {'recompute':>9} {'work set':>11} {'analytic':>11} {'anal.err':>8}"
-        + (f" {'attn fwd':>8}" if fused else "")
-        + (f" {'live peak':>11}" if live else "")
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        pr = ratio(r.peak_bytes, base.peak_bytes)
-        sr = ratio(r.saved_bytes_per_layer, base.saved_bytes_per_layer)
-        err = (
-            ratio(r.analytic_peak_bytes - r.peak_bytes, r.peak_bytes)
-            if r.peak_bytes and r.analytic_peak_bytes
-            else None
-        )
-        lines.append(
-            f"{r.policy:<24} {head_label(r.head_chunks):>9} {format_bytes(r.peak_bytes):>11} "
-            f"{format_bytes(r.temp_bytes):>11} {format_bytes(r.saved_bytes_per_layer):>12} "
-            f"{f'{pr:.3f}' if pr is not None else 'n/a':>9} {f'{sr:.3f}' if sr is not None else 'n/a':>10} "
-            f"{format_recompute(r.recompute_flops_fraction):>9} "
-            f"{format_bytes(r.working_set_bytes):>11} {format_bytes(r.analytic_peak_bytes):>11} "
-            f"{f'{100 * err:+.1f}%' if err is not None else 'n/a':>8}"
-            + (f" {r.attention_forward_passes:>8g}" if fused else "")
-            + (f" {format_bytes(r.live_peak_bytes):>11}" if live else "")
-        )
-    first = rows[0]
-    lines.append(
-        f"gradient step of {first.n_layers} layers, batch {first.batch_size} x seq {first.seq_len}; "
-        f"peak from: {first.peak_source}; {NONE_DEFINITION}; {RECOMPUTE_DEFINITION} ({base.step_flops:.3g}); "
-        "head = the final LayerNorm, head and loss: whole, or recomputed over N sequence chunks"
-        + "; work set = the backward pass's transient buffers at its peak, compiled on a copy with at most "
-        "two layers per layer group (nested or unrolled stacks: the whole model); "
-        "analytic = traced residuals, parameters and gradients at full depth + work set"
-        + ("; attn fwd = fused attention forward passes per layer (1: not recomputed)" if fused else "")
-    )
-    seen = set()
-    for r in rows:
-        for n in r.notes:
-            key = (r.policy, n) if "saved residuals fell" in n else n
-            if key in seen:
-                continue
-            seen.add(key)
-            lines.append(f"note [{r.policy}]: {n}" if "saved residuals fell" in n else f"note: {n}")
-    return "\n".join(lines)
-
-
-def format_explanations(rows: Sequence[PolicyMemory]) -> str:
-    """The explain section: per policy, its decisions, the names it matched and any problem, one line each."""
-    parts = [r.explanation.text() for r in rows if r.explanation is not None]
-    return "\n".join(["", "explain (what each policy did to the step; jremat.explain):", *parts]) if parts else ""
-
-
-def write_plot(rows: Sequence[PolicyMemory], path: str) -> None:
-    """Write a bar chart of peak bytes and saved bytes (whole step) per policy to ``path`` (PNG).
-
-    Raises:
-      UsageError: if the file cannot be written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r.policy for r in rows]
-    mib = 2**20
-    xs = range(len(rows))
-    width = 0.4
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows)), 4.0))
-    ax.bar([x - width / 2 for x in xs], [(r.peak_bytes or 0) / mib for r in rows], width, label="compiled peak")
-    ax.bar([x + width / 2 for x in xs], [r.saved_bytes / mib for r in rows], width, label="saved activations")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, rotation=20, ha="right")
-    ax.set_ylabel("MiB")
-    first = rows[0]
-    ax.set_title(f"gradient step memory, {first.n_layers} layers, batch {first.batch_size} x {first.seq_len}")
-    ax.legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(path, format="png")
-    except OSError as err:
-        raise UsageError(f"cannot write plot {path!r}: {err}") from None
-    finally:
-        plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Live peaks
-# ---------------------------------------------------------------------------------------------
-
-
-def _allocator_stats_note() -> str | None:
-    missing = allocator_stats_missing()
-    return (
-        None if missing is None else f"live: {missing}; --live needs a GPU or TPU, so only compiled figures are shown"
-    )
-
-
-def _run_live_child(config: MemoryConfig, spec: str) -> int | None:
-    """The live peak of ``spec``, measured in a fresh Python process (``None`` if it failed)."""
-    argv = [sys.executable, "-m", "jremat.train.memory", *config.model_argv(), "--policy", spec, "--live-child"]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    interrupts.INTERRUPTS.before_exit(child.kill)  # a signal that ends this process ends the child too
-    try:
-        out, _ = child.communicate()
-    finally:
-        interrupts.INTERRUPTS.forget(child.kill)
-    lines = out.strip().splitlines()
-    if child.returncode != 0 or not lines:
-        return None
-    return json.loads(lines[-1]).get("live_peak_bytes")
-
-
-def add_live_peaks(config: MemoryConfig, rows: Sequence[PolicyMemory]) -> tuple[list[PolicyMemory], str | None]:
-    """Fill :attr:`PolicyMemory.live_peak_bytes` of every row, one fresh process per policy.
-
-    Returns:
-      ``(rows, note)``: the rows, and a note when live figures could not be taken.
-    """
-    note = _allocator_stats_note()
-    if note is not None:
-        return list(rows), note
-    specs = list(dict.fromkeys(config.policy))  # one row per distinct spec, as compare_policies
-    peaks = [_run_live_child(config, spec) for spec in specs]
-    failed = [spec for spec, peak in zip(specs, peaks) if peak is None]
-    rows = [dataclasses.replace(r, live_peak_bytes=peak) for r, peak in zip(rows, peaks)]
-    return rows, (f"live: the measurement failed for {', '.join(failed)}" if failed else None)
-
+from jremat.train import memory_live, memory_mesh, timeline_plot
+from jremat.train.memory_table import format_explanations, format_table, write_plot
 
 # ---------------------------------------------------------------------------------------------
 # CLI
@@ -516,123 +353,6 @@ def run(config: MemoryConfig) -> tuple[list[PolicyMemory], PolicyMemory]:
         raise UsageError(str(err)) from None
 
 
-def run_mesh(config: MemoryConfig) -> list[tuple[str, object]]:
-    """``--mesh``: ``(policy, sharded_steps.DeviceMemory)`` per policy, compiled on the mesh (nothing runs).
-
-    Raises:
-      UsageError: on a mesh that does not fit the devices, or a batch or sequence that does not split.
-    """
-    from jremat.train import sharded_steps, sharding
-
-    try:
-        mesh = sharding.mesh_from_flag(config.mesh)
-    except ValueError as err:
-        raise UsageError(f"--mesh: {err}") from None
-    specs = list(dict.fromkeys(config.policy))
-    print(
-        f"compiling the sharded gradient step under {len(specs)} polic{'y' if len(specs) == 1 else 'ies'} on --mesh {config.mesh}...",
-        file=sys.stderr,
-    )
-    compiled: dict = {}
-
-    def step_memory(model_cfg):
-        if model_cfg not in compiled:
-            compiled[model_cfg] = sharded_steps.sharded_step_memory(
-                model_cfg, mesh, config.batch_size, config.resolved_seq_len
-            )
-        return compiled[model_cfg]
-
-    rows = []
-    for spec in specs:
-        try:
-            if registry.parse_spec(spec)[0] == "auto":
-                plan, gathered, regather = mesh_auto_plan(config, spec, mesh, step_memory)
-                rows.append((f"auto: {plan.candidate.describe(plan.n_layers)}", step_memory(plan.config)))
-                priced = (
-                    f"; re-gathering a layer's weights ({gathered:,} B per device) priced at {regather:,.0f} "
-                    "FLOP-equivalents, keeping them at their bytes"
-                    if gathered
-                    else ""
-                )
-                print(
-                    f"auto on mesh {config.mesh}: budget and peaks per device, tensor bytes/layer global (all devices "
-                    f"together){priced}\n{plan.table()}",
-                    file=sys.stderr,
-                )
-            else:
-                rows.append((spec, step_memory(config.model_config(spec))))
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    return rows
-
-
-def mesh_auto_plan(config: MemoryConfig, spec: str, mesh, step_memory) -> tuple[jremat.LayerPlan, int, float]:
-    """``(plan, gathered bytes per layer per device, their re-gathering price in FLOP-equivalents)``.
-
-    ``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
-    per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
-    re-gathering weights is priced at the all-gather's cost measured on this mesh
-    (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates.
-
-    Raises:
-      ValueError: on a bad budget, or when no plan fits.
-    """
-    from jremat.models.planning import plan_for_budget
-    from jremat.train import sharded_steps
-
-    base = config.model_config("none")
-    gathered, regather = sharded_steps.regather_price(base, mesh)
-    budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
-    plan = plan_for_budget(
-        base,
-        config.batch_size,
-        budget,
-        config.resolved_seq_len,
-        measure_peak_bytes=lambda c: step_memory(c).peak,
-        offload=False,
-        regather_flops=regather,
-    )
-    return plan, gathered, regather
-
-
-def format_mesh_table(rows: Sequence[tuple[str, object]]) -> str:
-    """The ``--mesh`` table: per policy, per-device peak and temp, all-gathers and all-reduces (count and
-    bytes per device per step), and the collectives it issues beyond ``none``'s (when ``none`` is a row)."""
-    base = next((m for spec, m in rows if spec == "none"), None)
-    width = max(28, *(len(spec) for spec, _ in rows))
-    header = (
-        f"{'policy':<{width}} {'peak/device':>12} {'temp/device':>12} {'all-gathers':>18} {'all-reduces':>18} "
-        f"{'other':>14}  re-issued beyond none"
-    )
-    lines = [header, "-" * len(header)]
-    for spec, m in rows:
-        c = m.collectives
-        cells = []
-        for kinds in (("all-gather",), ("all-reduce",), ("reduce-scatter", "all-to-all", "collective-permute")):
-            n, b = sum(c.count(k) for k in kinds), sum(c.bytes(k) for k in kinds)
-            cells.append(f"{n} / {format_bytes(b)}" if n else "0")
-        extra = c.reissued(base.collectives) if base is not None else {}
-        reissued = ", ".join(
-            f"{n:+d} {k} ({'+' if b >= 0 else '-'}{format_bytes(abs(b))})" for k, (n, b) in extra.items()
-        ) or ("none" if base is not None else "n/a (no none row)")
-        lines.append(
-            f"{spec:<{width}} {format_bytes(m.peak):>12} {format_bytes(m.temp):>12} {cells[0]:>18} {cells[1]:>18} "
-            f"{cells[2]:>14}  {reissued}"
-        )
-    first = rows[0][1]
-    lines.append(
-        f"gradient step on mesh {first.mesh} ({first.devices} devices), compiled only; every figure is per device "
-        f"(one device's share of the SPMD program); collectives as count / bytes per step (jremat.collectives_report)"
-    )
-    return "\n".join(lines)
-
-
-def mesh_row_json(spec: str, memory) -> dict:
-    """One ``--mesh --json`` object: the policy, per-device memory and collectives."""
-    out = {k: v for k, v in dataclasses.asdict(memory).items() if k != "collectives"}
-    return {"policy": spec, **out, "collectives": memory.collectives.to_json()}
-
-
 def fit_policies(config: MemoryConfig) -> tuple[list[str], bool]:
     """The policies ``--fit`` searches, and whether ``auto``'s plans join them (``auto`` among them)."""
     auto = [s for s in config.policy if registry.parse_spec(s)[0] == "auto"]
@@ -655,12 +375,7 @@ def run_fit(config: MemoryConfig) -> int:
     seq_len = config.resolved_seq_len
     mesh = None
     if config.mesh is not None:
-        from jremat.train import sharding
-
-        try:
-            mesh = sharding.mesh_from_flag(config.mesh)
-        except ValueError as err:
-            raise UsageError(f"--mesh: {err}") from None
+        mesh = memory_mesh.mesh_of(config)
         print(
             f"fit search on --mesh {config.mesh}: --memory-budget is per device, peaks are per device "
             "(one device's share of the SPMD program), batches per data-parallel shard",
@@ -693,6 +408,43 @@ def run_fit(config: MemoryConfig) -> int:
     return 0
 
 
+def report_mesh(config: MemoryConfig) -> int:
+    """``--mesh``: the per-device table (or JSON) of every policy, with ``--live`` its live peaks and with
+    ``--timeline`` its timelines (text and PNG), all per device; returns the exit code.
+
+    Raises:
+      UsageError: as :func:`train.memory_mesh.run_mesh`, or a timeline file that cannot be written.
+    """
+    rows = memory_mesh.run_mesh(config)
+    if config.live:
+        peaks, note = memory_live.live_peaks(config)
+        for row, peak in zip(rows, peaks):
+            row.live_peak_bytes = peak
+        if note:
+            print(note, file=sys.stderr)
+    if config.json:
+        print(json.dumps([memory_mesh.mesh_row_json(row) for row in rows], indent=2))
+    else:
+        print(memory_mesh.format_mesh_table(rows))
+        if config.timeline:
+            print(memory_mesh.format_mesh_timelines(rows))
+    if config.timeline:
+        write_timeline(config, rows, scope=f", per device on mesh {config.mesh}")
+    return 0
+
+
+def write_timeline(config: MemoryConfig, rows: Sequence, scope: str = "") -> None:
+    """Draw the timelines of ``rows`` to ``--timeline`` (``scope`` ends the figure's title).
+
+    Raises:
+      UsageError: if the file cannot be written.
+    """
+    try:
+        timeline_plot.write_timeline_png(rows, config.timeline, scope=scope)
+    except OSError as err:
+        raise UsageError(f"cannot write --timeline {config.timeline!r}: {err}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (2 on bad input, with a one-line error on stderr; 130/143
     when interrupted by SIGINT/SIGTERM, at once: nothing is written before the report is complete)."""
@@ -704,31 +456,16 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         config = parse_config(argv)
         if config.live_child:
-            spec = config.policy[0]
-            cfg, _ = config_for_spec(
-                config.model_config(spec),
-                spec,
-                config.batch_size,
-                config.resolved_seq_len,
-                config.memory_budget,
-                whole_step=config.remat_head_chunks is None,
-            )
-            live = live_step_memory(cfg, config.batch_size, config.resolved_seq_len)
-            print(json.dumps({"live_peak_bytes": live.peak_bytes_in_use if live.available else None}))
+            print(json.dumps({"live_peak_bytes": memory_live.measure_here(config)}))
             return 0
         if config.fit:
             return run_fit(config)
         if config.mesh is not None:
-            mesh_rows = run_mesh(config)
-            if config.json:
-                print(json.dumps([mesh_row_json(spec, m) for spec, m in mesh_rows], indent=2))
-            else:
-                print(format_mesh_table(mesh_rows))
-            return 0
+            return report_mesh(config)
         rows, base = run(config)
         live_note = None
         if config.live:
-            rows, live_note = add_live_peaks(config, rows)
+            rows, live_note = memory_live.add_live_peaks(config, rows)
             base = next((r for r in rows if (r.policy, r.head_chunks) == (base.policy, base.head_chunks)), base)
         if live_note:
             print(live_note, file=sys.stderr)
@@ -744,10 +481,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if config.timeline:
             if not config.json:
                 print(timeline_plot.format_timelines(rows))
-            try:
-                timeline_plot.write_timeline_png(rows, config.timeline)
-            except OSError as err:
-                raise UsageError(f"cannot write --timeline {config.timeline!r}: {err}") from None
+            write_timeline(config, rows)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,35 +1,70 @@
-"""The flags every CLI that builds the model shares: attention and the number of learned positions.
+"""The model flags the CLIs share, declared once: two frozen dataclasses that a CLI's config inherits.
 
-Each config dataclass declares them with the factories below (one field each) and turns them into
-:class:`~jremat.models.ModelConfig` overrides with :func:`model_overrides`, so ``train.ptb`` and
-``train.memory`` read ``--attention``, ``--attention-block-size`` and ``--max-seq-len`` the same
-way. ``train.bench`` takes ``--attention`` and ``--attention-block-size`` from here too (and
-:func:`check_backend`); it has no ``--max-seq-len``: each bench model keeps its own positions.
+:class:`AttentionFlags` (``--attention``, ``--attention-block-size``) is in every CLI that builds
+the model (``train.ptb``, ``train.memory``, ``train.bench``); :class:`ModelFlags` adds the flags of
+the one preset model that ``train.ptb`` and ``train.memory`` build (``--preset``, ``--seq-len``,
+``--max-seq-len``, ``--dtype``, ``--dropout``, ``--granularity``, ``--unrolled``,
+``--remat-head-chunks``). A config inherits the group, so its fields become flags through the one
+mechanism of :mod:`train.cli` (inherited fields come first). ``train.bench`` has no
+``--max-seq-len`` or ``--preset``: each bench model keeps its own. :func:`model_overrides` turns
+the attention flags and ``--max-seq-len`` into :class:`~jremat.models.ModelConfig` overrides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+import jremat
 from jremat.models import PRESETS, ModelConfig
-from jremat.models.config import ATTENTIONS, check_attention_backend
+from jremat.models.config import ATTENTIONS, DTYPES, check_attention_backend
 from jremat.train.cli import UsageError, option, require, require_choice, require_int
 
 
-def attention_option() -> Any:
-    """The ``--attention`` field."""
-    return option("explicit", "how attention is computed (docs/attention.md)", choices=ATTENTIONS)
+@dataclasses.dataclass(frozen=True)
+class AttentionFlags:
+    """``--attention`` and ``--attention-block-size``: how the model computes attention."""
+
+    attention: str = option("explicit", "how attention is computed (docs/attention.md)", choices=ATTENTIONS)
+    attention_block_size: int = option(
+        128, "query and key block length of --attention blockwise and of the forward kernel of pallas"
+    )
 
 
-def attention_block_size_option() -> Any:
-    """The ``--attention-block-size`` field."""
-    return option(128, "query and key block length of --attention blockwise and of the forward kernel of pallas")
+@dataclasses.dataclass(frozen=True)
+class ModelFlags(AttentionFlags):
+    """The flags of the preset model that ``train.ptb`` and ``train.memory`` build.
 
+    Fields left ``None`` take the preset's value (``--seq-len``: its positions; ``--remat-head-chunks``:
+    :func:`jremat.models.config.whole_step_head_chunks`).
+    """
 
-def max_seq_len_option() -> Any:
-    """The ``--max-seq-len`` field."""
-    return option(None, "learned positions (default: the preset's); --seq-len may go up to it")
+    preset: str = option("small", "model preset", choices=tuple(PRESETS))
+    seq_len: int | None = option(None, "tokens per sequence; <= the model's positions, --max-seq-len (default: equal)")
+    max_seq_len: int | None = option(None, "learned positions (default: the preset's); --seq-len may go up to it")
+    dtype: str | None = option(None, "compute dtype; parameters stay float32 (default: the preset's)", choices=DTYPES)
+    dropout: float | None = option(None, "attention and residual dropout rate (default: the preset's)")
+    granularity: str | None = option(None, "where remat applies (default: the preset's)", choices=jremat.GRANULARITIES)
+    unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
+    remat_head_chunks: int | None = option(
+        None,
+        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
+        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
+    )
+
+    def check_model_flags(self) -> None:
+        """Check the values of these flags that need no policy (the sequence against the positions:
+        :func:`check`).
+
+        Raises:
+          UsageError: the first bad value.
+        """
+        if self.dtype is not None:
+            require_choice("dtype", self.dtype, DTYPES)
+        require(self.dropout is None or 0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.granularity is not None:
+            require_choice("granularity", self.granularity, jremat.GRANULARITIES)
 
 
 def positions(config) -> int:

@@ -30,16 +30,12 @@ if __name__ == "__main__":  # the CLI: Ctrl-C, SIGTERM and argument mistakes are
     exit_on_argument_error(TrainConfig, "train.ptb")
 
 import dataclasses
-import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jremat
 from jremat import parse_budget, registry
@@ -51,16 +47,18 @@ from jremat.train import distributed as distributed_lib
 from jremat.train import fit as fit_lib
 from jremat.train import sharding as sharding_lib
 from jremat.train import step as step_lib
-from jremat.train.checkpoint import (
-    CheckpointError,
-    Checkpoints,
-    CorruptCheckpoint,
-    model_shape,
-    pack_state,
-    unpack_state,
-)
 from jremat.train.config import AUTO_BATCH, TrainConfig, resume_differences
 from jremat.train.metrics import MetricsFile
+from jremat.train.ptb_loop import PreparedRun, RunResult, finish_run, signal_name, train_loop
+from jremat.train.state_files import (
+    StateFiles,
+    StateFilesError,
+    jsonable,
+    no_state_error,
+    pack_state,
+    resume_from_newest_good,
+    unpack_state,
+)
 from jremat.train.usage import EXIT_USAGE, UsageError, program_name
 
 EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
@@ -71,32 +69,6 @@ COMPILE_BARRIER_TIMEOUT_S = 3600
 
 class NonFiniteLoss(RuntimeError):
     """The training loss became NaN or infinite."""
-
-
-@dataclasses.dataclass
-class RunResult:
-    """What a finished (or stopped) run produced.
-
-    Attributes:
-      status: ``"done"``, ``"interrupted"`` or ``"nonfinite"``.
-      steps_done: optimizer steps completed (including those before a resume).
-      losses: per-step training losses of the steps run in this process, by step number.
-      valid_ppl / test_ppl: final perplexities (``None`` if not reached).
-      valid_history: ``(step, valid perplexity)`` of the periodic evaluations.
-      mean_step_time_s: mean wall time per optimizer step in this process (compile excluded).
-      tokens_per_s: training tokens per second over those steps.
-      message: a one-paragraph description of how the run ended.
-    """
-
-    status: str
-    steps_done: int
-    losses: dict[int, float]
-    valid_ppl: float | None = None
-    test_ppl: float | None = None
-    valid_history: list = dataclasses.field(default_factory=list)
-    mean_step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    message: str = ""
 
 
 # ----------------------------------------------------------------------------- command line
@@ -157,12 +129,14 @@ def plan_auto_policy(cfg: TrainConfig, model_cfg):
     return planned, plan.table()
 
 
-def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool):
+def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool, mesh=None):
     """``--batch-size auto``: the fit search's winner (:mod:`train.fit`) under ``--memory-budget``.
 
     With ``--policy auto`` the search covers :data:`train.fit.FIT_POLICIES` and the budget
     planner's plans; with another policy, only the batch is chosen. Each policy gets the CLI's
-    default head chunks (:func:`models.config.whole_step_head_chunks`).
+    default head chunks (:func:`models.config.whole_step_head_chunks`). On a ``mesh`` the search
+    compiles the sharded train step: the budget is per device, every peak is one device's, the
+    batch is searched per data-parallel shard and the run trains with that batch times the shards.
 
     Returns:
       ``(cfg with the chosen batch, the winner's model config, the search's table)``.
@@ -183,7 +157,7 @@ def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool):
 
     auto = registry.parse_spec(base.remat_policy)[0] == "auto"
     optimizer = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, 1, cfg.clip, cfg.weight_decay, 1)
-    builder = fit_lib.GPTStepBuilder(model_config, cfg.seq_len, optimizer)
+    builder = fit_lib.GPTStepBuilder(model_config, cfg.seq_len, optimizer, mesh=mesh)
     try:
         (result,) = fit_lib.search(
             builder,
@@ -195,10 +169,16 @@ def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool):
     except jremat.FitError as err:
         raise UsageError(f"--batch-size auto: {err}") from None
     winner = result.winner.probe
+    batch_size = winner.batch_size * builder.data_shards
     table = fit_lib.format_result(result, builder)
     table += f"\nfit: training with {builder.describe(*winner.key)} at batch {winner.batch_size}"
+    if mesh is not None:
+        table += (
+            f" per data-parallel shard, global batch {batch_size} on --mesh {cfg.mesh}; peak "
+            f"{jremat.format_bytes(winner.peak_bytes)} per device within --memory-budget {cfg.memory_budget} per device"
+        )
     # The budget is spent: under another policy than auto it would now be refused as a stray flag.
-    chosen = cfg.replace(batch_size=winner.batch_size, memory_budget=cfg.memory_budget if auto else None)
+    chosen = cfg.replace(batch_size=batch_size, memory_budget=cfg.memory_budget if auto else None)
     return chosen, builder.config(*winner.key), table
 
 
@@ -223,46 +203,7 @@ def format_config(
     return "\n".join(lines)
 
 
-def summary_table(cfg: TrainConfig, model_cfg, result: RunResult) -> str:
-    """The final summary table."""
-
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
-    last = result.losses[max(result.losses)] if result.losses else None
-    rows = [
-        ("preset", cfg.preset),
-        ("policy", model_cfg.remat_policy),
-        ("granularity", cfg.granularity),
-        ("steps", str(result.steps_done)),
-        ("final train loss", fmt(last, ".4f")),
-        ("valid perplexity", fmt(result.valid_ppl, ".2f")),
-        ("test perplexity", fmt(result.test_ppl, ".2f")),
-        ("mean step time (s)", fmt(result.mean_step_time_s, ".4f")),
-        ("tokens/s", fmt(result.tokens_per_s, ",.0f")),
-    ]
-    width = max(len(k) for k, _ in rows)
-    rule = "-" * (width + 3 + max(len(v) for _, v in rows))
-    return "\n".join(["summary", rule, *(f"{k:<{width}} | {v}" for k, v in rows), rule])
-
-
 # ----------------------------------------------------------------------------- training
-
-
-def evaluate(
-    eval_step: Callable, params, batches: data_lib.Batches, max_batches: int = 0, put: Callable = lambda a: a
-) -> float:
-    """Mean cross-entropy over the split's batches (the first ``max_batches`` if > 0); ``put`` places each array."""
-    n = len(batches) if max_batches == 0 else min(max_batches, len(batches))
-    total = 0.0
-    for i in range(n):
-        x, y = batches[i]
-        total += float(eval_step(params, put(x), put(y)))
-    return total / n
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
 
 
 _STEP_CACHE: dict = {}
@@ -286,57 +227,6 @@ def compiled_steps(
         eval_c = step_lib.make_eval_step(graphdef).lower(params, tokens, tokens).compile()
         _STEP_CACHE[key] = (train_c, eval_c)
     return _STEP_CACHE[key]
-
-
-def resume_from_newest_good(
-    ckpts: Checkpoints,
-    template: dict,
-    check: Callable[[dict], list[str]],
-    log,
-    move: bool,
-    agree: Callable[[int], None] = lambda step: None,
-):
-    """``(step, meta, state)`` of the newest checkpoint that reads back and that ``check(meta)`` accepts.
-
-    ``check`` raises to refuse a checkpoint (another model or data: the search stops) and
-    returns notes, logged for the checkpoint resumed from. A damaged checkpoint
-    (:class:`CorruptCheckpoint`) is reported and the next older one tried. Once an older one has
-    restored and ``agree(step)`` has accepted its step (every process of a run found the same),
-    the damaged ones are moved aside when ``move`` (process 0). If none restores, nothing is moved.
-
-    Raises:
-      CheckpointError: no checkpoint, none intact, a checkpoint that cannot be read (permissions),
-        ``check``'s refusal, or ``agree``'s.
-    """
-    damaged = []
-    for step in ckpts.all_steps():
-        try:
-            meta = ckpts.read_meta(step)
-            notes = check(meta)
-            state = ckpts.restore_state(step, template)
-        except CorruptCheckpoint as err:
-            damaged.append((step, err))
-            log(f"warning: checkpoint step {step} in {ckpts.path} is damaged ({err}); trying the one before")
-            continue
-        agree(step)
-        for bad_step, _ in damaged:
-            if move:
-                log(f"warning: moved the damaged checkpoint step {bad_step} to {ckpts.quarantine(bad_step)}")
-        for note in notes:
-            log(note)
-        return step, meta, state
-    if not damaged:
-        raise no_checkpoint_error(ckpts.path)
-    listed = "; ".join(f"step {step}: {err}" for step, err in damaged)
-    raise CheckpointError(
-        f"--resume: no intact checkpoint in {str(ckpts.path)!r} ({listed}); nothing was moved; start a fresh run "
-        "in another --ckpt-dir"
-    )
-
-
-def no_checkpoint_error(path) -> CheckpointError:
-    """The error of ``--resume`` on a directory without checkpoints."""
-    return CheckpointError(f"--resume: no checkpoint found in {str(path)!r}; run without --resume to start fresh")
 
 
 def train(
@@ -368,38 +258,55 @@ def train(
     model_cfg = cfg.model_config(PRESETS[cfg.preset].vocab_size)
     if cfg.mesh is None:  # a mesh may shard the parameters
         model_flags.check_training_state_fits(model_cfg)
-    ckpts = Checkpoints(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
+    state_files = StateFiles(cfg.ckpt_dir, keep=cfg.keep_checkpoints, lock=primary) if cfg.ckpt_dir else None
     try:
-        return _train(cfg, ckpts, signals, primary, log if primary else (lambda _line: None), progress and primary)
+        return _train(
+            cfg, state_files, signals, primary, log if primary else (lambda _line: None), progress and primary
+        )
     finally:
-        if ckpts:
-            ckpts.close()
+        if state_files:
+            state_files.close()
 
 
-def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool) -> RunResult:
-    from tqdm import tqdm
+def _train(cfg: TrainConfig, state_files, signals, primary: bool, log, progress: bool) -> RunResult:
+    run = prepare_run(cfg, state_files, signals, primary, log, progress)
+    result = train_loop(run, state_files, signals, primary, progress)
+    return finish_run(run, result, signals, state_files, log) if result.status == "done" else result
 
+
+def prepare_run(cfg: TrainConfig, state_files, signals, primary: bool, log, progress: bool) -> PreparedRun:
+    """Everything before the first step: the state directory's checks, the data, the batch and policy
+    (``--batch-size auto``, ``--policy auto``), the mesh, the training state (fresh or resumed), the
+    configuration and memory report printed, the compiled steps.
+
+    Raises:
+      UsageError: bad input (data, state directory, resume target, metrics file, mesh, a policy
+        that does not fit the model).
+    """
     signals.startup_note = "nothing was trained, nothing to save"
-    if ckpts and ckpts.lock is not None and ckpts.lock.taken_over:
-        log(f"note: took over the lock of a run that ended without releasing it ({ckpts.lock.taken_over})")
-    latest = ckpts.latest_step() if ckpts else None
+    if state_files and state_files.lock is not None and state_files.lock.taken_over:
+        log(f"note: took over the lock of a run that ended without releasing it ({state_files.lock.taken_over})")
+    latest = state_files.latest_step() if state_files else None
     if cfg.resume and latest is None:
-        raise no_checkpoint_error(ckpts.path)
-    if ckpts and not cfg.resume and latest is not None:
-        raise CheckpointError(
-            f"--ckpt-dir {str(ckpts.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
+        raise no_state_error(state_files.path)
+    if state_files and not cfg.resume and latest is not None:
+        raise StateFilesError(
+            f"--ckpt-dir {str(state_files.path)!r} already holds checkpoints (latest step {latest}) of an earlier "
             "run; pass --resume to continue it or choose another --ckpt-dir"
         )
 
     data_dir, source = data_lib.locate(cfg.data_dir, progress=progress)
     log(f"reading the corpus in {data_dir}...")
     corpus = data_lib.load_corpus(data_dir)
+    try:
+        mesh = sharding_lib.mesh_from_flag(cfg.mesh)
+    except ValueError as err:
+        raise UsageError(f"--mesh: {err}") from None
     if cfg.batch_size == AUTO_BATCH:
-        cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress)
+        cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress, mesh)
     else:
         model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
     try:
-        mesh = sharding_lib.mesh_from_flag(cfg.mesh)
         rows = None if mesh is None else sharding_lib.process_batch_rows(mesh, cfg.batch_size)  # this process's rows
     except ValueError as err:
         raise UsageError(f"--mesh: {err}") from None
@@ -423,54 +330,15 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
 
     start_step = 0
     if cfg.resume:
-
-        def check(meta):
-            refused, notes = resume_differences(meta, cfg, _jsonable(dataclasses.asdict(model_cfg)), corpus.vocab_md5())
-            if refused:
-                raise CheckpointError(
-                    f"cannot resume from {str(ckpts.path)!r} (step {meta.get('step')}): the checkpoint is of another "
-                    f"model or data ({'; '.join(refused)}); resume with the flags and --data-dir of the original run, "
-                    "or start a fresh run in another --ckpt-dir"
-                )
-            return notes
-
-        template = pack_state(params, opt_state, base_key)
-
-        def agree(step):  # each process reads the directory itself
-            if not distributed_lib.same_on_every_process(step):
-                raise CheckpointError(
-                    f"--resume: this process's newest intact checkpoint in {str(ckpts.path)!r} is step {step}, but "
-                    "other processes found another; every process must see the same --ckpt-dir (a shared file system)"
-                )
-
-        latest, meta, tree = resume_from_newest_good(ckpts, template, check, log, move=primary, agree=agree)
-        params, opt_state, base_key = unpack_state(tree, params, opt_state)
-        start_step = int(meta["step"])
-        if start_step >= total_steps:
-            raise UsageError(
-                f"--resume: the checkpoint in {str(ckpts.path)!r} is at step {start_step}, which --steps "
-                f"{total_steps} already reaches; nothing is left to train: pass a larger --steps (or --epochs)"
-            )
-        signals.startup_note = f"the checkpoint of step {start_step} is unchanged"
-        if int(meta["data_position"]) != start_step * cfg.accum:
-            log(
-                f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
-                f"micro-batch {start_step * cfg.accum}"
-            )
-        log(f"resumed from {ckpts.path} at step {start_step}")
+        start_step, params, opt_state, base_key = resume(
+            cfg, model_cfg, corpus, state_files, (params, opt_state, base_key), total_steps, signals, primary, log
+        )
 
     metrics = (
         MetricsFile(cfg.metrics_file, resume_step=start_step if cfg.resume else None, log=log)
         if cfg.metrics_file and primary
         else None
     )
-
-    def save(step):
-        ckpts.save(
-            step,
-            pack_state(params, opt_state, base_key),
-            checkpoint_meta(cfg, model_cfg, corpus, step, per_epoch, total_steps),
-        )
 
     log(format_config(cfg, model_cfg, corpus, source, total_steps, per_epoch))
     if plan_table:
@@ -491,131 +359,56 @@ def _train(cfg: TrainConfig, ckpts, signals, primary: bool, log, progress: bool)
         raise UsageError(f"--policy {model_cfg.remat_policy!r} does not fit this model: {err}") from None
     log(f"compiled train and eval steps in {time.perf_counter() - t_compile:.1f} s")
     distributed_lib.wait_for_all_processes("jremat-train-compiled", COMPILE_BARRIER_TIMEOUT_S)
-
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.accum
-    result = RunResult(status="done", steps_done=start_step, losses={})
-    step_times = []
-    last_saved = start_step if cfg.resume else None
-    bar = tqdm(
-        total=total_steps,
-        initial=start_step,
-        desc="train",
-        unit="step",
-        disable=not progress,
-        dynamic_ncols=True,
-        mininterval=0.5,
-        file=sys.stderr,
-    )
-    step = start_step
-    try:
-        with signals.deferred():
-            while step < total_steps:
-                t0 = time.perf_counter()
-                micro_losses = []
-                for micro in range(cfg.accum):
-                    x, y = train_batches[(step * cfg.accum + micro) % per_epoch]
-                    key = step_lib.dropout_key(base_key, step, micro)
-                    params, opt_state, loss = train_step(params, opt_state, put(x), put(y), key)
-                    micro_losses.append(loss)
-                loss = float(np.mean([float(v) for v in micro_losses]))
-                step_time_s = time.perf_counter() - t0
-                if not math.isfinite(loss):
-                    kept = ckpts.latest_step() if ckpts else None
-                    where = (
-                        f"the last good checkpoint is step {kept} in {ckpts.path}"
-                        if kept is not None
-                        else ("no checkpoint was saved" + ("" if ckpts else " (no --ckpt-dir)"))
-                    )
-                    result.status = "nonfinite"
-                    result.message = (
-                        f"training loss became {loss} at step {step + 1}; stopped without saving this step; {where}. "
-                        "Try a lower --lr, a smaller --clip, longer --warmup or --dtype float32"
-                    )
-                    return result
-                step += 1
-                step_times.append(step_time_s)
-                result.losses[step] = loss
-                result.steps_done = step
-                row = dict(
-                    step=step,
-                    loss=loss,
-                    perplexity=_perplexity(loss),
-                    lr=opt_cfg.learning_rate(step - 1),
-                    step_time_s=step_time_s,
-                    tokens_per_s=tokens_per_step / step_time_s,
-                )
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-                    valid_loss = evaluate(eval_step, params, valid_batches, cfg.eval_batches, put)
-                    row.update(valid_loss=valid_loss, valid_ppl=_perplexity(valid_loss))
-                    result.valid_history.append((step, row["valid_ppl"]))
-                    if primary:
-                        bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")
-                if metrics:
-                    metrics.write(row)
-                bar.set_postfix(
-                    loss=f"{loss:.3f}",
-                    ppl=f"{row['perplexity']:.1f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}",
-                    step_s=f"{step_time_s:.3f}",
-                    refresh=False,
-                )
-                bar.update(1)
-                if ckpts and cfg.ckpt_every and step % cfg.ckpt_every == 0:
-                    save(step)
-                    last_saved = step
-                if distributed_lib.agree_any(signals.requested):  # every process stops after the same step
-                    if ckpts and last_saved != step:
-                        save(step)
-                        last_saved = step
-                    result.status = "interrupted"
-                    result.message = f"interrupted ({signal_name(signals)}) after step {step}; " + (
-                        f"checkpoint saved in {ckpts.path}; continue with the same flags plus --resume"
-                        if ckpts
-                        else "no --ckpt-dir, so nothing was saved"
-                    )
-                    return result
-            if ckpts and last_saved != step:
-                save(step)
-            if signals.requested:  # during the last step or its save: saved, but the user asked to stop
-                result.status = "interrupted"
-                result.message = f"interrupted ({signal_name(signals)}) after the last step, {step}; " + (
-                    f"checkpoint saved in {ckpts.path}; nothing left to train" if ckpts else "nothing was saved"
-                )
-                return result
-    finally:
-        bar.close()
-        if metrics:
-            metrics.close()
-        if step_times:
-            result.mean_step_time_s = float(np.mean(step_times))
-            result.tokens_per_s = tokens_per_step * len(step_times) / float(np.sum(step_times))
-
-    signals.startup_note = f"finished {step} steps" + (f"; the checkpoint of step {step} is saved" if ckpts else "")
-    result.valid_ppl = _perplexity(evaluate(eval_step, params, valid_batches, cfg.eval_batches, put))
-    result.test_ppl = _perplexity(evaluate(eval_step, params, test_batches, cfg.eval_batches, put))
-    result.message = f"finished {step} steps"
-    log(summary_table(cfg, model_cfg, result))
-    return result
+    return PreparedRun(
+        cfg, model_cfg, corpus, train_batches, valid_batches, test_batches, total_steps, opt_cfg, put,
+        params, opt_state, base_key, start_step, metrics, train_step, eval_step,
+    )  # fmt: skip
 
 
-def checkpoint_meta(
-    cfg: TrainConfig, model_cfg, corpus: data_lib.Corpus, step: int, batches_per_epoch: int, total_steps: int
-) -> dict[str, Any]:
-    """The JSON metadata stored with the checkpoint of ``step`` (what ``--resume`` checks)."""
-    return {
-        "step": step,
-        "data_position": step * cfg.accum,
-        "epoch": step * cfg.accum / batches_per_epoch,
-        "model_shape": model_shape(model_cfg),
-        "model": _jsonable(dataclasses.asdict(model_cfg)),
-        "train": _jsonable(dataclasses.asdict(cfg)),
-        "vocab_md5": corpus.vocab_md5(),
-        "total_steps": total_steps,
-    }
+def resume(cfg: TrainConfig, model_cfg, corpus, state_files, state, total_steps: int, signals, primary: bool, log):
+    """``--resume``: ``(step, params, opt_state, base_key)`` from the newest intact training state that
+    fits this run (``state``: the freshly made ``(params, opt_state, base_key)``, its template).
 
+    Raises:
+      StateFilesError: none intact, another model or data, or processes that disagree.
+      UsageError: the saved state is already at ``total_steps``.
+    """
 
-def _jsonable(value):
-    return json.loads(json.dumps(value, default=list))
+    def check(meta):
+        refused, notes = resume_differences(meta, cfg, jsonable(dataclasses.asdict(model_cfg)), corpus.vocab_md5())
+        if refused:
+            raise StateFilesError(
+                f"cannot resume from {str(state_files.path)!r} (step {meta.get('step')}): the checkpoint is of another "
+                f"model or data ({'; '.join(refused)}); resume with the flags and --data-dir of the original run, "
+                "or start a fresh run in another --ckpt-dir"
+            )
+        return notes
+
+    def agree(step):  # each process reads the directory itself
+        if not distributed_lib.same_on_every_process(step):
+            raise StateFilesError(
+                f"--resume: this process's newest intact checkpoint in {str(state_files.path)!r} is step {step}, but "
+                "other processes found another; every process must see the same --ckpt-dir (a shared file system)"
+            )
+
+    params, opt_state, base_key = state
+    template = pack_state(params, opt_state, base_key)
+    _, meta, tree = resume_from_newest_good(state_files, template, check, log, move=primary, agree=agree)
+    params, opt_state, base_key = unpack_state(tree, params, opt_state)
+    start_step = int(meta["step"])
+    if start_step >= total_steps:
+        raise UsageError(
+            f"--resume: the checkpoint in {str(state_files.path)!r} is at step {start_step}, which --steps "
+            f"{total_steps} already reaches; nothing is left to train: pass a larger --steps (or --epochs)"
+        )
+    signals.startup_note = f"the checkpoint of step {start_step} is unchanged"
+    if int(meta["data_position"]) != start_step * cfg.accum:
+        log(
+            f"warning: checkpoint data position {meta['data_position']} != step x accum; continuing at "
+            f"micro-batch {start_step * cfg.accum}"
+        )
+    log(f"resumed from {state_files.path} at step {start_step}")
+    return start_step, params, opt_state, base_key
 
 
 def start_distributed(cfg: TrainConfig) -> bool:
@@ -648,11 +441,6 @@ def start_distributed(cfg: TrainConfig) -> bool:
         if isinstance(err, UsageError):
             raise
         raise UsageError(f"multi-host environment: {err}") from None
-
-
-def signal_name(signals: interrupts.Interrupts) -> str:
-    """``SIGINT`` or ``SIGTERM``: the signal that stopped the run."""
-    return "SIGTERM" if signals.exit_code == EXIT_TERMINATED else "SIGINT"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -172,6 +172,50 @@ def abstract_train_step(
     return step, (params, opt_state, tokens, tokens, key)
 
 
+def abstract_grad_step(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int) -> tuple[Callable, tuple]:
+    """The sharded gradient step (:func:`make_grad_fn`) and its arguments as shapes with shardings
+    (nothing allocated): ``(grad_fn, (params, tokens, targets, key))``.
+
+    Raises:
+      ValueError: if the batch does not split over the mesh (see :func:`check_batch`).
+    """
+    check_batch(mesh, batch_size, seq_len)
+    graphdef, params = abstract_params(model_cfg, mesh)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return make_grad_fn(graphdef, mesh, params), (params, tokens, tokens, key)
+
+
+def grad_step_timeline(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int) -> jremat.MemoryTimeline:
+    """The memory timeline (:func:`jremat.memory_timeline`) of the sharded gradient step: one device's
+    share of the SPMD program, all-gathered weights as their own kind (compiled only, nothing runs).
+
+    Raises:
+      ValueError: if the batch does not split over the mesh.
+    """
+    grad_fn, args = abstract_grad_step(model_cfg, mesh, batch_size, seq_len)
+    return jremat.memory_timeline(grad_fn, *args)
+
+
+def live_grad_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, seq_len: int) -> jremat.LiveMemory:
+    """Run the sharded gradient step once on real arrays and read the allocator's peak of the mesh's
+    first device (:func:`jremat.live_memory`): per device. Nothing runs on a backend without
+    allocator statistics (XLA:CPU); the result then says why.
+
+    Raises:
+      ValueError: if the batch does not split over the mesh.
+    """
+    device = mesh.devices.flat[0]
+    missing = jremat.allocator_stats_missing(device)
+    if missing is not None:
+        return jremat.LiveMemory(False, str(device), None, None, missing)
+    check_batch(mesh, batch_size, seq_len)
+    graphdef, params = init_params(model_cfg, 0, mesh)
+    tokens = jax.device_put(jnp.zeros((batch_size, seq_len), jnp.int32), batch_sharding(mesh))
+    key = jax.device_put(jax.random.key(0), replicated(mesh))
+    return jremat.live_memory(make_grad_fn(graphdef, mesh, params), params, tokens, tokens, key, device=device)
+
+
 def regather_price(model_cfg: ModelConfig, mesh: Mesh) -> tuple[int, float]:
     """``(bytes, FLOP-equivalents)`` of gathering one layer's weights again in the backward pass, per
     device, under ``fsdp`` (:func:`train.sharding.gathered_layer_bytes` times the all-gather's price
@@ -242,11 +286,8 @@ def sharded_step_memory(
         figures (the message gives its reason).
     """
     if tx is None:
-        check_batch(mesh, batch_size, seq_len)
-        graphdef, params = abstract_params(model_cfg, mesh)
-        tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        lowered = make_grad_fn(graphdef, mesh, params).lower(params, tokens, tokens, key)
+        grad_fn, args = abstract_grad_step(model_cfg, mesh, batch_size, seq_len)
+        lowered = grad_fn.lower(*args)
     else:
         step, args = abstract_train_step(model_cfg, mesh, batch_size, seq_len, tx)
         lowered = step.lower(*args)

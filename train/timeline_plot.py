@@ -102,8 +102,9 @@ def _table_lines(timeline: MemoryTimeline, top: int) -> list[str]:
     return lines
 
 
-def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS) -> None:
-    """Draw the timelines of ``rows`` (rows of ``train.memory`` with a timeline) to ``path`` (PNG).
+def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS, scope: str = "") -> None:
+    """Draw the timelines of ``rows`` (rows of ``train.memory`` with a timeline) to ``path`` (PNG);
+    ``scope`` ends the title (``", per device on mesh fsdp=8"``).
 
     Raises:
       ValueError: if no row has a timeline.
@@ -146,7 +147,7 @@ def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS) -> Non
     first = rows[0]
     ax.set_title(
         f"memory timeline of the gradient step, {first.n_layers} layers, batch {first.batch_size} x "
-        f"{first.seq_len} (dashed: compiled peak)"
+        f"{first.seq_len}{scope} (dashed: compiled peak)"
     )
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)

@@ -43,7 +43,7 @@ def exit_without_train_extra(module: str) -> None:
     Args:
       module: the CLI, as :func:`program_name` takes it (e.g. ``"train.ptb"``).
     """
-    from jremat._extras import missing_modules, train_extra_message
+    from jremat.internal import missing_modules, train_extra_message
 
     if missing := missing_modules():
         print(f"error: {train_extra_message(program_name(module), missing)}", file=sys.stderr)

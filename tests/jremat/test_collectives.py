@@ -97,10 +97,11 @@ def test_one_device_has_no_collectives():
     assert report.collectives == () and report.text() == "no collectives (1 device)"
 
 
-def _mesh_checks(*names: str) -> dict:
-    """tests/jremat/mesh_checks.py's ``names`` on 8 simulated CPU devices: their JSON figures."""
+def _mesh_checks(*names: str, module: str = "tests.jremat.mesh_checks") -> dict:
+    """``module``'s checks ``names`` (tests/jremat/mesh_checks.py's by default) on 8 simulated CPU
+    devices: their JSON figures."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.jremat.mesh_checks", *names],
+        [sys.executable, "-m", module, *names],
         cwd=REPO,
         env=dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS}"),
         capture_output=True,
@@ -185,8 +186,10 @@ def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fs
     assert "re-issued collectives (full): re-issues 8 all-gathers, 32.00 KiB per step per device more than none" in full
     assert "'full:keep_gathered=true'" in full
     assert "collectives of the gradient, per device (8 devices):" in full
-    assert "on 8 devices: values and residuals are global (all devices together, unsharded)" in full
-    assert "residuals for the backward pass (global): " in full and "compiled temp of the gradient per device: " in full
+    assert "on 8 devices: residuals, compiled temp and collectives are per device" in full
+    assert (
+        "residuals for the backward pass per device: " in full and "compiled temp of the gradient per device: " in full
+    )
     kept = fsdp_checks["explain"]["full:keep_gathered=true"]
     assert "all-gather: 8 per step" in kept and "all-gathers" not in kept.split("re-issued", 1)[-1]
     assert "keeps 2 gathered weights (sharding constraint -> matmul)" in kept
@@ -250,11 +253,12 @@ def test_timeline_on_a_mesh_says_it_is_per_device(fsdp_checks):
     )
 
 
-def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_global(fsdp_checks):
+def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_per_device(fsdp_checks):
     timeline = fsdp_checks["timeline"]
     assert timeline["residuals_devices"] == 8
     assert timeline["residuals_table"].endswith(
-        "bytes are global (unsharded values, all 8 devices together), not per device"
+        "bytes are per device (each device's shard on 8 devices); global bytes are the unsharded values, all "
+        "devices together"
     )
 
 

@@ -16,7 +16,7 @@ from jremat import registry
 from tests.conftest import saved_residuals
 
 #: Names jremat._engine gives the values a callback keeps under jax_remat3 (equation index in group 1).
-CALLBACK_TAG_RE = re.compile(r"^named 'jremat_cb\d+/(\d+)'")
+CALLBACK_TAG_RE = re.compile(r"^named 'jremat\d+/(\d+)'")
 
 
 def max_abs_diff(a, b):
@@ -175,7 +175,7 @@ def test_custom_callback_policy_usable_by_name():
         w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
         decorated = jremat.policy("test_keep_dots_and_sin")(chain)
         assert max_abs_diff(jax.grad(decorated)(w, x), jax.grad(chain)(w, x)) <= 1e-6
-        # Under jax_remat3 the kept outputs are saved by name ('jremat_cb<n>/<equation>'): read
+        # Under jax_remat3 the kept outputs are saved by name ('jremat<n>/<equation>'): read
         # the equation's primitive back from the traced program, so both engines are held to the
         # same saved set.
         prog = jremat.trace_program(chain, w, x)

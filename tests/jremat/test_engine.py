@@ -42,7 +42,7 @@ def test_active_engine_follows_the_flag(remat_engine):
 
 
 def test_jit_cache_does_not_leak_between_engines():
-    step = jax.jit(jax.grad(engine.checkpoint(jnp.sin)))
+    step = jax.jit(jax.grad(engine.lower_checkpoint(jnp.sin)))
     prims = {
         name: under(name, lambda: {e.primitive.name for e in jax.make_jaxpr(step)(1.0).eqns[0].params["jaxpr"].eqns})
         for name in engine.ENGINES
@@ -69,10 +69,10 @@ def test_user_callback_decides_under_both_engines(remat_engine):
         return prim.name == "sin"
 
     w, x = jnp.eye(3) * 0.5, jnp.ones((2, 3))
-    kept = shapes_kept(lambda w: engine.checkpoint(chain, callback=keep_sin)(w, x), w)
-    nothing = shapes_kept(lambda w: engine.checkpoint(chain)(w, x), w)
+    kept = shapes_kept(lambda w: engine.lower_checkpoint(chain, callback=keep_sin)(w, x), w)
+    nothing = shapes_kept(lambda w: engine.lower_checkpoint(chain)(w, x), w)
     assert len(kept) == len(nothing) + 2  # the two sines feeding matmuls
-    grad = jax.grad(engine.checkpoint(chain, callback=keep_sin))(w, x)
+    grad = jax.grad(engine.lower_checkpoint(chain, callback=keep_sin))(w, x)
     assert float(jnp.max(jnp.abs(grad - jax.grad(chain)(w, x)))) < 1e-6
 
 
@@ -94,11 +94,13 @@ def test_jax_policies_keep_the_same_values_under_both_engines(callback):
         return chain(w, named(x @ w) * x)
 
     kept = {
-        name: under(name, lambda: shapes_kept(engine.checkpoint(fn, callback=callback), w)) for name in engine.ENGINES
+        name: under(name, lambda: shapes_kept(engine.lower_checkpoint(fn, callback=callback), w))
+        for name in engine.ENGINES
     }
     assert kept[engine.CLASSIC] == kept[engine.REMAT3]
     grads = {
-        name: under(name, lambda: jax.grad(engine.checkpoint(fn, callback=callback))(w)) for name in engine.ENGINES
+        name: under(name, lambda: jax.grad(engine.lower_checkpoint(fn, callback=callback))(w))
+        for name in engine.ENGINES
     }
     assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])
 
@@ -111,7 +113,7 @@ def test_everything_saveable_is_not_a_full_remat_under_remat3():
     callback = jax.checkpoint_policies.everything_saveable
 
     def activations(name):
-        kept = under(name, lambda: shapes_kept(lambda w: engine.checkpoint(chain, callback=callback)(w, x), w))
+        kept = under(name, lambda: shapes_kept(lambda w: engine.lower_checkpoint(chain, callback=callback)(w, x), w))
         return [k for k in kept if k == "float32[2,4]"]
 
     assert len(activations(engine.REMAT3)) == len(activations(engine.CLASSIC)) >= 3
@@ -127,7 +129,7 @@ def attention_like(x):
 
 def test_offload_goes_to_host_under_both_engines(remat_engine):
     x = jnp.linspace(0.1, 1.0, 24).reshape(4, 6)
-    fn = engine.checkpoint(named, save_names=["v"], offload_names=["q"])
+    fn = engine.lower_checkpoint(named, save_names=["v"], offload_names=["q"])
     host = [aval for aval, _ in saved_residuals(fn, x) if "host" in str(aval)]
     assert [a.shape for a in host] == [(4, 6)]
     assert jnp.array_equal(jax.grad(fn)(x), jax.grad(named)(x))
@@ -138,21 +140,21 @@ def test_offload_decision_of_a_callback_goes_to_host(remat_engine):
         return Offloadable("device", "pinned_host") if prim.name == "sin" else False
 
     x = jnp.linspace(0.1, 1.0, 6)
-    fn = engine.checkpoint(lambda x: jnp.sum(jnp.sin(jnp.sin(x))), callback=offload_sin)
+    fn = engine.lower_checkpoint(lambda x: jnp.sum(jnp.sin(jnp.sin(x))), callback=offload_sin)
     assert [a.shape for a, _ in saved_residuals(fn, x) if "host" in str(a)] == [(6,)]
 
 
 def test_offload_to_an_unknown_memory_kind_under_remat3_is_an_error():
-    fn = engine.checkpoint(named, offload_names=["q"], offload_dst="unpinned_host")
+    fn = engine.lower_checkpoint(named, offload_names=["q"], offload_dst="unpinned_host")
     with pytest.raises(ValueError, match="under jax_remat3.*'unpinned_host'.*valid: device, pinned_host"):
         under(engine.REMAT3, lambda: jax.grad(fn)(jnp.ones(3)))
 
 
 def test_checkpoint_argument_errors():
     with pytest.raises(ValueError, match="not both"):
-        engine.checkpoint(named, save_names=["q"], callback=jax.checkpoint_policies.nothing_saveable)
+        engine.lower_checkpoint(named, save_names=["q"], callback=jax.checkpoint_policies.nothing_saveable)
     with pytest.raises(ValueError, match="both to save and to offload"):
-        engine.checkpoint(named, save_names=["q"], offload_names=["q"])
+        engine.lower_checkpoint(named, save_names=["q"], offload_names=["q"])
 
 
 @pytest.mark.parametrize(

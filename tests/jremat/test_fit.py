@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import _fit
+from jremat import _fit, fit
 
 D, LAYERS, SEQ = 32, 3, 16
 MODEL = jremat.TimeModel(flops_per_s=2.0**33, bytes_per_s=2.0**33)
@@ -115,7 +115,7 @@ def test_within_noise_the_tie_rule_chooses_less_recompute_and_says_so(budget, mo
     assert result.winner.probe.policy == "none"  # fewer FLOPs per example: no recompute
     assert {k[0] for k in result.within_noise} == {"none", "full"}
     assert result.margin[1] > 1.0  # the runner-up (full) measured faster in most rounds
-    line = f"chose none batch {result.winner.probe.batch_size} x 1 by {_fit.TIE_RULE}"
+    line = f"chose none batch {result.winner.probe.batch_size} x 1 by {fit.TIE_RULE}"
     assert "within noise" in result.table() and line in result.table()
     assert result.to_json()["decision"] == result.decision and line in result.decision
     # The same times give the same digest; other times that keep the tie give it too.
@@ -221,8 +221,8 @@ def test_the_batch_search_stops_within_its_tolerance_in_few_compiles():
 
     def search_calls(budget, peak):
         calls.clear()
-        found = _fit.largest_fitting(
-            peak, budget, limit=4096, tolerance=0.03, growth=_fit.SEARCH_GROWTH, second_probe=_fit.SEARCH_GROWTH
+        found = fit.largest_fitting(
+            peak, budget, limit=4096, tolerance=0.03, growth=fit.SEARCH_GROWTH, second_probe=fit.SEARCH_GROWTH
         )
         return found, list(calls)
 
@@ -239,7 +239,7 @@ def test_the_batch_search_stops_within_its_tolerance_in_few_compiles():
     (batch, _), probed = search_calls(budget, linear)
     assert batch == 157 and len(probed) <= 4, probed  # linear: 1, 16, the line's answer, one to close
     calls.clear()
-    assert _fit.largest_fitting(peak, budget, limit=4096) == (exact, True)
+    assert fit.largest_fitting(peak, budget, limit=4096) == (exact, True)
     assert len(calls) >= 7  # the exact boundary from batch 2 in 4x steps costs more
 
 

@@ -39,8 +39,6 @@ def _scan_block(ws, x):
 
 @pytest.mark.parametrize("spec", ["dots", "names:save=hid"])
 def test_the_inner_policys_saves_inside_a_scan_are_kept(remat_engine, spec):
-    if remat_engine == "remat3" and spec == "dots":
-        pytest.skip("under remat3, dots with the key keeps the checkpoint's top-level matmuls only (docs/sharding.md)")
     ws, x = jnp.ones((4, 16, 16)) * 0.01, jnp.ones((4, 16))
 
     def residual_bytes(s):

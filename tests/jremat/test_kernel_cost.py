@@ -431,7 +431,7 @@ def test_the_budget_planner_keeps_the_kernel_its_price_makes_costliest(double_ff
 
 def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
     """fit_search's time model reads the traced step's FLOPs, the kernel's declared price included."""
-    from jremat._fit import _compile
+    from jremat._fit_probe import _compile
 
     jremat.register_kernel(double_ffi_target, flops=1e6)
     step = jax.jit(_with_ffi(double_ffi_target))

@@ -43,7 +43,7 @@ class FreshKeyOnRecompute(Policy):
 
     spec = "test_fresh_key"
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def checkpointed(*args):
             return fn(*args)
@@ -76,7 +76,7 @@ class Bf16Residuals(Policy):
 
     spec = "test_bf16_residuals"
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def checkpointed(*args):
             return fn(*args)

@@ -170,9 +170,9 @@ def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
 def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeypatch):
     """More shapes than a decorated function keeps traces for, from several threads at once:
     evictions race one another and lookups, yet every call succeeds with its own result."""
-    from jremat import _decorator
+    from jremat import _decorated_call
 
-    monkeypatch.setattr(_decorator, "_MAX_TRACES", 2)  # every new shape evicts
+    monkeypatch.setattr(_decorated_call, "_MAX_TRACES", 2)  # every new shape evicts
     # Many static values, each hashed by Python code: an eviction's lookup of its key is long
     # enough for other threads to evict in between.
     statics = tuple(range(1, 61))

@@ -121,7 +121,7 @@ def test_gradients_and_state_equal_undecorated(model, policy):
 class FreshKeyOnRecompute(jremat.Policy):
     """A deliberately broken remat: the backward pass recomputes with different dropout bits."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def call(*args):
             return fn(*args)

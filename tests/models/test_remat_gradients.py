@@ -26,7 +26,7 @@ def reference():
 class FreshKeyOnRecompute(Policy):
     """A deliberately broken remat: the backward pass recomputes with a *different* dropout key."""
 
-    def checkpoint(self, fn, *, prevent_cse=True):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
         @jax.custom_vjp
         def block(params, x, key):
             return fn(params, x, key)

@@ -52,9 +52,9 @@ def kill_while_saving(step: int) -> None:
     """SIGKILL this process while the checkpoint of ``step`` is being written (after its arrays)."""
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-    from jremat.train import checkpoint
+    from jremat.train import state_files
 
-    real_save, real_json = checkpoint.Checkpoints.save, json_checkpoint_handler.JsonCheckpointHandler._save_fn
+    real_save, real_json = state_files.StateFiles.save, json_checkpoint_handler.JsonCheckpointHandler._save_fn
     saving = [None]
 
     def save(self, at_step, state, meta):
@@ -68,7 +68,7 @@ def kill_while_saving(step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_json(self, *args, **kwargs)
 
-    checkpoint.Checkpoints.save = save
+    state_files.StateFiles.save = save
     json_checkpoint_handler.JsonCheckpointHandler._save_fn = json_save
 
 

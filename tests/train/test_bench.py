@@ -9,7 +9,7 @@ import jax
 import pytest
 from flax import nnx
 
-from jremat._fit import largest_fitting
+from jremat.fit import largest_fitting
 from jremat.models import GPT, PRESETS
 from jremat.train.bench import cli as bench
 from jremat.train.bench import (

@@ -163,6 +163,38 @@ def test_a_key_given_twice_with_an_invalid_flag_value_gets_the_keys_own_error(pa
         parse_config(["--policy", "auto:budget=1GiB", "--budget", "2GiB"])
 
 
+@_EVERY_CLI
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_keep_gathered_flag_is_the_spec_key(parse_config, policy):
+    assert parse_config(["--policy", policy, "--keep-gathered"]) == f"{policy}:keep_gathered=true"
+    assert parse_config(["--policy", f"{policy}:keep_gathered=true", "--keep-gathered"]) == (
+        f"{policy}:keep_gathered=true"
+    )
+
+
+@_EVERY_CLI
+def test_keep_gathered_flag_and_a_spec_saying_false_are_refused_naming_both(parse_config):
+    with pytest.raises(cli.UsageError) as info:
+        parse_config(["--policy", "full:keep_gathered=false", "--keep-gathered"])
+    assert str(info.value) == (
+        "--keep-gathered true conflicts with keep_gathered=false in --policy full:keep_gathered=false; give it once"
+    )
+
+
+@pytest.mark.parametrize("module", ["train.ptb", "train.memory", "train.bench"])
+def test_keep_gathered_conflict_is_found_before_imports(module):
+    argv = ["--policy", "full:keep_gathered=false", "--keep-gathered"]
+    with pytest.raises(cli.UsageError, match=r"^--keep-gathered true conflicts with keep_gathered=false"):
+        cli.check_before_imports(_CONFIGS[module], argv, prog=module)
+
+
+def test_keep_gathered_flag_leaves_the_none_baseline_and_needs_a_policy_that_takes_it():
+    config = train_memory.parse_config(["--preset", "tiny", "--policy", "none", "--policy", "full", "--keep-gathered"])
+    assert config.policy == ("none", "full:keep_gathered=true")
+    with pytest.raises(cli.UsageError, match=r"^--keep-gathered is a key of .*not of the given policies \(none\)"):
+        train_memory.parse_config(["--preset", "tiny", "--policy", "none", "--keep-gathered"])
+
+
 def test_a_conflict_names_the_renamed_key_flag():
     """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
 

@@ -13,6 +13,7 @@ import pytest
 
 import jremat
 from jremat import _fit as jremat_fit
+from jremat import _fit_probe
 from jremat.train import fit as fit_lib
 from jremat.train import memory, ptb
 from jremat.train.memory import MemoryConfig
@@ -103,14 +104,14 @@ def test_the_search_reuses_the_planners_compile_of_its_plan(monkeypatch):
     config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
     builder = fit_lib.GPTStepBuilder(config.model_config, 16, fit_lib.SEARCH_OPTIMIZER)
     compiles = []
-    real = jremat_fit._compile
-    monkeypatch.setattr(jremat_fit, "_compile", lambda fit_step: compiles.append(fit_step) or real(fit_step))
+    real = _fit_probe._compile
+    monkeypatch.setattr(_fit_probe, "_compile", lambda fit_step: compiles.append(fit_step) or real(fit_step))
     label = fit_lib.auto_label(builder.peak_bytes(builder.config("full", 4, 1), 4, 1))
     assert builder.config(label, 4, 1) is not None  # the planner compiled its candidates
     planned = len(compiles)
     fit_step = builder(label, 4, 1)
     assert builder(label, 4, 1) is fit_step and fit_step.program.startswith("config ")
-    assert jremat_fit.compile_figures(fit_step)[0] <= builder.peak_bytes(builder.config("full", 4, 1), 4, 1)
+    assert _fit_probe.compile_figures(fit_step)[0] <= builder.peak_bytes(builder.config("full", 4, 1), 4, 1)
     assert len(compiles) == planned  # no second compile of the plan
 
 

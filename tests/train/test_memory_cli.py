@@ -6,6 +6,7 @@ import pytest
 
 import jremat
 from jremat.train import memory as tm
+from jremat.train import memory_live
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16"]
 KEYS = {
@@ -141,8 +142,8 @@ def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced
         calls.append((tuple(config.model_argv()), spec))
         return {"none": 1000, "full": 600}[spec]
 
-    monkeypatch.setattr(tm, "_allocator_stats_note", lambda: None)
-    monkeypatch.setattr(tm, "_run_live_child", fake_child)
+    monkeypatch.setattr(memory_live, "_allocator_stats_note", lambda: None)
+    monkeypatch.setattr(memory_live, "_run_live_child", fake_child)
     assert tm.main(TINY + ["--policy", "none", "--policy", "full", "--live"]) == 0
     out = capsys.readouterr().out
     assert "live peak" in out.splitlines()[0]
@@ -151,6 +152,24 @@ def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced
         "--preset", "tiny", "--batch-size", "2", "--dtype", "bfloat16", "--attention", "explicit",
         "--attention-block-size", "128",
     )  # fmt: skip
+
+
+def test_live_on_a_mesh_runs_each_policy_on_the_mesh_and_reports_per_device(monkeypatch, capsys):
+    calls = []
+
+    def fake_child(config, spec):
+        calls.append((config.model_argv(), spec))
+        return {"none": 1000, "full": 600}[spec]
+
+    monkeypatch.setattr(memory_live, "_allocator_stats_note", lambda: None)
+    monkeypatch.setattr(memory_live, "_run_live_child", fake_child)
+    argv = ["--preset", "tiny", "--batch-size", "2", "--mesh", "data=1", "--policy", "none", "--policy", "full"]
+    assert tm.main([*argv, "--live", "--remat-head-chunks", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "live/device" in lines[0] and "peak/device" in lines[0]
+    assert "1000 B" in lines[2] and "600 B" in lines[3]
+    assert [spec for _, spec in calls] == ["none", "full"]
+    assert all(" ".join(child_argv).endswith("--mesh data=1") for child_argv, _ in calls)  # the child runs on the mesh
 
 
 def test_model_argv_rebuilds_the_same_model():

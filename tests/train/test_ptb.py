@@ -15,9 +15,9 @@ import pytest
 from jremat.models import preset
 from jremat.train import data as data_lib
 from jremat.train import ptb
-from jremat.train.checkpoint import LOCK_NAME, Checkpoints, pack_state
 from jremat.train.config import TrainConfig
 from jremat.train.metrics import read_rows
+from jremat.train.state_files import LOCK_NAME, StateFiles, pack_state, state_meta
 from jremat.train.step import OptimizerConfig, init_params
 from tests.conftest import REPO
 
@@ -94,7 +94,7 @@ def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, 
     signal_at_call(monkeypatch, 8)
     assert ptb.main(args) == ptb.EXIT_INTERRUPTED
     assert "interrupted (SIGINT) after step 8" in capsys.readouterr().err
-    assert Checkpoints(ckpt).latest_step() == 8
+    assert StateFiles(ckpt).latest_step() == 8
     assert sorted(losses_of(metrics)) == list(range(1, 9))
     monkeypatch.undo()
 
@@ -104,7 +104,7 @@ def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, 
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):  # same compiled program, same data and keys: bitwise equal
         assert resumed[step] == expected[step], step
-    assert Checkpoints(ckpt).latest_step() == STEPS
+    assert StateFiles(ckpt).latest_step() == STEPS
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(monkeypatch, tmp_path, base_args, capsys):
@@ -120,7 +120,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(monkeypatc
     err = capsys.readouterr().err
     assert "became nan at step 5" in err and "last good checkpoint is step 4" in err
     assert "Traceback" not in err
-    assert Checkpoints(ckpt).latest_step() == 4
+    assert StateFiles(ckpt).latest_step() == 4
 
 
 def test_every_k_and_none_give_the_same_loss_curve(tmp_path, base_args, reference_run):
@@ -188,11 +188,11 @@ def _foreign_checkpoint(directory, ptb_offline_dir, preset_name):
     _, params = init_params(model_cfg, 0)
     import jax
 
-    ckpts = Checkpoints(directory)
+    ckpts = StateFiles(directory)
     ckpts.save(
         3,
         pack_state(params, opt.init(params), jax.random.key(0)),
-        ptb.checkpoint_meta(cfg, model_cfg, corpus, 3, 100, 10),
+        state_meta(cfg, model_cfg, corpus, 3, 100, 10),
     )
     ckpts.close()
 
@@ -205,7 +205,7 @@ def test_resume_from_a_different_model_shape(tmp_path, base_args, capsys, ptb_of
     err = capsys.readouterr().err
     assert "the checkpoint is of another model or data" in err and "d_model: checkpoint 20, this run 32" in err
     # Nothing written but the (empty, released) run lock
-    assert sorted(set(os.listdir(ckpt)) - {LOCK_NAME}) == before and Checkpoints(ckpt).latest_step() == 3
+    assert sorted(set(os.listdir(ckpt)) - {LOCK_NAME}) == before and StateFiles(ckpt).latest_step() == 3
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints_or_metrics(tmp_path, base_args, capsys, ptb_offline_dir):
@@ -310,7 +310,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, base_args,
     args += ["--metrics-file", str(metrics)]
     killed = _child(mode, args)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert Checkpoints(ckpt).latest_step() == restored_at  # the half-written step 8 is not a checkpoint
+    assert StateFiles(ckpt).latest_step() == restored_at  # the half-written step 8 is not a checkpoint
     _assert_resume_matches_reference(args, metrics, reference_run, restored_at)
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [12, 16, 20]  # --keep-checkpoints 3
 
@@ -356,7 +356,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     assert "moved the damaged checkpoint step 12 to" in captured.out
     assert "resumed from" in captured.out and "at step 8" in captured.out
     assert "Traceback" not in captured.err and "Exception ignored" not in captured.err
-    assert len(os.listdir(ckpt / "corrupt")) == 1 and Checkpoints(ckpt).latest_step() == STEPS
+    assert len(os.listdir(ckpt / "corrupt")) == 1 and StateFiles(ckpt).latest_step() == STEPS
 
 
 def test_sigterm_during_training_saves_the_step_and_exits_143(monkeypatch, tmp_path, base_args, capsys):
@@ -365,7 +365,7 @@ def test_sigterm_during_training_saves_the_step_and_exits_143(monkeypatch, tmp_p
     signal_at_call(monkeypatch, 5, signal.SIGTERM)
     assert ptb.main(base_args + ["--ckpt-dir", str(ckpt)]) == ptb.EXIT_TERMINATED
     assert "interrupted (SIGTERM) after step 5; checkpoint saved" in capsys.readouterr().err
-    assert Checkpoints(ckpt).latest_step() == 5
+    assert StateFiles(ckpt).latest_step() == 5
 
 
 def _catches_sigterm(pid: int) -> bool:
@@ -412,13 +412,13 @@ def test_a_signal_before_training_ends_the_run_at_once(tmp_path, base_args, sign
     assert returncode == code, err[-2000:]
     assert f"interrupted ({signal.Signals(signum).name})" in err
     assert "Traceback" not in err and "Segmentation" not in err
-    assert not (tmp_path / "ck").exists() or Checkpoints(tmp_path / "ck").latest_step() is None
+    assert not (tmp_path / "ck").exists() or StateFiles(tmp_path / "ck").latest_step() is None
     lock = tmp_path / "ck" / LOCK_NAME
     assert not lock.exists() or lock.read_text() == ""  # an interrupt is not a crash for the next run to report
 
 
 def test_two_runs_cannot_write_one_checkpoint_directory(tmp_path, base_args, capsys):
-    holder = Checkpoints(tmp_path / "ck", lock=True)  # another run, still going
+    holder = StateFiles(tmp_path / "ck", lock=True)  # another run, still going
     try:
         assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "ck")]) == ptb.EXIT_USAGE
         err = capsys.readouterr().err
@@ -428,7 +428,7 @@ def test_two_runs_cannot_write_one_checkpoint_directory(tmp_path, base_args, cap
 
 
 def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, base_args, capsys):
-    code = f"from jremat.train.checkpoint import Checkpoints; import os, signal; Checkpoints({str(tmp_path / 'ck')!r}, lock=True); os.kill(os.getpid(), signal.SIGKILL)"
+    code = f"from jremat.train.state_files import StateFiles; import os, signal; StateFiles({str(tmp_path / 'ck')!r}, lock=True); os.kill(os.getpid(), signal.SIGKILL)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120).returncode == -signal.SIGKILL
     assert ptb.main(base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "2"]) == 0
     assert "took over the lock of a run that ended without releasing it (pid" in capsys.readouterr().out
@@ -459,17 +459,17 @@ def test_resume_refuses_other_data_and_model_but_takes_another_policy(
 
 
 def test_a_signal_during_the_final_save_ends_the_run_with_its_code(monkeypatch, tmp_path, base_args, capsys):
-    real_save = Checkpoints.save
+    real_save = StateFiles.save
 
     def save_then_signal(self, step, state, meta):
         real_save(self, step, state, meta)
         signal.raise_signal(signal.SIGTERM)  # arrives while the last step's checkpoint is written
 
-    monkeypatch.setattr(Checkpoints, "save", save_then_signal)
+    monkeypatch.setattr(StateFiles, "save", save_then_signal)
     args = base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "3"]
     assert ptb.main(args) == ptb.EXIT_TERMINATED
     assert "interrupted (SIGTERM) after the last step, 3; checkpoint saved" in capsys.readouterr().err
-    assert Checkpoints(tmp_path / "ck").latest_step() == 3
+    assert StateFiles(tmp_path / "ck").latest_step() == 3
 
 
 def test_resume_past_the_last_step_says_so(tmp_path, base_args, capsys):

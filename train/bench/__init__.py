@@ -33,6 +33,6 @@ columns, targets with their miss notes, tables), one ``part_<name>`` module per 
 """
 
 if __name__ != "jremat.train.bench":  # run from a checkout as `python -m train.bench`
-    from jremat._checkout import alias_installed
+    from jremat.internal import alias_installed
 
     alias_installed(__name__)

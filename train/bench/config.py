@@ -90,7 +90,7 @@ def _sized(name: str, help: str, **kwargs) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(model_flags.AttentionFlags):
     """What ``python -m train.bench`` runs; one field per command-line flag (``a_b`` <-> ``--a-b``).
 
     Size fields left ``None`` take :data:`FULL_SIZES`, or :data:`QUICK_SIZES` with ``quick``.
@@ -138,8 +138,6 @@ class BenchConfig:
         "megatron and maxbatch are bfloat16 always)",
         choices=DTYPES,
     )
-    attention: str = model_flags.attention_option()
-    attention_block_size: int = model_flags.attention_block_size_option()
     seed: int = option(0, "parameter and data seed")
     remat_head_chunks: int = option(
         4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)"

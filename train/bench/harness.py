@@ -27,8 +27,7 @@ import optax
 from flax import nnx
 
 from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
-from jremat._compile import cost_analysis, hlo_fingerprint
-from jremat._memory import PEAK_FROM_SUM
+from jremat.diagnosis import PEAK_FROM_SUM, cost_analysis, hlo_fingerprint
 from jremat.models import GPT, ModelConfig
 from jremat.models.programs import adam_train_step
 from jremat.train.step import make_train_step

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from jremat import format_bytes
-from jremat._fit import largest_fitting
+from jremat.fit import largest_fitting
 from jremat.train.bench import harness
 from jremat.train.bench.config import MAXBATCH_POLICIES, BenchConfig
 from jremat.train.bench.harness import GIB, bench_peak, log, memory_fields

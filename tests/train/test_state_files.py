@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jremat.train.checkpoint import CORRUPT_DIR, CheckpointError, Checkpoints, CorruptCheckpoint, check_writable
 from jremat.train.ptb import resume_from_newest_good
+from jremat.train.state_files import CORRUPT_DIR, CorruptStateFiles, StateFiles, StateFilesError, check_writable
 from tests.conftest import REPO
 
 
 def test_save_restore_round_trip(tmp_path):
-    ckpts = Checkpoints(tmp_path / "ck", keep=2)
+    ckpts = StateFiles(tmp_path / "ck", keep=2)
     state = {"w": jnp.arange(6.0).reshape(2, 3), "n": {"b": jnp.ones(2, jnp.int32)}}
     ckpts.save(5, state, {"step": 5})
     assert ckpts.latest_step() == 5 and ckpts.read_meta(5) == {"step": 5}
@@ -33,7 +33,7 @@ def test_save_restore_round_trip(tmp_path):
 def test_unwritable_directory_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    with pytest.raises(CheckpointError, match="is not writable.*--ckpt-dir"):
+    with pytest.raises(StateFilesError, match="is not writable.*--ckpt-dir"):
         check_writable(blocker / "ck")
 
 
@@ -42,9 +42,9 @@ CRASHING_SAVER = textwrap.dedent(
     import os, sys
     import jax.numpy as jnp
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
-    from jremat.train.checkpoint import Checkpoints
+    from jremat.train.state_files import StateFiles
 
-    ckpts = Checkpoints(sys.argv[1])
+    ckpts = StateFiles(sys.argv[1])
     ckpts.save(1, {"w": jnp.full((4,), 1.0)}, {"step": 1})
 
     def die(self, *args, **kwargs):  # the process dies half-way through writing step 2
@@ -65,7 +65,7 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     leftovers = sorted(p.name for p in directory.iterdir())
     assert "1" in leftovers and "2" not in leftovers
     assert any(name.startswith("2.") for name in leftovers), leftovers  # the half-written temp dir
-    ckpts = Checkpoints(directory)
+    ckpts = StateFiles(directory)
     assert ckpts.latest_step() == 1
     restored = ckpts.restore_state(1, {"w": jnp.zeros((4,))})
     np.testing.assert_array_equal(restored["w"], np.full((4,), 1.0))
@@ -74,7 +74,7 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def _two_checkpoints(directory):
-    ckpts = Checkpoints(directory)
+    ckpts = StateFiles(directory)
     for step in (1, 2):
         ckpts.save(step, {"w": jnp.full((4,), float(step))}, {"step": step})
     return ckpts, {"w": jnp.zeros(4)}
@@ -90,7 +90,7 @@ def test_damaged_checkpoints_are_moved_aside_only_once_an_older_one_restores(tmp
     for step in (1, 2):
         (ckpts.path / str(step) / "meta" / "metadata").write_text("")
     lines = []
-    with pytest.raises(CheckpointError, match="no intact checkpoint.*nothing was moved"):
+    with pytest.raises(StateFilesError, match="no intact checkpoint.*nothing was moved"):
         resume_from_newest_good(ckpts, template, _accept, lines.append, move=True)
     assert ckpts.all_steps() == [2, 1] and not (ckpts.path / CORRUPT_DIR).exists()
 
@@ -115,16 +115,16 @@ def test_a_read_error_is_not_damage(tmp_path, monkeypatch):
         return real_read_text(path, *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", failing_read_text)
-    with pytest.raises(CheckpointError, match="cannot read .*Input/output error") as raised:
+    with pytest.raises(StateFilesError, match="cannot read .*Input/output error") as raised:
         resume_from_newest_good(ckpts, template, _accept, print, move=True)
-    assert not isinstance(raised.value, CorruptCheckpoint)
+    assert not isinstance(raised.value, CorruptStateFiles)
     monkeypatch.undo()
 
     unreadable = next(p for p in (ckpts.path / "2" / "state").rglob("*") if p.is_file())
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != unreadable and real_access(path, mode))
-    with pytest.raises(CheckpointError, match="is not readable by this user") as raised:
+    with pytest.raises(StateFilesError, match="is not readable by this user") as raised:
         resume_from_newest_good(ckpts, template, _accept, print, move=True)
-    assert not isinstance(raised.value, CorruptCheckpoint)
+    assert not isinstance(raised.value, CorruptStateFiles)
     assert ckpts.all_steps() == [2, 1] and not (ckpts.path / CORRUPT_DIR).exists()
     ckpts.close()

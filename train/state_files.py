@@ -1,4 +1,4 @@
-"""Checkpoints with orbax: parameters, optimizer state, step, data position and RNG key.
+"""StateFiles with orbax: parameters, optimizer state, step, data position and RNG key.
 
 One checkpoint per saved step, as two orbax items: ``state`` (arrays, written with
 ``StandardSave``) and ``meta`` (JSON: step, data position, model shape, training settings,
@@ -8,7 +8,7 @@ the latest good one (the half-written temporary directory is ignored).
 
 A checkpoint damaged afterwards (a file emptied, overwritten or deleted) is told apart from one
 of another model: its stored array metadata matches the model and it still does not restore,
-or its metadata does not read (:class:`CorruptCheckpoint`). :meth:`Checkpoints.quarantine` moves
+or its metadata does not read (:class:`CorruptStateFiles`). :meth:`StateFiles.quarantine` moves
 it into ``corrupt/`` inside the directory, where orbax no longer sees it, so a resumed run
 continues from the newest good checkpoint and can save that step again.
 
@@ -20,6 +20,7 @@ killed run's lock is taken over by the next run (and reported), never a stale lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import inspect
@@ -30,6 +31,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +41,18 @@ from flax import nnx
 from jremat.models import ModelConfig
 from jremat.train import interrupts
 from jremat.train.cli import UsageError
+from jremat.train.config import TrainConfig
+from jremat.train.data import Corpus
 
 #: ModelConfig fields that determine the parameter shapes.
 SHAPE_FIELDS = ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff", "param_dtype")
 
 
-class CheckpointError(UsageError):
+class StateFilesError(UsageError):
     """A checkpoint directory is unusable, empty on --resume, or holds an incompatible checkpoint."""
 
 
-class CorruptCheckpoint(CheckpointError):
+class CorruptStateFiles(StateFilesError):
     """A checkpoint whose files are damaged: its metadata or arrays do not read back."""
 
 
@@ -71,7 +75,7 @@ class RunLock:
         (killed), or ``""``.
 
     Raises:
-      CheckpointError: if another live process holds the lock; the message names it.
+      StateFilesError: if another live process holds the lock; the message names it.
     """
 
     def __init__(self, directory: Path):
@@ -80,7 +84,7 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             holder = os.read(fd, 512).decode(errors="replace").strip()
         except OSError as err:
-            raise CheckpointError(
+            raise StateFilesError(
                 f"cannot open the run lock {str(self.path)!r} ({err.strerror or err}); make it readable and "
                 "writable, or choose another --ckpt-dir"
             ) from None
@@ -88,7 +92,7 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise CheckpointError(
+            raise StateFilesError(
                 f"--ckpt-dir {str(directory)!r} is in use by another run ({holder or 'holder unknown'}); two runs "
                 "writing one directory would overwrite each other's checkpoints: wait for it to end, or choose "
                 "another --ckpt-dir"
@@ -116,7 +120,7 @@ def check_writable(directory: str | os.PathLike) -> Path:
     """Create ``directory`` if needed and prove it is writable by writing and removing a file.
 
     Raises:
-      CheckpointError: if it cannot be created or written.
+      StateFilesError: if it cannot be created or written.
     """
     path = Path(directory).expanduser().absolute()
     try:
@@ -124,7 +128,7 @@ def check_writable(directory: str | os.PathLike) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
             pass
     except OSError as err:
-        raise CheckpointError(
+        raise StateFilesError(
             f"checkpoint directory {str(path)!r} is not writable ({err.strerror or err}); "
             "choose a directory you can write to with --ckpt-dir"
         ) from None
@@ -156,15 +160,17 @@ def model_shape(model_cfg: ModelConfig) -> dict[str, Any]:
     return {k: getattr(model_cfg, k) for k in SHAPE_FIELDS}
 
 
-class Checkpoints:
-    """An orbax ``CheckpointManager`` for one run directory (synchronous, atomic saves).
+class StateFiles:
+    """The training-state files of one run directory (``--ckpt-dir``): one saved step each (orbax calls
+    it a checkpoint), through an orbax ``CheckpointManager`` (synchronous, atomic saves).
 
     Args:
-      directory: where checkpoints go (created if missing; must be writable).
-      keep: how many most recent checkpoints to keep.
+      directory: where the saved steps go (created if missing; must be writable).
+      keep: how many most recent saved steps to keep.
+      lock: hold the directory's :class:`RunLock` (one run at a time).
 
     Raises:
-      CheckpointError: if the directory is not writable.
+      StateFilesError: if the directory is not writable.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, lock: bool = False):
@@ -201,7 +207,7 @@ class Checkpoints:
             target.parent.mkdir(exist_ok=True)
             shutil.move(str(self.path / str(step)), str(target))
         except OSError as err:
-            raise CheckpointError(
+            raise StateFilesError(
                 f"cannot move the damaged checkpoint step {step} to {str(target)!r} ({err.strerror or err}); move or "
                 "delete it by hand and resume again"
             ) from None
@@ -226,31 +232,31 @@ class Checkpoints:
         """The JSON metadata of the checkpoint of ``step``.
 
         Raises:
-          CorruptCheckpoint: if it does not read as a JSON object.
+          CorruptStateFiles: if it does not read as a JSON object.
         """
         self._check_readable(step)
         path = self.path / str(step) / "meta" / "metadata"
         try:
             meta = json.loads(path.read_text())
         except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError, ValueError) as err:
-            raise CorruptCheckpoint(f"its metadata {str(path)!r} does not read ({_first_line(err)})") from None
+            raise CorruptStateFiles(f"its metadata {str(path)!r} does not read ({_first_line(err)})") from None
         except OSError as err:  # an I/O error is not damage to move aside
-            raise CheckpointError(
+            raise StateFilesError(
                 f"checkpoint step {step}: cannot read {str(path)!r} ({err.strerror or err}); fix the file system "
                 "or the permissions and resume again"
             ) from None
         if not isinstance(meta, dict) or "step" not in meta:
-            raise CorruptCheckpoint(f"its metadata {str(path)!r} holds no step")
+            raise CorruptStateFiles(f"its metadata {str(path)!r} holds no step")
         return meta
 
     def _check_readable(self, step: int) -> None:
-        """Raise :class:`CheckpointError` (not corruption) for a file or folder this process may not read."""
+        """Raise :class:`StateFilesError` (not corruption) for a file or folder this process may not read."""
         root = self.path / str(step)
         for folder, subfolders, files in os.walk(root):
             for name in [*subfolders, *files]:
                 path = Path(folder) / name
                 if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
-                    raise CheckpointError(
+                    raise StateFilesError(
                         f"checkpoint step {step}: {str(path)!r} is not readable by this user; fix its permissions "
                         "and resume again"
                     )
@@ -259,21 +265,21 @@ class Checkpoints:
         """The array tree of the checkpoint of ``step``, restored into ``template``'s shapes and shardings.
 
         Raises:
-          CheckpointError: if the stored arrays do not fit ``template`` (another model or
+          StateFilesError: if the stored arrays do not fit ``template`` (another model or
             optimizer): the message lists the first differences.
-          CorruptCheckpoint: if the stored metadata does not read, or fits ``template`` but the
+          CorruptStateFiles: if the stored metadata does not read, or fits ``template`` but the
             arrays do not restore (damaged files).
         """
         ocp = self._ocp
         stored, reason = _quietly(lambda: self.manager.item_metadata(step)["state"])
         stored = getattr(stored, "tree", stored)
         if reason is not None:
-            raise CorruptCheckpoint(f"its array metadata does not read ({reason})")
+            raise CorruptStateFiles(f"its array metadata does not read ({reason})")
         if not isinstance(stored, dict):
-            raise CorruptCheckpoint("its array metadata is missing")
+            raise CorruptStateFiles("its array metadata is missing")
         differences = _tree_differences(stored, template)
         if differences:
-            raise CheckpointError(
+            raise StateFilesError(
                 f"checkpoint step {step} in {str(self.path)!r} does not fit this model and optimizer: "
                 + "; ".join(differences[:5])
                 + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
@@ -282,7 +288,7 @@ class Checkpoints:
             lambda: self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))
         )
         if reason is not None:  # the metadata fits: the array files are damaged
-            raise CorruptCheckpoint(f"its arrays do not restore ({reason})")
+            raise CorruptStateFiles(f"its arrays do not restore ({reason})")
         return restored["state"]
 
     def close(self) -> None:
@@ -352,3 +358,75 @@ def _tree_differences(stored, template) -> list[str]:
         if s_shape != t_shape:
             out.append(f"{key}: checkpoint shape {s_shape}, this run {t_shape}")
     return sorted(out)
+
+
+def resume_from_newest_good(
+    state_files: StateFiles,
+    template: dict,
+    check: Callable[[dict], list[str]],
+    log,
+    move: bool,
+    agree: Callable[[int], None] = lambda step: None,
+):
+    """``(step, meta, state)`` of the newest checkpoint that reads back and that ``check(meta)`` accepts.
+
+    ``check`` raises to refuse a checkpoint (another model or data: the search stops) and
+    returns notes, logged for the checkpoint resumed from. A damaged checkpoint
+    (:class:`CorruptStateFiles`) is reported and the next older one tried. Once an older one has
+    restored and ``agree(step)`` has accepted its step (every process of a run found the same),
+    the damaged ones are moved aside when ``move`` (process 0). If none restores, nothing is moved.
+
+    Raises:
+      StateFilesError: no checkpoint, none intact, a checkpoint that cannot be read (permissions),
+        ``check``'s refusal, or ``agree``'s.
+    """
+    damaged = []
+    for step in state_files.all_steps():
+        try:
+            meta = state_files.read_meta(step)
+            notes = check(meta)
+            state = state_files.restore_state(step, template)
+        except CorruptStateFiles as err:
+            damaged.append((step, err))
+            log(f"warning: checkpoint step {step} in {state_files.path} is damaged ({err}); trying the one before")
+            continue
+        agree(step)
+        for bad_step, _ in damaged:
+            if move:
+                log(f"warning: moved the damaged checkpoint step {bad_step} to {state_files.quarantine(bad_step)}")
+        for note in notes:
+            log(note)
+        return step, meta, state
+    if not damaged:
+        raise no_state_error(state_files.path)
+    listed = "; ".join(f"step {step}: {err}" for step, err in damaged)
+    raise StateFilesError(
+        f"--resume: no intact checkpoint in {str(state_files.path)!r} ({listed}); nothing was moved; start a fresh run "
+        "in another --ckpt-dir"
+    )
+
+
+def no_state_error(path) -> StateFilesError:
+    """The error of ``--resume`` on a directory without checkpoints."""
+    return StateFilesError(f"--resume: no checkpoint found in {str(path)!r}; run without --resume to start fresh")
+
+
+def state_meta(
+    cfg: TrainConfig, model_cfg, corpus: Corpus, step: int, batches_per_epoch: int, total_steps: int
+) -> dict[str, Any]:
+    """The JSON metadata stored with the checkpoint of ``step`` (what ``--resume`` checks)."""
+    return {
+        "step": step,
+        "data_position": step * cfg.accum,
+        "epoch": step * cfg.accum / batches_per_epoch,
+        "model_shape": model_shape(model_cfg),
+        "model": jsonable(dataclasses.asdict(model_cfg)),
+        "train": jsonable(dataclasses.asdict(cfg)),
+        "vocab_md5": corpus.vocab_md5(),
+        "total_steps": total_steps,
+    }
+
+
+def jsonable(value):
+    """``value`` as JSON reads it back (tuples as lists)."""
+    return json.loads(json.dumps(value, default=list))

@@ -1,0 +1,152 @@
+"""Per-device figures on 8 simulated devices: residuals, explain, the timeline, the live reading
+(and ``dots:keep_gathered=true`` under remat3);
+run in a subprocess by tests/jremat/test_per_device.py (``python -m tests.jremat.per_device_checks
+[CHECK ...]`` prints one JSON object). The model is tests/jremat/mesh_checks.py's 4-layer MLP.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+from jax.sharding import AxisType
+
+import jremat
+from jremat import _timeline_buffers
+from tests.device_checks import run_checks
+from tests.jremat import mesh_checks as mc  # sets the 8-device XLA flag before JAX's backend starts
+
+#: (mesh name, mesh spec, axis type) of the residual checks.
+MESHES = (
+    ("fsdp", "fsdp=8", AxisType.Auto),
+    ("fsdp_explicit", "fsdp=8", AxisType.Explicit),
+    ("tp", "data=2,tensor=4", AxisType.Auto),
+)
+
+
+def _residual_rows(report) -> list:
+    return [[r.label, list(r.shape), r.bytes, r.device_bytes] for r in report.residuals]
+
+
+def check_residuals() -> dict:
+    """``saved_residuals_report`` of the 4-layer loss per mesh, layout, engine and policy: each
+    residual's global and per-device bytes, the report's devices and table."""
+    out = {}
+    for name, spec, axis_type in MESHES:
+        mesh = mc.make_mesh(spec, axis_type)
+        layouts = ("unrolled",) if axis_type == AxisType.Explicit else ("unrolled", "scanned")
+        for layout in layouts:
+            weights, x = mc.arguments(mesh, layout)
+            for engine in mc.ENGINES:
+                jax.config.update("jax_remat3", engine == "remat3")
+                try:
+                    for policy in ("none", "dots"):
+                        report = jremat.saved_residuals_report(mc.loss_fn(mesh, layout, policy), weights, x)
+                        out[f"{name}/{layout}/{engine}/{policy}"] = {
+                            "residuals": _residual_rows(report),
+                            "devices": report.devices,
+                            "computed": [report.computed_bytes, report.computed_device_bytes],
+                            "table": report.table(),
+                        }
+                finally:
+                    jax.config.update("jax_remat3", False)
+    return out
+
+
+def check_explain() -> dict:
+    """``explain`` of ``full`` on one FSDP block (auto axes): its residual figures and text."""
+    mesh = mc.make_mesh("fsdp=8")
+    weights, x = mc.arguments(mesh, "unrolled")
+    out = {}
+    for engine in mc.ENGINES:
+        jax.config.update("jax_remat3", engine == "remat3")
+        try:
+            explanation = jremat.explain(mc.block_fn(mesh), "full", weights[0], x)
+        finally:
+            jax.config.update("jax_remat3", False)
+        out[engine] = {
+            "saved": [explanation.baseline_saved_bytes, explanation.saved_bytes],
+            "global_saved": [explanation.baseline_global_saved_bytes, explanation.global_saved_bytes],
+            "text": explanation.text(),
+        }
+    return out
+
+
+def check_timeline() -> dict:
+    """``memory_timeline`` of ``full``'s gradient on the FSDP model, unrolled and scanned, both
+    engines: every buffer at every schedule position (not only the peak) that an all-gather made
+    or that a sharding constraint names, with its kind; the notes."""
+    mesh = mc.make_mesh("fsdp=8")
+    out = {}
+    buffers_at = _timeline_buffers.buffers_at
+    for layout in ("unrolled", "scanned"):
+        weights, x = mc.arguments(mesh, layout)
+        for engine in mc.ENGINES:
+            seen: dict = {}
+
+            def every_position(t, spans, allocations, hlo, tags, backward_start, top, seen=seen):
+                for position in range(max(s[1] for s in spans) + 1):
+                    for b in buffers_at(position, spans, allocations, hlo, tags, backward_start, None):
+                        if hlo.opcode.get(b.instruction, "").startswith("all-gather") or b.op_name.endswith(
+                            "sharding_constraint"
+                        ):
+                            seen[b.instruction] = [b.kind, b.op_name, hlo.opcode.get(b.instruction, "")]
+                return buffers_at(t, spans, allocations, hlo, tags, backward_start, top)
+
+            jax.config.update("jax_remat3", engine == "remat3")
+            _timeline_buffers.buffers_at = every_position
+            try:
+                grad = jax.grad(mc.loss_fn(mesh, layout, "full"), argnums=(0, 1))
+                timeline = jremat.memory_timeline(grad, weights, x)
+            finally:
+                _timeline_buffers.buffers_at = buffers_at
+                jax.config.update("jax_remat3", False)
+            out[f"{layout}/{engine}"] = {
+                "buffers": seen,
+                "notes": list(timeline.notes),
+                "devices": timeline.devices,
+                "header": timeline.table().splitlines()[0],
+            }
+    return out
+
+
+def check_live() -> dict:
+    """``live_memory`` of a sharded step on the CPU (no allocator statistics): what it says."""
+    mesh = mc.make_mesh("fsdp=8")
+    weights, x = mc.arguments(mesh, "unrolled")
+    live = jremat.live_memory(jax.jit(jax.grad(mc.loss_fn(mesh, "unrolled", "full"))), weights, x)
+    return {"devices": live.devices, "available": live.available, "reason": live.reason}
+
+
+def check_keep_gathered_remat3() -> dict:
+    """Under remat3, the FSDP model per layout and dots policy with ``keep_gathered=true``:
+    all-gathers of the compiled gradient and its error against no remat."""
+    mesh = mc.make_mesh("fsdp=8")
+    out = {}
+    jax.config.update("jax_remat3", True)
+    try:
+        for layout in ("unrolled", "scanned"):
+            weights, x = mc.arguments(mesh, layout)
+            reference = None
+            for policy in ("none", "dots", "dots:keep_gathered=true", "dots_no_batch:keep_gathered=true"):
+                compiled = mc._compile(mc.loss_fn(mesh, layout, policy), weights, x)
+                grads = compiled(weights, x)
+                reference = grads if reference is None else reference
+                out[f"{layout}/{policy}"] = {
+                    "all-gather": jremat.compiled_collectives_report(compiled).count("all-gather"),
+                    "grad_rel_error": mc._max_rel(grads, reference),
+                }
+    finally:
+        jax.config.update("jax_remat3", False)
+    return out
+
+
+#: Each check by its name without ``check_``.
+CHECKS = {
+    f.__name__.removeprefix("check_"): f
+    for f in (check_residuals, check_explain, check_timeline, check_live, check_keep_gathered_remat3)
+}
+
+
+if __name__ == "__main__":
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))
