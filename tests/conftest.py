@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import glob
 import os
 import pathlib
 
@@ -82,17 +83,18 @@ def _registry_restored():
         yield
 
 
-#: Files a test must never write: the committed benchmark results (train.bench's default outputs).
-_COMMITTED_RESULTS = tuple(os.path.join(REPO, "docs", *parts) for parts in (("RESULTS.md",), ("results", "bench.csv")))
+#: Files a test must never write: the committed benchmark results (train.bench's default outputs: the
+#: report and one CSV per part).
+_COMMITTED_RESULTS = (os.path.join(REPO, "docs", "RESULTS.md"), os.path.join(REPO, "docs", "results", "bench-*.csv"))
 
 
-def _contents(paths) -> list:
-    return [pathlib.Path(p).read_bytes() if os.path.exists(p) else None for p in paths]
+def _contents(patterns) -> dict:
+    return {p: pathlib.Path(p).read_bytes() for pattern in patterns for p in glob.glob(pattern)}
 
 
 @pytest.fixture(autouse=True)
 def _committed_results_untouched():
-    """Every test leaves docs/RESULTS.md and docs/results/bench.csv as they were (a bench run
+    """Every test leaves docs/RESULTS.md and docs/results/bench-*.csv as they were (a bench run
     without ``--report`` / ``--out`` would rewrite them)."""
     before = _contents(_COMMITTED_RESULTS)
     yield

@@ -1,6 +1,7 @@
 """python -m train.bench: parts dispatched through the table, the report from fake measurements, one real tiny compile."""
 
 import csv
+import dataclasses
 import os
 import stat
 
@@ -11,185 +12,68 @@ from flax import nnx
 from jremat.fit import largest_fitting
 from jremat.models import GPT, PRESETS
 from jremat.train.bench import cli as bench
-from jremat.train.bench import flops, harness, parts, peers, plots, report
+from jremat.train.bench import (
+    flops,
+    harness,
+    part_maxbatch,
+    part_megatron,
+    part_needle,
+    parts,
+    peers,
+    plots,
+    report,
+    rows,
+    timed,
+)
 from jremat.train.bench.config import BenchConfig
-
-
-def fake_rows() -> list[dict]:
-    """One set of rows for every part, as the parts would give them (numbers chosen by hand)."""
-    cfg = BenchConfig(quick=True).block_model()
-    rows = []
-    for part, (key, values) in (("needle_batch", ("batch_size", (256, 2048))), ("needle_dff", ("d_ff", (256, 2048)))):
-        for v in values:
-            for scope, red in (("none", 0.0), ("blocks", 0.05), ("head", 0.6), ("whole step", 0.7 + v / 1e5)):
-                rows.append(
-                    parts.row(
-                        part,
-                        "every_k:k=4",
-                        cfg,
-                        2048,
-                        20,
-                        scope=scope,
-                        model="needle",
-                        peak_reduction_vs_none=red,
-                        peak_bytes=int(100e6 * (1 - red)),
-                        **{key: v},
-                    )
-                )
-    for k, t in ((0, 1.0), (1, 1.1), (4, 1.2)):
-        rows.append(
-            parts.row(
-                "needle_time",
-                f"every_k:k={k}",
-                cfg,
-                64,
-                20,
-                k=k,
-                time_ratio_vs_none=t,
-                time_ratio_low=t - 0.01,
-                time_ratio_high=t + 0.01,
-                flops_bound=1.1,
-                peak_bytes=10**7,
-            )
-        )
-    for spec, sbh, ref, err in (
-        ("none", 114.0, 114.0, -0.008),
-        ("selective", 32.0, 34.0, 0.02),
-        ("full", 2.0, 2.0, 0.039),
-    ):
-        rows.append(
-            parts.row(
-                "megatron",
-                spec,
-                cfg,
-                8,
-                1024,
-                model="gpt2-small",
-                saved_bytes_per_layer=sbh * 8 * 1024,
-                saved_per_sbh=sbh,
-                megatron_per_sbh=ref,
-                peak_bytes=10**9,
-                analytic_peak_bytes=10**9,
-                analytic_error=err,
-            )
-        )
-    for spec, batch in (("none", 8), ("full", 40)):
-        rows.append(
-            parts.row(
-                "maxbatch",
-                spec,
-                cfg,
-                batch,
-                1024,
-                model="gpt2-small",
-                budget_bytes=16 * 2**30,
-                max_batch=batch,
-                max_batch_verified=True,
-                peak_bytes=15 * 2**30,
-            )
-        )
-    for model in ("head-dominated (small)", "block-dominated"):
-        for spec, t, bound in (
-            ("none", 1.0, 1.0),
-            ("selective", 1.01, 1.02),
-            ("every_k:k=4", 1.05, 1.1),
-            ("full", 1.08, 1.24),
-        ):
-            rows.append(
-                parts.row(
-                    "time",
-                    spec,
-                    cfg,
-                    8,
-                    128,
-                    model=model,
-                    time_ratio_vs_none=t,
-                    time_ratio_low=t,
-                    time_ratio_high=t,
-                    flops_bound=bound,
-                    peak_bytes=10**7,
-                    compile_s=2.0,
-                    peak_reduction_vs_none=0.1,
-                    **flops.throughput_fields(cfg, 8, 128, 0.5e-3 * t, 989.4),
-                )
-            )
-    for label, ours, t, peak in (
-        ("none", "", 1.0, 100),
-        ("full", "", 1.1, 50),
-        ("jax.checkpoint", "full", 1.2, 50),
-        ("linen nn.remat_scan", "full", 1.0, 60),
-    ):
-        rows.append(
-            parts.row(
-                "peers",
-                label,
-                cfg,
-                8,
-                128,
-                compared_with=ours,
-                time_ratio_vs_none=t,
-                time_ratio_low=t,
-                time_ratio_high=t,
-                flops_bound=1.2,
-                peak_bytes=peak,
-                temp_bytes=peak,
-                compile_s=1.0,
-            )
-        )
-    rows.append(
-        parts.row(
-            "auto",
-            "auto:budget=900 (plan)",
-            cfg,
-            20,
-            64,
-            model="small",
-            budget_bytes=900,
-            peak_bytes=800,
-            time_ratio_vs_none=1.01,
-            best_fitting_policy="full",
-            best_fitting_time_ratio=1.0,
-            compile_s=3.0,
-        )
-    )
-    return rows
+from jremat.train.bench.part_time import TIME
+from tests.train.bench_rows import measured_rows
 
 
 def test_verdict_holds_every_target_and_says_where_jremat_is_worse():
-    verdict = {target: (measured, ok) for target, measured, ok in report.check_targets(fake_rows())}
+    verdict = {t.text: (t.measured, t.met) for t in report.check_targets(measured_rows(miss=False))}
     assert verdict["Needle fig. 1 (whole step): peak reduction > 55% at every batch"][1]
     assert verdict["Needle fig. 2: reduction grows with d_ff"][1]
     assert verdict["Needle fig. 3: step time grows with k (largest k slower than smallest)"][1]
     assert verdict["Megatron: none saves s*b*h*(34 + 5*a*s/h) per layer (within 1%)"][1]
-    assert verdict["Max batch (whole step): full >= 5x none"] == ("40 vs 8 (5.00x)", True)
+    assert verdict["Max batch (whole step): full >= 5x none"] == ("48 vs 8 (6.00x)", True)
     assert verdict["Time, block-dominated: full <= 1.35x none"] == ("1.080x (FLOPs bound 1.240x)", True)
     analytic = [ok for target, (_, ok) in verdict.items() if target.startswith("Analytic peak")]
-    assert analytic == [True, True, True]
-    # jremat full beats jax.checkpoint; Linen nn.remat_scan is faster here: the verdict says no.
-    assert verdict["Peer jax.checkpoint: jremat full peak <= it and time within 5%"][1]
-    assert not verdict["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"][1]
-    assert verdict["auto fits budget 900 B"][1]
+    assert analytic == [True, True, True, True]
+    assert verdict["auto fits budget 900.00 MiB"][1]
+    assert all(met for _, met in verdict.values())
+    # jremat full beats jax.checkpoint; Linen nn.remat_scan faster than it: the verdict says no.
+    missed = {t.text: t.met for t in report.check_targets(measured_rows(miss=True))}
+    assert missed["Peer jax.checkpoint: jremat full peak <= it and time within 5%"]
+    assert not missed["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"]
 
 
-def test_report_csv_and_plots_from_fake_rows(tmp_path):
-    rows = fake_rows()
-    report.write_csv(rows, tmp_path / "bench.csv")
-    with open(tmp_path / "bench.csv") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == parts.CSV_COLUMNS and len(list(reader)) == len(rows)
-    back = report.read_csv(tmp_path / "bench.csv")
-    assert report.check_targets(back) == report.check_targets(rows)
-    written = plots.write_plots(rows, str(tmp_path))
+def test_report_csv_and_plots_from_measured_rows(tmp_path):
+    measured = measured_rows(miss=True)
+    back = []
+    for name, own in parts.part_of_rows(measured).items():
+        part = parts.BENCH_PARTS[name]
+        rows.write_csv(own, tmp_path / part.csv_name, part.columns)
+        with open(tmp_path / part.csv_name) as f:
+            reader = csv.DictReader(f)
+            assert tuple(reader.fieldnames) == part.columns and len(list(reader)) == len(own)
+        back += rows.read_csv(tmp_path / part.csv_name)
+    assert len(back) == len(measured) and report.check_targets(back) == report.check_targets(measured)
+    written = plots.write_plots(measured, str(tmp_path))
     assert written == ["needle_batch.png", "needle_dff.png", "needle_k_time.png", "time.png", "peers.png"]
     assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in written)
-    text = report.results_markdown(rows, written, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
+    text = report.results_markdown(measured, written, "results", "python -m train.bench", 600.0, ["a note"], "## Guide")
     assert "```\npython -m train.bench\n```" in text and f"JAX {jax.__version__}" in text
     assert "### Why the misses" in text and "Where a peer is smaller or faster, jremat is worse" in text
     assert "## Verdict" in text and "| **no** |" in text and "## Guide" in text and "- a note" in text
-    assert "![time.png](results/time.png)" in text and "[results/bench.csv](results/bench.csv)" in text
+    assert "![time.png](results/time.png)" in text and "[results/bench-time.csv](results/bench-time.csv)" in text
     # a Needle table row: none, blocks, head and whole step side by side
-    assert "| 256 | 64 | 95.37 MiB | 90.60 MiB (5.0%) | 38.15 MiB (60.0%) | 28.37 MiB (70.3%) |" in text
+    assert "| 256 | 64 | 95.37 MiB | 90.60 MiB (5.0%) | 38.15 MiB (60.0%) | 47.93 MiB (49.7%) |" in text
     assert "run " not in text.lower().replace("one run", "")
+
+
+def time_rows() -> list[dict]:
+    return [r for r in measured_rows(miss=False) if r["part"] == "time"]
 
 
 def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeypatch, capsys):
@@ -197,9 +81,9 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
     def fake_part(config, policies):
         seen.append(tuple(policies))
-        return [r for r in fake_rows() if r["part"] == "time"]
+        return time_rows()
 
-    monkeypatch.setitem(bench.PART_FUNCTIONS, "time", fake_part)
+    monkeypatch.setitem(bench.BENCH_PARTS, "time", dataclasses.replace(TIME, run=fake_part))
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     kept = f"{report.KEPT_MARKER}\n\n## A run on another machine\n\n| a | table |\n"
     md.write_text("# an older report\n\nits tables\n\n" + kept)
@@ -210,8 +94,8 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
     )
     os.umask(umask)
     assert code == 0 and seen == [("none", "full")]
-    assert stat.S_IMODE(md.stat().st_mode) == 0o644 and stat.S_IMODE((out / "bench.csv").stat().st_mode) == 0o644
-    assert (out / "bench.csv").exists() and (out / "time.png").exists() and not list(out.glob("bench.partial-*.csv"))
+    assert stat.S_IMODE(md.stat().st_mode) == 0o644 and stat.S_IMODE((out / "bench-time.csv").stat().st_mode) == 0o644
+    assert sorted(os.listdir(out)) == ["bench-time.csv", "time.png"]  # no partial folder left
     text = md.read_text()
     assert "python -m train.bench --parts time" in text and "![time.png](results/time.png)" in text
     assert "an older report" not in text and text.endswith(kept) and text.count(report.KEPT_MARKER) == 1
@@ -220,29 +104,31 @@ def test_run_goes_through_the_part_table_and_writes_the_report(tmp_path, monkeyp
 
 def test_a_run_that_fails_midway_leaves_the_last_csv_and_report(tmp_path, monkeypatch, capsys):
     def done_part(config, policies):
-        return [r for r in fake_rows() if r["part"] == "time"]
+        return time_rows()
 
     def failing_part(config, policies):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setitem(bench.PART_FUNCTIONS, "time", done_part)
-    monkeypatch.setitem(bench.PART_FUNCTIONS, "peers", failing_part)
+    monkeypatch.setitem(bench.BENCH_PARTS, "time", dataclasses.replace(TIME, run=done_part))
+    monkeypatch.setitem(bench.BENCH_PARTS, "peers", dataclasses.replace(parts.BENCH_PARTS["peers"], run=failing_part))
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     out.mkdir()
-    (out / "bench.csv").write_text("the last complete run\n")
+    (out / "bench-time.csv").write_text("the last complete run\n")
     md.write_text("# the last report\n")
     with pytest.raises(RuntimeError, match="out of memory"):
         bench.main(["--parts", "time,peers", "--out", str(out), "--report", str(md), "--policy", "none", "--quick"])
-    assert (out / "bench.csv").read_text() == "the last complete run\n" and md.read_text() == "# the last report\n"
-    (partial,) = out.glob("bench.partial-*.csv")
-    assert len(report.read_csv(partial)) == len(done_part(None, None))  # the finished part's rows
+    assert (out / "bench-time.csv").read_text() == "the last complete run\n" and md.read_text() == "# the last report\n"
+    (partial,) = out.glob("bench.partial-*")
+    assert os.listdir(partial) == ["bench-time.csv"]  # the finished part's rows, and no other part's
+    assert len(rows.read_csv(partial / "bench-time.csv")) == len(done_part(None, None))
     assert "[peers] failed" in capsys.readouterr().err
-    # A later run that succeeds replaces bench.csv and leaves the failed run's rows where they were.
+    # A later run that succeeds replaces bench-time.csv and leaves the failed run's rows where they were.
     argv = ["--parts", "time", "--out", str(out), "--report", str(md), "--policy", "none", "--quick"]
     assert bench.main(argv) == 0
-    assert list(out.glob("bench.partial-*.csv")) == [partial] and len(report.read_csv(partial)) == len(
+    assert list(out.glob("bench.partial-*")) == [partial] and len(rows.read_csv(partial / "bench-time.csv")) == len(
         done_part(None, None)
     )
+    assert len(rows.read_csv(out / "bench-time.csv")) == len(done_part(None, None))
 
 
 @pytest.mark.parametrize(
@@ -283,28 +169,29 @@ def test_time_ratios_pair_rounds_so_load_drift_cancels():
 
 def test_max_batch_search_finds_the_boundary_when_the_slope_changes():
     # peak rises 1 per sequence up to 8, then only 0.4: a line through batches 1 and 2 says 8,
-    # the answer is 9; the bench's search stops at parts.MAXBATCH_PROBES compiles
+    # the answer is 9; the bench's search stops at part_maxbatch.MAXBATCH_PROBES compiles
     calls = []
 
     def peak(batch):
         calls.append(batch)
         return 10 + (batch - 1 if batch <= 8 else 7 + 0.4 * (batch - 8))
 
-    assert largest_fitting(peak, 17.5, limit=parts.MAXBATCH_LIMIT, max_probes=parts.MAXBATCH_PROBES) == (9, True)
-    assert len(set(calls)) == len(calls) <= parts.MAXBATCH_PROBES
+    limit, probes = part_maxbatch.MAXBATCH_LIMIT, part_maxbatch.MAXBATCH_PROBES
+    assert largest_fitting(peak, 17.5, limit=limit, max_probes=probes) == (9, True)
+    assert len(set(calls)) == len(calls) <= probes
     calls.clear()
     assert largest_fitting(peak, 10**6, limit=10**6, max_probes=3) == (8, False)  # a lower bound
     assert len(calls) == 3
 
 
 def test_needle_scopes_cover_blocks_head_and_whole_step():
-    assert parts.needle_scopes(4) == [
+    assert part_needle.needle_scopes(4) == [
         ("none", "none", 0),
         ("blocks", "every_k:k=4", 0),
         ("head", "none", 4),
         ("whole step", "every_k:k=4", 4),
     ]
-    assert [s for s, _, _ in parts.needle_scopes(0)] == ["none", "blocks"]
+    assert [s for s, _, _ in part_needle.needle_scopes(0)] == ["none", "blocks"]
     config = BenchConfig(quick=True)
     assert config.whole_step(config.block_model(), "full").remat_head_chunks == 4
     assert config.whole_step(config.block_model(), "none").remat_head_chunks == 0
@@ -381,11 +268,17 @@ def test_mfu_peak_only_for_a_known_device_kind(kind, peak):
 def test_this_cpu_has_no_peak_so_no_mfu():
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU")
-    assert flops.peak_bf16_tflops(jax.devices()[0].device_kind) is None and parts.device_peak_tflops() is None
+    assert flops.peak_bf16_tflops(jax.devices()[0].device_kind) is None and timed.device_peak_tflops() is None
 
 
 def test_report_shows_absolute_figures_and_the_peak_used():
-    text = report.results_markdown(fake_rows(), [], "results", "python -m train.bench", 60.0)
+    cfg = BenchConfig(quick=True).block_model()
+    timing = dict(time_ratio_vs_none=1.0, time_ratio_low=1.0, time_ratio_high=1.0, flops_bound=1.0, compile_s=2.0)
+    timing.update(peak_bytes=10**7, peak_reduction_vs_none=0.0)
+    row = TIME.row(
+        "none", cfg, 8, 128, model="block-dominated", **timing, **flops.throughput_fields(cfg, 8, 128, 0.5e-3, 989.4)
+    )
+    text = report.results_markdown([row], [], "results", "python -m train.bench", 60.0)
     assert "| step | tokens/s | TFLOP/s | MFU (bf16 peak) |" in text
     assert "dense bf16 peak, 989.4 TFLOP/s" in text
     # block-dominated none: 8 x 128 tokens in 0.5 ms
@@ -405,7 +298,7 @@ def test_cudnn_attention_off_gpu_exits_2_with_one_line(argv, capsys):
 
 def test_attention_and_dtype_reach_every_bench_model():
     xla = BenchConfig(quick=True, attention="xla", dtype="bfloat16")
-    timed = [xla.time_model(), xla.block_model(), parts.needle_config(xla, 64, "none")]
+    timed = [xla.time_model(), xla.block_model(), part_needle.needle_config(xla, 64, "none")]
     assert {(c.attention, c.dtype, c.attn_dropout) for c in timed} == {("xla", "bfloat16", 0.0)}
     assert xla.time_model().resid_dropout == 0.1  # only the attention dropout, which xla lacks, goes
     megatron = xla.megatron_config("none")  # Megatron's accounting is of 16-bit activations, whatever --dtype
@@ -418,18 +311,20 @@ def test_attention_and_dtype_reach_every_bench_model():
     blockwise = BenchConfig(quick=True, attention="blockwise", attention_block_size=8)
     assert blockwise.megatron_config("none").attn_dropout == 0.1 and blockwise.block_model().attention_block_size == 8
     assert BenchConfig(quick=True).time_model() == PRESETS["tiny"]  # the defaults change nothing
-    assert parts.megatron_formulas(1024, 8, 768, 12)["none"] == 34 + 5 * 12 * 1024 / 768
-    assert parts.megatron_formulas(1024, 8, 768, 12, "blockwise")["none"] == 34.0
-    assert "none" not in parts.megatron_formulas(1024, 8, 768, 12, "xla")
+    assert part_megatron.megatron_formulas(1024, 8, 768, 12)["none"] == 34 + 5 * 12 * 1024 / 768
+    assert part_megatron.megatron_formulas(1024, 8, 768, 12, "blockwise")["none"] == 34.0
+    assert "none" not in part_megatron.megatron_formulas(1024, 8, 768, 12, "xla")
 
 
 def test_quick_time_part_in_bf16_with_blockwise_attention_has_absolute_figures(tmp_path):
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     argv = ["--quick", "--parts", "time", "--policy", "none", "--dtype", "bfloat16", "--attention", "blockwise"]
     assert bench.main([*argv, "--time-steps", "2", "--time-rounds", "1", "--out", str(out), "--report", str(md)]) == 0
-    rows = report.read_csv(out / "bench.csv")
-    assert [r["model"] for r in rows] == ["head-dominated (tiny)", "block-dominated"]
-    for r in rows:
+    with open(out / "bench-time.csv") as f:
+        assert tuple(csv.DictReader(f).fieldnames) == TIME.columns
+    time_rows = rows.read_csv(out / "bench-time.csv")
+    assert [r["model"] for r in time_rows] == ["head-dominated (tiny)", "block-dominated"]
+    for r in time_rows:
         assert (r["dtype"], r["attention"]) == ("bfloat16", "blockwise")
         assert r["step_s"] > 0 and r["model_tflops_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * r["seq_len"] / r["step_s"], rel=1e-4)

@@ -1,8 +1,10 @@
 """Memory and time of every remat policy and its peers: ``python -m train.bench``.
 
-One run writes ``bench.csv`` and PNG plots into ``--out`` (default ``docs/results/``) and
-regenerates ``--report`` (default ``docs/RESULTS.md``): the verdict table, the exact command,
-the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCTIONS`):
+One run writes one CSV per part (``bench-<part>.csv``, of exactly that part's columns) and PNG
+plots into ``--out`` (default ``docs/results/``) and regenerates ``--report`` (default
+``docs/RESULTS.md``): the verdict table, the exact command, the machine, the JAX version and the
+date. Parts (``--parts``; :data:`~train.bench.parts.BENCH_PARTS`, one
+:class:`~train.bench.part.Part` each):
 
 ``needle`` / ``needle_time``
     The Needle study's figures: Adam-step peak of ``every_k:k=4`` vs ``none`` against batch and
@@ -23,8 +25,11 @@ the machine, the JAX version and the date. Parts (``--parts``; :data:`PART_FUNCT
 
 Modules: :mod:`~train.bench.config` (what runs, the command line), :mod:`~train.bench.harness`
 (compiling, memory, FLOPs, paired timing), :mod:`~train.bench.flops` (model FLOPs, tokens/s, MFU),
-:mod:`~train.bench.peers`, :mod:`~train.bench.parts`,
-:mod:`~train.bench.report` (CSV, verdict, markdown), :mod:`~train.bench.plots`.
+:mod:`~train.bench.peers` (the peer programs), :mod:`~train.bench.part` (what a part is: its run,
+columns, targets with their miss notes, tables), one ``part_<name>`` module per part,
+:mod:`~train.bench.parts` (the parts in run order), :mod:`~train.bench.timed` (timed rows),
+:mod:`~train.bench.rows` (columns, CSV), :mod:`~train.bench.markdown` (cell formatting),
+:mod:`~train.bench.report` (verdict, markdown), :mod:`~train.bench.plots`.
 """
 
 if __name__ != "jremat.train.bench":  # run from a checkout as `python -m train.bench`

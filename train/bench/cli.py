@@ -14,17 +14,18 @@ from collections.abc import Sequence
 
 from jremat.train.bench.config import DEFAULT_POLICIES, PARTS, BenchConfig, parse_config
 from jremat.train.bench.harness import bench_peak, measure, time_ratios
-from jremat.train.bench.parts import CSV_COLUMNS, PART_FUNCTIONS, check_policies
+from jremat.train.bench.parts import BENCH_PARTS, check_policies
 from jremat.train.bench.plots import write_plots
-from jremat.train.bench.report import check_targets, kept_text, results_markdown, write_csv, write_text_atomically
+from jremat.train.bench.report import check_targets, kept_text, results_markdown
+from jremat.train.bench.rows import write_csv
 from jremat.train.cli import UsageError, run_main
+from jremat.train.files import write_text_atomically
 
 __all__ = [
+    "BENCH_PARTS",
     "BenchConfig",
-    "CSV_COLUMNS",
     "DEFAULT_POLICIES",
     "PARTS",
-    "PART_FUNCTIONS",
     "bench_peak",
     "check_targets",
     "main",
@@ -72,18 +73,20 @@ READING_GUIDE = """\
 """
 
 
-#: The rows of the parts one run has done so far, in ``--out`` (its start time and a random tag fill ``{}``);
-#: removed when every part is done, kept when a part fails. No run touches another run's.
-PARTIAL_CSV = "bench.partial-{}.csv"
+#: The folder, in ``--out``, of the CSV files of the parts one run has done so far (its start time and a
+#: random tag fill ``{}``); removed when every part is done, kept when a part fails. No run touches another run's.
+PARTIAL_DIR = "bench.partial-{}"
 
 
 def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[str]]:
-    """Run the configured parts; write the CSV and plots into ``config.out`` and the report.
+    """Run the configured parts; write each part's CSV (``bench-<part>.csv``) and the plots into
+    ``config.out``, and the report.
 
-    Every ``--policy`` is checked against the parts' models first (:func:`check_policies`). The
-    rows of the parts done so far go to this run's :data:`PARTIAL_CSV`; ``bench.csv``, the plots and the
-    report are replaced only when every part is done, so a run that fails midway leaves the
-    last complete run's files as they were.
+    Every ``--policy`` is checked against the parts' models first (:func:`check_policies`). Each
+    part's CSV goes to this run's :data:`PARTIAL_DIR` as the part finishes; the CSV files, the
+    plots and the report in ``config.out`` are replaced only when every part is done (the CSV of
+    a part this run did not run is removed then, as the report no longer covers it), so a run
+    that fails midway leaves the last complete run's files as they were.
 
     Returns:
       ``(rows, plot file names, notes)``.
@@ -98,25 +101,33 @@ def run(config: BenchConfig, command: str) -> tuple[list[dict], list[str], list[
     except OSError as err:
         raise UsageError(f"cannot create --out {config.out!r}: {err}") from None
     rows: list[dict] = []
+    done: dict[str, list[dict]] = {}
     started = time.perf_counter()
-    csv_path = os.path.join(config.out, "bench.csv")
-    partial = os.path.join(config.out, PARTIAL_CSV.format(f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"))
-    for part in config.parts:
-        t0 = time.perf_counter()
+    partial = os.path.join(config.out, PARTIAL_DIR.format(f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"))
+    for name in config.parts:
+        part, t0 = BENCH_PARTS[name], time.perf_counter()
         try:
-            rows += PART_FUNCTIONS[part](config, policies)
+            part_rows = part.run(config, policies)
         except BaseException:
             print(
-                f"[{part}] failed; {csv_path} and the report are unchanged"
+                f"[{name}] failed; the CSV files in {config.out} and the report are unchanged"
                 + (f"; the finished parts' rows are in {partial}" if rows else ""),
                 file=sys.stderr,
                 flush=True,
             )
             raise
-        print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        write_csv(rows, partial)  # keep what is done if a later part fails, beside the last complete run
-    write_csv(rows, csv_path)  # the whole run's rows replace the last run's in one step
-    os.remove(partial)  # this run's own: an earlier failed run's partial rows stay
+        print(f"[{name}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        rows += part_rows
+        done.setdefault(name, []).extend(part_rows)
+        os.makedirs(partial, exist_ok=True)  # keep what is done if a later part fails, beside the last complete run
+        write_csv(done[name], os.path.join(partial, part.csv_name), part.columns)
+    for name, part in BENCH_PARTS.items():  # this run's CSV files replace the last run's
+        path = os.path.join(config.out, part.csv_name)
+        if name in done:
+            os.replace(os.path.join(partial, part.csv_name), path)
+        elif os.path.exists(path):
+            os.remove(path)
+    os.rmdir(partial)  # this run's own: an earlier failed run's partial rows stay
     plots = write_plots(rows, config.out)
     if config.report:
         plot_dir = os.path.relpath(config.out, os.path.dirname(os.path.abspath(config.report)) or ".")
@@ -136,9 +147,9 @@ def _main(argv: list[str]) -> int:
     config = parse_config(argv)
     rows, plots, _ = run(config, "python -m train.bench" + "".join(" " + shlex.quote(a) for a in argv))
     print(
-        f"wrote {len(rows)} rows to {os.path.join(config.out, 'bench.csv')}, {len(plots)} plots"
-        + (f" and {config.report}" if config.report else "")
+        f"wrote {len(rows)} rows to {', '.join(BENCH_PARTS[p].csv_name for p in dict.fromkeys(config.parts))} in "
+        f"{config.out}, {len(plots)} plots" + (f" and {config.report}" if config.report else "")
     )
-    for target, measured, ok in check_targets(rows):
-        print(f"  {'met   ' if ok else 'MISSED'} {target}: {measured}")
+    for target in check_targets(rows):
+        print(f"  {'met   ' if target.met else 'MISSED'} {target.text}: {target.measured}")
     return 0

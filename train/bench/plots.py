@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 
 from jremat.train.bench.harness import MIB
-from jremat.train.bench.report import rows_by_part
+from jremat.train.bench.rows import rows_by_part
 
 
 def write_plots(rows: Sequence[dict], out: str) -> list[str]:
@@ -97,7 +97,3 @@ def write_plots(rows: Sequence[dict], out: str) -> list[str]:
         ax.set_title("block-dominated model: jremat (squares) and peers (circles)", fontsize=9)
         save(fig, "peers.png")
     return written
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdict
