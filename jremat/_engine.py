@@ -6,10 +6,10 @@ evaluated again by the jaxpr interpreter, :mod:`jremat._interpreter`.
 
 JAX has two implementations behind ``jax.checkpoint``:
 
-* the *classic* engine (:data:`CLASSIC`): a ``remat2`` primitive whose partial evaluation asks
+* the *classic* engine (:data:`jremat._active_engine.CLASSIC`): a ``remat2`` primitive whose partial evaluation asks
   the policy callback ``(prim, *avals, **params)`` about every equation, and honours
   ``Offloadable`` decisions by moving residuals to host memory;
-* *remat3* (:data:`REMAT3`, the ``jax_remat3`` flag): policies are data. ``checkpoint_name``
+* *remat3* (:data:`jremat._active_engine.REMAT3`, the ``jax_remat3`` flag): policies are data. ``checkpoint_name``
   values are saved under ``save_only_these_names`` / ``save_any_names_but_these``,
   ``dot_general`` outputs under ``dots_saveable`` / ``dots_with_no_batch_dims_saveable``,
   everything else is recomputed; any other callback is never called (a silent full remat), and
@@ -27,9 +27,9 @@ on the flag, never mix engines). Under remat3:
   inlined), exactly as the classic engine asks it (its answers read by
   :func:`jremat._tags.callback_decision`), and the equations it keeps are tagged with unique
   names (:mod:`jremat._tags`) that are then saved (or offloaded) by name;
-* name tags are re-emitted as :func:`name_tag` (a remat3 ``checkpoint_name`` that also
+* name tags are re-emitted as :func:`jremat._active_engine.name_tag` (a remat3 ``checkpoint_name`` that also
   batches, so ``vmap`` and ``jax.jacfwd`` pass through jremat's checkpoints);
-* offloaded names are re-emitted through :func:`offload_function`: the forward pass copies the
+* offloaded names are re-emitted through :func:`jremat._active_engine.offload_function`: the forward pass copies the
   value to host memory, the residual *is* that host copy, and the backward pass copies it back.
 
 The engine is detected from what ``jax.checkpoint`` actually emits, never from a version string.
@@ -42,52 +42,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from jremat import _interpreter, _jax_compat, _jaxpr, _tags
+from jremat._active_engine import CLASSIC, active_engine, offload_function, remat3_flag
 from jremat._cache import BoundedCache
-
-#: Call-like primitives whose body is inlined when a program is flattened.
-INLINED_CALL_PRIMITIVES = _jaxpr.INLINED_CALL_PRIMITIVES
-
-#: The classic engine: ``jax.checkpoint`` binds ``remat2`` and consults policy callbacks.
-CLASSIC = "classic"
-#: JAX's remat3 engine (``jax_remat3``): name-based policies, no callback consultation.
-REMAT3 = "remat3"
-ENGINES = (CLASSIC, REMAT3)
-
-#: Primitive names of a classic ``jax.checkpoint`` / ``checkpoint_name`` in a jaxpr.
-CLASSIC_CHECKPOINT_PRIMITIVES = _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES
-NAME_PRIMITIVE = _jaxpr.NAME
-
-_MEMORY_SPACES = {"pinned_host": jax.memory.Space.Host, "device": jax.memory.Space.Device}
-_engine_by_flag = BoundedCache(maxsize=8)
 
 # Residuals are attributed to the user's line that called the checkpointed function, not to the
 # wrapper below that calls jax.checkpoint.
 _jax_compat.exclude_from_tracebacks(__file__)
-
-
-def _flag_value():
-    try:
-        return bool(jax.config.jax_remat3)
-    except AttributeError:
-        return None
-
-
-def active_engine() -> str:
-    """The engine ``jax.checkpoint`` uses under the current ``jax_remat3`` value: :data:`CLASSIC` or :data:`REMAT3`.
-
-    Found by tracing ``jax.checkpoint(sin)`` once per value of the ``jax_remat3`` flag and
-    looking at the primitive it binds (``remat2`` for the classic engine).
-    """
-
-    def probe():
-        jaxpr = jax.make_jaxpr(jax.checkpoint(jax.numpy.sin))(jax.ShapeDtypeStruct((), jax.numpy.float32))
-        names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
-        return CLASSIC if names & CLASSIC_CHECKPOINT_PRIMITIVES else REMAT3
-
-    return _engine_by_flag.get(_flag_value(), probe)
 
 
 def natively_understood(callback: Callable | None) -> bool:
@@ -208,7 +170,7 @@ class TraceCache:
         consts being the trace's closed-over constants."""
         leaves, treedef = jax.tree.flatten((args, kwargs))
         try:
-            key = (_flag_value(), _jax_compat.trace_context(), treedef, tuple(jax.typeof(leaf) for leaf in leaves))
+            key = (remat3_flag(), _jax_compat.trace_context(), treedef, tuple(jax.typeof(leaf) for leaf in leaves))
             hash(key)
         except TypeError:  # not JAX values: tracing raises JAX's own error
             return build()[0]
@@ -263,8 +225,8 @@ def _remat3_names(fn, save_names, offload: Mapping[str, tuple[str, str]], args, 
 
 def _remat3_rebound(fn, policy, offload: Mapping[str, tuple[str, str]], args, kwargs):
     """``jax.checkpoint(fn, policy=policy)`` under remat3, ``fn`` traced once with the classic
-    primitives and re-bound: its name tags become :func:`name_tag` (which batches), the values
-    named in ``offload`` go through :func:`offload_function`.
+    primitives and re-bound: its name tags become :func:`jremat._active_engine.name_tag` (which batches), the values
+    named in ``offload`` go through :func:`jremat._active_engine.offload_function`.
 
     Returns:
       ``(out_tree, flat_fn, consts)``: ``flat_fn`` takes the flattened argument leaves.
@@ -317,13 +279,13 @@ def _remat3_callback(fn, callback, args, kwargs):
     # the callback decided differently for two tags of the same name.
     by_name: dict = {}
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name == NAME_PRIMITIVE:
+        if eqn.primitive.name == _jaxpr.NAME:
             decision = "save" if i in save else offload.get(i)
             by_name.setdefault(eqn.params["name"], set()).add(decision)
     own_name = {
         i: eqns[i].params["name"]
         for i in save | set(offload)
-        if eqns[i].primitive.name == NAME_PRIMITIVE and len(by_name[eqns[i].params["name"]]) == 1
+        if eqns[i].primitive.name == _jaxpr.NAME and len(by_name[eqns[i].params["name"]]) == 1
     }
     flat = checkpoint_chosen(closed, save, offload, own_names=own_name)
     return out_tree, flat, closed.consts
@@ -373,61 +335,12 @@ def checkpoint_chosen(
     return _lower(tagged, save_names, offload_by_name, None, prevent_cse)
 
 
-def offload_function(src: str, dst: str) -> Callable:
-    """An identity function whose remat3 residual is a copy of its input in ``dst`` memory.
-
-    Inside a remat3 checkpoint, the forward pass copies the value from ``src`` to ``dst`` memory
-    and keeps that copy; the backward pass copies it back to ``src`` instead of recomputing it
-    (:func:`jremat._jax_compat.remat3_offload`). Elsewhere (a call that is not differentiated,
-    ``vmap``, forward mode) it is the identity.
-
-    Raises:
-      ValueError: if ``src`` or ``dst`` is not a memory kind jremat can address under remat3.
-    """
-    for kind in (src, dst):
-        if kind not in _MEMORY_SPACES:
-            raise ValueError(
-                f"offload under jax_remat3 moves values with jax.device_put to a jax.memory.Space; "
-                f"memory kind {kind!r} has none (valid: {', '.join(sorted(_MEMORY_SPACES))})"
-            )
-    there, back = _MEMORY_SPACES[dst], _MEMORY_SPACES[src]
-    return lambda x: _jax_compat.remat3_offload(x, back, there)
-
-
-def name_tag(x, name: str):
-    """``checkpoint_name(x, name)`` for the engine in use: JAX's own under the classic engine,
-    :func:`jremat._jax_compat.remat3_name_tag` (which also batches under ``vmap``) under remat3."""
-    if active_engine() == REMAT3:
-        return _jax_compat.remat3_name_tag(x, name)
-    return checkpoint_name(x, name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Re-emitting classic equations under remat3
-# ---------------------------------------------------------------------------------------------
-
-
-def tag_name(eqn) -> str | None:
-    """The tensor name of a ``checkpoint_name`` equation under either engine, else ``None``.
-
-    A classic tag is a ``name`` equation; a remat3 tag is a ``call_hi_primitive`` equation.
-    """
-    tag = _jaxpr.name_tag(eqn)
-    return tag if tag is not None else _jax_compat.remat3_tag_name(eqn)
-
+_interpreter.install_checkpoint_lowering(lower_checkpoint)
 
 __all__ = [
-    "CLASSIC",
-    "ENGINES",
-    "REMAT3",
-    "INLINED_CALL_PRIMITIVES",
     "TraceCache",
-    "active_engine",
     "callback_decisions",
     "checkpoint_chosen",
     "lower_checkpoint",
-    "name_tag",
     "natively_understood",
-    "offload_function",
-    "tag_name",
 ]

@@ -7,18 +7,31 @@ program again, re-emitting its name tags and checkpoints for the engine in use
 (:func:`translates`, :func:`bind_translated`) and tagging the outputs a policy chose.
 
 The lowering of checkpoints (:mod:`jremat._engine`) runs programs through this interpreter, and
-the interpreter lowers a nested checkpoint it re-emits through :func:`jremat._engine.lower_checkpoint`:
-the two modules call each other.
+the interpreter lowers a nested checkpoint it re-emits with that lowering, which
+:mod:`jremat._engine` installs when it is imported (:func:`install_checkpoint_lowering`): the
+recursion is inherent, the imports go one way.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from jax.extend import core as jcore
 
-from jremat import _engine, _jax_compat, _jaxpr, _tags
+from jremat import _jax_compat, _jaxpr, _tags
+from jremat._active_engine import REMAT3, active_engine, name_tag, offload_function
+
+# jremat._engine.lower_checkpoint, installed by jremat._engine on import.
+_lower_checkpoint: list[Callable] = []
+
+
+def install_checkpoint_lowering(lower_checkpoint: Callable) -> None:
+    """Use ``lower_checkpoint(fn, callback=policy)`` to lower the classic checkpoints that
+    :func:`bind_translated` re-emits under remat3 (:func:`jremat._engine.lower_checkpoint`)."""
+    _lower_checkpoint[:] = [lower_checkpoint]
+
 
 # ---------------------------------------------------------------------------------------------
 # Re-emitting classic equations under remat3
@@ -29,28 +42,28 @@ def translates(eqn) -> bool:
     """Whether ``eqn`` is a classic ``checkpoint_name`` / ``jax.checkpoint`` equation that must be
     re-emitted for remat3 when re-bound (true only while remat3 is active)."""
     name = eqn.primitive.name
-    return (
-        name == _jaxpr.NAME or name in _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES
-    ) and _engine.active_engine() == _engine.REMAT3
+    return (name == _jaxpr.NAME or name in _jaxpr.CLASSIC_CHECKPOINT_PRIMITIVES) and active_engine() == REMAT3
 
 
 def bind_translated(eqn, invals) -> list:
     """Re-emit a classic name tag or checkpoint equation (see :func:`translates`) for remat3.
 
-    A ``name`` equation becomes :func:`jremat._engine.name_tag` (remat3's name tag); a ``remat2`` equation
+    A ``name`` equation becomes :func:`jremat._active_engine.name_tag` (remat3's name tag); a ``remat2`` equation
     becomes :func:`jremat._engine.lower_checkpoint` of its body with the same policy, the body re-emitted the same way.
 
     Returns:
       The equation's outputs, as a list.
     """
     if eqn.primitive.name == _jaxpr.NAME:
-        return [_engine.name_tag(invals[0], eqn.params["name"])]
+        return [name_tag(invals[0], eqn.params["name"])]
     body = eqn.params["jaxpr"]
     consts = body.consts if hasattr(body, "consts") else ()
     body = body.jaxpr if hasattr(body, "jaxpr") else body
     policy = eqn.params.get("policy")
     fun = lambda *xs: evaluate_reemitted(body, consts, xs, {})
-    return list(_engine.lower_checkpoint(fun, callback=policy)(*invals))
+    if not _lower_checkpoint:
+        importlib.import_module("jremat._engine")  # installs its lowering
+    return list(_lower_checkpoint[0](fun, callback=policy)(*invals))
 
 
 def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str]], keep_calls: bool = False) -> list:
@@ -60,7 +73,7 @@ def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str
 
     def offload_named(eqn, outs):
         if eqn.primitive.name == _jaxpr.NAME and eqn.params["name"] in offload:
-            return [_engine.offload_function(*offload[eqn.params["name"]])(outs[0])]
+            return [offload_function(*offload[eqn.params["name"]])(outs[0])]
         return outs
 
     return evaluate_inlined(jaxpr, consts, args, offload_named, keep_calls=keep_calls)
@@ -89,11 +102,7 @@ def bind_equation(eqn, invals) -> list:
     """
     if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
         return bind_translated(eqn, invals)
-    if (
-        _jaxpr.is_scan(eqn)
-        and _engine.active_engine() == _engine.REMAT3
-        and _holds_translated(eqn.params["jaxpr"].jaxpr)
-    ):
+    if _jaxpr.is_scan(eqn) and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
         return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
@@ -211,7 +220,7 @@ def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) 
         outs = bind_equation(eqn, [_read(env, v) for v in eqn.invars])
         tag = tags.get(i)
         if tag is not None:
-            outs = [_engine.name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
+            outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

@@ -26,8 +26,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jremat import _jaxpr
-
 #: (module, attribute) -> what jremat uses it for. Keep in sync with the accessors below.
 PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     ("jax._src.source_info_util", "summarize"): "source lines (file:line) of equations in saved-residual reports",
@@ -106,13 +104,10 @@ def exclude_from_tracebacks(path: str) -> None:
         register(path)
 
 
-def remat3_tag_name(eqn) -> str | None:
-    """The name of a ``checkpoint_name`` equation traced under jax_remat3, else ``None``.
-
-    Under remat3 a tag is a ``call_hi_primitive`` equation whose ``_prim`` is JAX's private
-    ``CheckpointName``; ``None`` on a JAX without it (no remat3 tags can exist there).
-    """
-    prim = eqn.params.get("_prim") if eqn.primitive.name == _jaxpr.CALL_HI_PRIMITIVE else None
+def checkpoint_name_of(prim) -> str | None:
+    """The name that ``prim``, the ``_prim`` parameter of a jax_remat3 tag equation, gives its
+    value, if it is JAX's private ``CheckpointName``; else ``None`` (also on a JAX without it, where
+    no remat3 tags can exist)."""
     if prim is None:
         return None
     checkpoint_name_type = _optional("jax._src.ad_checkpoint", "CheckpointName")
@@ -369,7 +364,7 @@ __all__ = [
     "remat3_flag_exists",
     "remat3_name_tag",
     "remat3_offload",
-    "remat3_tag_name",
+    "checkpoint_name_of",
     "saved_residuals",
     "custom_vjp_forward_jaxpr",
     "scan_counts",

@@ -33,7 +33,7 @@ NAME = "name"
 SCAN = "scan"
 WHILE = "while"
 COND = "cond"
-#: Under jax_remat3 a ``checkpoint_name`` tag is this primitive (:func:`jremat._jax_compat.remat3_tag_name`).
+#: Under jax_remat3 a ``checkpoint_name`` tag is this primitive (:func:`remat3_name_tag`).
 CALL_HI_PRIMITIVE = "call_hi_primitive"
 #: ``jax.experimental.pallas.pallas_call``.
 PALLAS_CALL = "pallas_call"
@@ -308,6 +308,18 @@ def is_loop(eqn) -> bool:
 def name_tag(eqn) -> str | None:
     """The tag of a classic ``checkpoint_name`` equation (a ``name`` primitive), else ``None``."""
     return eqn.params["name"] if eqn.primitive.name == NAME else None
+
+
+def remat3_name_tag(eqn) -> str | None:
+    """The tag of a ``checkpoint_name`` equation traced under jax_remat3 (a ``call_hi_primitive``
+    whose ``_prim`` is JAX's ``CheckpointName``), else ``None``."""
+    return _jax_compat.checkpoint_name_of(eqn.params.get("_prim")) if eqn.primitive.name == CALL_HI_PRIMITIVE else None
+
+
+def any_name_tag(eqn) -> str | None:
+    """The tag of a ``checkpoint_name`` equation traced under either engine, else ``None``."""
+    tag = name_tag(eqn)
+    return tag if tag is not None else remat3_name_tag(eqn)
 
 
 def name_tags(jaxpr) -> frozenset[str]:

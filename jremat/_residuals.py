@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jremat import _collectives, _engine, _jax_compat, _jaxpr, _program, _shards, _tags
+from jremat import _active_engine, _collectives, _jax_compat, _jaxpr, _program, _shards, _tags
 
 #: Residual kinds (see :class:`SavedResidual`).
 ACTIVATION = "activation"
@@ -241,7 +241,7 @@ def _literal(aval) -> SavedResidual:
 
 def _primitive_name(eqn) -> str:
     """The equation's primitive name, with JAX remat3's ``checkpoint_name`` read as ``name``."""
-    return _jaxpr.NAME if _engine.tag_name(eqn) is not None else eqn.primitive.name
+    return _jaxpr.NAME if _jaxpr.any_name_tag(eqn) is not None else eqn.primitive.name
 
 
 def _vjp_residual_jaxpr(fn, args, kwargs):
@@ -276,7 +276,7 @@ def _residuals_the_backward_reads(out_shape) -> list[bool]:
     """
     primal_shape, pullback_shape = out_shape
     res_shapes = jax.tree.leaves(pullback_shape)
-    if _engine.active_engine() != _engine.REMAT3:
+    if _active_engine.active_engine() != _active_engine.REMAT3:
         return [True] * len(res_shapes)
     pullback_tree, primal_tree = jax.tree.structure(pullback_shape), jax.tree.structure(primal_shape)
     primals = jax.tree.leaves(primal_shape)
@@ -432,7 +432,7 @@ def saved_residuals_report(
         ):
             eqn = producer[v]
             if _primitive_name(eqn) == _jaxpr.NAME:
-                names.append(_engine.tag_name(eqn))
+                names.append(_jaxpr.any_name_tag(eqn))
             v = eqn.invars[0]
         return v, names
 
@@ -447,7 +447,7 @@ def saved_residuals_report(
                     seen.add(id(eqn))
                     prim = _primitive_name(eqn)
                     if prim == _jaxpr.NAME:
-                        found.append(_engine.tag_name(eqn))
+                        found.append(_jaxpr.any_name_tag(eqn))
                     if prim in IDENTITY_PRIMITIVES or prim in _jaxpr.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
             user = _tags.user_names(found)

@@ -61,7 +61,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from jremat import _collectives, _compile, _jax_compat, _jaxpr, _memory, _timeline_buffers
+from jremat import _collectives, _compile, _jaxpr, _memory, _timeline_buffers
 from jremat._timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
@@ -292,8 +292,7 @@ def checkpoint_name_locations(jaxpr) -> dict:
     out: dict = collections.defaultdict(set)
 
     for eqn in _jaxpr.equations(jaxpr):
-        tag = _jaxpr.name_tag(eqn)
-        tag = _jax_compat.remat3_tag_name(eqn) if tag is None else tag
+        tag = _jaxpr.any_name_tag(eqn)
         if tag is not None:
             loc = _user_location(eqn.source_info, skip)
             if loc is not None:

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jremat import _active_engine, names
 from jremat import _attention_inputs as _inputs
-from jremat import _engine, names
 from jremat._attention_analysis import BLOCKWISE as BLOCKWISE
 from jremat._attention_analysis import CUDNN as CUDNN
 from jremat._attention_analysis import CUDNN_FORWARD_PRIMITIVES as CUDNN_FORWARD_PRIMITIVES
@@ -365,8 +365,8 @@ def _attention(cfg: _Config, q, k, v, key_data):
     # (jax_remat3 recomputes a custom_vjp call whole, its forward rule included). A
     # checkpoint policy that saves both names drops the forward loop from the backward pass.
     out, lse = _forward(cfg, lax.stop_gradient(q), lax.stop_gradient(k), lax.stop_gradient(v), key_data)
-    out = _engine.name_tag(out, names.ATTN_CONTEXT)
-    lse = _engine.name_tag(lse, names.ATTN_LSE)
+    out = _active_engine.name_tag(out, names.ATTN_CONTEXT)
+    lse = _active_engine.name_tag(lse, names.ATTN_LSE)
     return _with_gradient(cfg, q, k, v, out, lse, key_data)
 
 

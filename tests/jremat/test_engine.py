@@ -6,6 +6,7 @@ import pytest
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
 import jremat
+from jremat import _active_engine
 from jremat import _engine as engine
 from tests.conftest import saved_residuals
 
@@ -13,7 +14,7 @@ from tests.conftest import saved_residuals
 def under(engine_name, fn):
     """``fn()`` with the ``jax_remat3`` flag set for ``engine_name``, the flag restored after."""
     before = jax.config.jax_remat3
-    jax.config.update("jax_remat3", engine_name == engine.REMAT3)
+    jax.config.update("jax_remat3", engine_name == _active_engine.REMAT3)
     try:
         return fn()
     finally:
@@ -45,10 +46,10 @@ def test_jit_cache_does_not_leak_between_engines():
     step = jax.jit(jax.grad(engine.lower_checkpoint(jnp.sin)))
     prims = {
         name: under(name, lambda: {e.primitive.name for e in jax.make_jaxpr(step)(1.0).eqns[0].params["jaxpr"].eqns})
-        for name in engine.ENGINES
+        for name in _active_engine.ENGINES
     }
-    assert prims[engine.CLASSIC] != prims[engine.REMAT3]
-    assert "remat2" not in prims[engine.REMAT3] and "remat2" in prims[engine.CLASSIC] | {"remat2"}
+    assert prims[_active_engine.CLASSIC] != prims[_active_engine.REMAT3]
+    assert "remat2" not in prims[_active_engine.REMAT3] and "remat2" in prims[_active_engine.CLASSIC] | {"remat2"}
 
 
 def test_decorated_at_import_follows_the_engine_at_call_time():
@@ -56,10 +57,10 @@ def test_decorated_at_import_follows_the_engine_at_call_time():
 
     kinds = {
         name: under(name, lambda: [e.primitive.name for e in jax.make_jaxpr(ops.gelu)(jnp.ones(3)).eqns])
-        for name in engine.ENGINES
+        for name in _active_engine.ENGINES
     }
-    assert kinds[engine.CLASSIC] == ["remat2"]
-    assert kinds[engine.REMAT3] != ["remat2"]
+    assert kinds[_active_engine.CLASSIC] == ["remat2"]
+    assert kinds[_active_engine.REMAT3] != ["remat2"]
 
 
 def test_user_callback_decides_under_both_engines(remat_engine):
@@ -95,14 +96,14 @@ def test_jax_policies_keep_the_same_values_under_both_engines(callback):
 
     kept = {
         name: under(name, lambda: shapes_kept(engine.lower_checkpoint(fn, callback=callback), w))
-        for name in engine.ENGINES
+        for name in _active_engine.ENGINES
     }
-    assert kept[engine.CLASSIC] == kept[engine.REMAT3]
+    assert kept[_active_engine.CLASSIC] == kept[_active_engine.REMAT3]
     grads = {
         name: under(name, lambda: jax.grad(engine.lower_checkpoint(fn, callback=callback))(w))
-        for name in engine.ENGINES
+        for name in _active_engine.ENGINES
     }
-    assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])
+    assert jnp.array_equal(grads[_active_engine.CLASSIC], grads[_active_engine.REMAT3])
 
 
 def test_everything_saveable_is_not_a_full_remat_under_remat3():
@@ -116,9 +117,11 @@ def test_everything_saveable_is_not_a_full_remat_under_remat3():
         kept = under(name, lambda: shapes_kept(lambda w: engine.lower_checkpoint(chain, callback=callback)(w, x), w))
         return [k for k in kept if k == "float32[2,4]"]
 
-    assert len(activations(engine.REMAT3)) == len(activations(engine.CLASSIC)) >= 3
-    native = under(engine.REMAT3, lambda: shapes_kept(lambda w: jax.checkpoint(chain, policy=callback)(w, x), w))
-    assert len([k for k in native if k == "float32[2,4]"]) < len(activations(engine.REMAT3))
+    assert len(activations(_active_engine.REMAT3)) == len(activations(_active_engine.CLASSIC)) >= 3
+    native = under(
+        _active_engine.REMAT3, lambda: shapes_kept(lambda w: jax.checkpoint(chain, policy=callback)(w, x), w)
+    )
+    assert len([k for k in native if k == "float32[2,4]"]) < len(activations(_active_engine.REMAT3))
 
 
 def attention_like(x):
@@ -147,7 +150,7 @@ def test_offload_decision_of_a_callback_goes_to_host(remat_engine):
 def test_offload_to_an_unknown_memory_kind_under_remat3_is_an_error():
     fn = engine.lower_checkpoint(named, offload_names=["q"], offload_dst="unpinned_host")
     with pytest.raises(ValueError, match="under jax_remat3.*'unpinned_host'.*valid: device, pinned_host"):
-        under(engine.REMAT3, lambda: jax.grad(fn)(jnp.ones(3)))
+        under(_active_engine.REMAT3, lambda: jax.grad(fn)(jnp.ones(3)))
 
 
 def test_checkpoint_argument_errors():
@@ -163,12 +166,16 @@ def test_checkpoint_argument_errors():
 def test_policies_keep_the_same_values_under_both_engines(spec):
     x = jnp.linspace(0.1, 1.0, 24).reshape(4, 6)
     kept = {
-        name: under(name, lambda: shapes_kept(jremat.checkpoint(attention_like, spec), x)) for name in engine.ENGINES
+        name: under(name, lambda: shapes_kept(jremat.checkpoint(attention_like, spec), x))
+        for name in _active_engine.ENGINES
     }
-    assert kept[engine.CLASSIC] == kept[engine.REMAT3]
-    assert len(kept[engine.CLASSIC]) > 1  # more than the input: the comparison can fail
-    grads = {name: under(name, lambda: jax.grad(jremat.checkpoint(attention_like, spec))(x)) for name in engine.ENGINES}
-    assert jnp.array_equal(grads[engine.CLASSIC], grads[engine.REMAT3])
+    assert kept[_active_engine.CLASSIC] == kept[_active_engine.REMAT3]
+    assert len(kept[_active_engine.CLASSIC]) > 1  # more than the input: the comparison can fail
+    grads = {
+        name: under(name, lambda: jax.grad(jremat.checkpoint(attention_like, spec))(x))
+        for name in _active_engine.ENGINES
+    }
+    assert jnp.array_equal(grads[_active_engine.CLASSIC], grads[_active_engine.REMAT3])
 
 
 TRANSFORMS = {
@@ -192,7 +199,7 @@ def test_jax_transforms_pass_through_under_both_engines(remat_engine, spec, tran
     undecorated function's own checkpoint_name cannot vmap under remat3.)"""
     xs = jnp.linspace(0.1, 1.0, 48).reshape(2, 4, 6)
     got = TRANSFORMS[transform](jremat.checkpoint(attention_like, spec), xs)
-    expected = under(engine.CLASSIC, lambda: TRANSFORMS[transform](attention_like, xs))
+    expected = under(_active_engine.CLASSIC, lambda: TRANSFORMS[transform](attention_like, xs))
     assert jnp.allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -200,7 +207,7 @@ def test_jax_remat3_checkpoint_name_alone_cannot_vmap():
     """Why jremat re-emits name tags under remat3: JAX's own fail under vmap (when JAX adds the
     rule, this test fails and jremat's tag can go)."""
     with pytest.raises(NotImplementedError, match="vmap"):
-        under(engine.REMAT3, lambda: jax.vmap(attention_like)(jnp.ones((2, 4, 6))))
+        under(_active_engine.REMAT3, lambda: jax.vmap(attention_like)(jnp.ones((2, 4, 6))))
 
 
 def test_offload_under_vmap_still_goes_to_host(remat_engine):
@@ -223,15 +230,15 @@ def _primitive_names(jaxpr, found=None) -> set:
 
 
 @pytest.mark.parametrize("spec", [None, "dots", "names:save=q", "every_k:k=2"])
-@pytest.mark.parametrize("decorated_under", engine.ENGINES)
+@pytest.mark.parametrize("decorated_under", _active_engine.ENGINES)
 def test_the_engine_is_chosen_at_each_call_not_when_decorated(spec, decorated_under):
     """A function decorated (and called once) under one engine runs the other engine's
     checkpoint once the flag changes: ``remat2`` appears exactly under the classic engine."""
     checkpointed = under(decorated_under, lambda: jremat.checkpoint(named, spec))
     grad = jax.grad(checkpointed)
-    for called_under in (decorated_under, *(e for e in engine.ENGINES if e != decorated_under)):
+    for called_under in (decorated_under, *(e for e in _active_engine.ENGINES if e != decorated_under)):
         found = under(called_under, lambda: _primitive_names(jax.make_jaxpr(grad)(1.0).jaxpr))
-        assert ("remat2" in found) == (called_under == engine.CLASSIC), (called_under, sorted(found))
+        assert ("remat2" in found) == (called_under == _active_engine.CLASSIC), (called_under, sorted(found))
 
 
 def test_traces_are_kept_per_x64_setting(remat_engine):

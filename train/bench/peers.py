@@ -43,7 +43,7 @@ class JaxCheckpointPeer(jremat.Policy):
         self.jax_policy = policy
         self.label = label
 
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``jax.checkpoint(fn, policy=...)``."""
         return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=self.jax_policy)
 
@@ -60,7 +60,7 @@ class NnxRematPeer(jremat.Policy):
 
     label = "nnx.remat"
 
-    def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``nnx.remat(fn)``."""
         return nnx.remat(fn, prevent_cse=prevent_cse)
 
