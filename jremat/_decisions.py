@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _jaxpr, _program, _residuals, _tags
+from jremat import _jaxpr, _residuals, _tags
 
 SAVE = _tags.SAVE
 OFFLOAD = _tags.OFFLOAD
@@ -73,7 +73,7 @@ def _iterations(scopes: Sequence[tuple[str, int]]) -> int:
 def tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
     """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
     return [
-        (tag, _program.aval_bytes(eqn.outvars[0].aval), _iterations(scopes) * _jaxpr.trip_count(enclosing))
+        (tag, _jaxpr.aval_bytes(eqn.outvars[0].aval), _iterations(scopes) * _jaxpr.trip_count(enclosing))
         for eqn, enclosing in _jaxpr.walk(jaxpr)
         if (tag := _jaxpr.name_tag(eqn)) is not None
     ]
@@ -91,7 +91,7 @@ def _decide(callback, eqn) -> str:
 
 def _is_float_var(v) -> bool:
     dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and not _program.is_key(v.aval) and jnp.issubdtype(dtype, jnp.inexact)
+    return dtype is not None and not _jaxpr.is_key(v.aval) and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
@@ -145,7 +145,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
         key = (decision, _where(scopes))
         entry = acc.setdefault(key, [0, 0, _iterations(scopes), []])
         entry[0] += 1
-        entry[1] += _program.aval_bytes(v.aval)
+        entry[1] += _jaxpr.aval_bytes(v.aval)
         if name and name not in entry[3]:
             entry[3].append(name)
 

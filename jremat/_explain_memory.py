@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import jax
 import jax.numpy as jnp
 
-from jremat import _memory, _program
+from jremat import _jaxpr, _memory
 from jremat._decorator import split_static
 
 
@@ -48,7 +48,7 @@ def mesh_sharding(leaf):
 def gradient_program(flat_fn: Callable, structs: list, with_value: bool = False) -> Callable:
     """The VJP of ``flat_fn`` (cotangent 1) w.r.t. its float leaves, as a function of all leaves;
     with ``with_value``, ``(value, vjp)`` (a training step's shape: the forward's result is used)."""
-    floats = [i for i, s in enumerate(structs) if not _program.is_key(s) and jnp.issubdtype(s.dtype, jnp.inexact)]
+    floats = [i for i, s in enumerate(structs) if not _jaxpr.is_key(s) and jnp.issubdtype(s.dtype, jnp.inexact)]
 
     def grad_fn(*values):
         def of_diff(*d):

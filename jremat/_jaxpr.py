@@ -9,6 +9,7 @@ Every analysis in jremat reads jaxprs through this module:
   equation with the equations that hold it: the ``scan`` loops among them (:func:`loops`) give
   how many times it runs (:func:`trip_count`);
 * the name of a ``checkpoint_name`` tag (:func:`name_tag`);
+* the values: the bytes one takes (:func:`aval_bytes`), whether it is a PRNG key (:func:`is_key`);
 * liveness (:func:`live_equations`, :func:`used_inputs`): which equations and inputs a jaxpr's
   used outputs need, through calls and ``scan`` loops (carries to a fixed point). JAX's remat3 engine leaves a saved value's recomputation in the backward
   program as an input that a ``custom_jvp_call`` ignores (it only supplies a tangent); XLA removes
@@ -18,8 +19,11 @@ Every analysis in jremat reads jaxprs through this module:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jremat import _jax_compat
@@ -204,6 +208,26 @@ INTEGER_SCALAR_FUNCTIONS: dict[str, Callable] = {
     "convert_element_type": lambda a: a,
     "clamp": lambda lo, x, hi: min(max(x, lo), hi),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def is_key(aval) -> bool:
+    """Whether ``aval`` is a typed PRNG key."""
+    return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
+
+
+def aval_bytes(aval) -> int:
+    """Bytes taken by one value of abstract type ``aval`` (0 for tokens and keys' metadata)."""
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    if is_key(aval):
+        return math.prod(shape) * 8
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ How a kernel is priced (:func:`kernel_cost`), first match wins:
    ``flops + transcendentals`` (a transcendental is one FLOP in jremat's model, as an ``exp``
    outside a kernel is) and its ``bytes_accessed``;
 3. **body x grid**: any other ``pallas_call``: the FLOPs of its kernel body at every point of its
-   grid, summed (:func:`jremat._flops.kernel_body_flops`). The body runs with its
+   grid, summed (:func:`jremat._flop_model.kernel_body_flops`). The body runs with its
    ``program_id`` values known, so a loop whose trip count depends on the grid position (a causal
    kernel's loop over the key blocks at or before the query block) counts the iterations it
    runs there. Loads and stores of the kernel's blocks cost nothing; bytes accessed are the
@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import jax
 
-from jremat import _flops, _jaxpr, _program
+from jremat import _flop_model, _jaxpr
 
 #: FLOPs per byte of inputs and outputs at which a kernel nobody declared is priced: the
 #: arithmetic intensity of a large matmul, far above ``skip_cheap``'s threshold.
@@ -215,7 +215,7 @@ def _avals(variables) -> tuple:
 
 
 def _io_bytes(eqn) -> float:
-    return float(sum(_program.aval_bytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
+    return float(sum(_jaxpr.aval_bytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
 
 
 def _declared_amount(amount, ins: tuple, outs: tuple, what: str, name: str) -> float:
@@ -263,7 +263,7 @@ def _pallas_body_times_grid(eqn) -> float:
     body = eqn.params["jaxpr"]
     body = getattr(body, "jaxpr", body)
     grid = tuple(d if isinstance(d, int) else 1 for d in eqn.params["grid_mapping"].grid)
-    varying = sorted(a for a in _flops.program_id_axes(body) if a < len(grid))
+    varying = sorted(a for a in _flop_model.program_id_axes(body) if a < len(grid))
     fixed_points = math.prod(d for a, d in enumerate(grid) if a not in varying)
     extents = [grid[a] for a in varying]
     count = math.prod(extents)
@@ -274,7 +274,7 @@ def _pallas_body_times_grid(eqn) -> float:
     for index in flat:
         position = dict(zip(varying, _unravel(index, extents)))
         ids = tuple(position.get(a, 0) for a in range(len(grid)))
-        total += _flops.kernel_body_flops(body, ids, grid)
+        total += _flop_model.kernel_body_flops(body, ids, grid, kernel_flops)
     return total * (count / len(flat)) * fixed_points
 
 

@@ -25,72 +25,16 @@ Op classification (used by every policy that counts or prices ops):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jremat import _engine, _interpreter, _jaxpr, _kernel_cost
+from jremat import _engine, _flops, _interpreter, _jaxpr
 
 #: Re-trace a jaxpr with nested ``jit`` / ``closed_call`` bodies inlined (:func:`jremat._interpreter.inline_calls`).
 inline_calls = _interpreter.inline_calls
-
-
-def is_key(aval) -> bool:
-    """Whether ``aval`` is a typed PRNG key."""
-    return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
-
-
-def aval_bytes(aval) -> int:
-    """Bytes taken by one value of abstract type ``aval`` (0 for tokens and keys' metadata)."""
-    shape = getattr(aval, "shape", None)
-    dtype = getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    if is_key(aval):
-        return math.prod(shape) * 8
-    return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-
-def equation_flops(eqn) -> float:
-    """Cost-model FLOPs to recompute one equation's outputs from its inputs.
-
-    ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. ``conv``: 2 x output
-    elements x kernel elements / output features. Reductions: input elements. Nested
-    checkpoint / custom-derivative calls: the sum over their body; a ``scan``: its body times
-    its length. Shape-only ops: 0.
-    ``dynamic_update_slice``: one per element written (the update; XLA writes in place).
-    A kernel (a ``pallas_call``, an FFI call): its price (:func:`jremat.kernel_cost`).
-    Everything else (elementwise): one FLOP per output element.
-    """
-    kernel_flops = _kernel_cost.kernel_flops(eqn)
-    if kernel_flops is not None:
-        return kernel_flops
-    name = eqn.primitive.name
-    if name in _jaxpr.SHAPE_ONLY_PRIMITIVES:
-        return 0.0
-    if name == _jaxpr.DOT_GENERAL:
-        (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-        lhs_shape = eqn.invars[0].aval.shape
-        contracted = math.prod(lhs_shape[d] for d in lhs_contract)
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
-    if name == _jaxpr.CONV:
-        rhs_shape = eqn.invars[1].aval.shape
-        out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
-        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs_shape) / out_features
-    subs = _jaxpr.subjaxprs(eqn)
-    if subs:
-        # A scan's outputs cost its body times its length (a while loop's count is unknown: once).
-        trips = eqn.params["length"] if name == _jaxpr.SCAN else 1
-        return float(trips * sum(equation_flops(e) for sub in subs for e in sub.eqns))
-    if name == _jaxpr.DYNAMIC_UPDATE_SLICE:
-        return float(math.prod(eqn.invars[1].aval.shape))
-    if name.startswith(_jaxpr.REDUCE_PREFIX) or name in _jaxpr.REDUCTION_PRIMITIVES:
-        return float(sum(math.prod(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")))
-    return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +47,7 @@ class Op:
       out_shapes: shapes of the outputs.
       out_dtypes: dtypes of the outputs.
       out_bytes: bytes of all outputs together.
-      flops: cost-model FLOPs to recompute the outputs (:func:`equation_flops`).
+      flops: cost-model FLOPs to recompute the outputs (:func:`jremat._flops.equation_flops`).
       counted: whether this is a compute op (not shape-only, not RNG- or constant-derived).
       compute_index: position among compute ops (0-based), or ``None`` if not counted.
       rng_derived: whether the outputs depend only on PRNG keys and constants.
@@ -163,14 +107,14 @@ class Program:
 
 def _is_float(aval) -> bool:
     dtype = getattr(aval, "dtype", None)
-    return dtype is not None and not is_key(aval) and jnp.issubdtype(dtype, jnp.inexact)
+    return dtype is not None and not _jaxpr.is_key(aval) and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _classify(jaxpr) -> tuple[Op, ...]:
     # "Data" is floating-point input: a value that depends on none (only on keys, counters,
     # integer ids or constants) is never a compute op, and if a key went into it, it is random.
     data_dep: dict = {v: _is_float(v.aval) for v in jaxpr.invars}
-    key_dep: dict = {v: is_key(v.aval) for v in jaxpr.invars}
+    key_dep: dict = {v: _jaxpr.is_key(v.aval) for v in jaxpr.invars}
     consumer_name: dict = {}
     for eqn in jaxpr.eqns:
         if (tag := _jaxpr.name_tag(eqn)) is not None and not isinstance(eqn.invars[0], jcore.Literal):
@@ -184,7 +128,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
         has_key = (
             name in _jaxpr.KEY_MAKING_PRIMITIVES
             or any(key_dep.get(v, False) for v in ins)
-            or any(is_key(v.aval) for v in ins)
+            or any(_jaxpr.is_key(v.aval) for v in ins)
         )
         for v in eqn.outvars:
             data_dep[v] = has_data
@@ -194,7 +138,7 @@ def _classify(jaxpr) -> tuple[Op, ...]:
             has_data
             and bool(eqn.outvars)
             and name not in _jaxpr.SHAPE_ONLY_PRIMITIVES
-            and not any(is_key(v.aval) for v in eqn.outvars)
+            and not any(_jaxpr.is_key(v.aval) for v in eqn.outvars)
         )
         if name == _jaxpr.NAME:
             tensor_name = eqn.params["name"]
@@ -206,8 +150,8 @@ def _classify(jaxpr) -> tuple[Op, ...]:
                 primitive=name,
                 out_shapes=tuple(getattr(v.aval, "shape", ()) for v in eqn.outvars),
                 out_dtypes=tuple(getattr(v.aval, "dtype", None) for v in eqn.outvars),
-                out_bytes=sum(aval_bytes(v.aval) for v in eqn.outvars),
-                flops=equation_flops(eqn),
+                out_bytes=sum(_jaxpr.aval_bytes(v.aval) for v in eqn.outvars),
+                flops=_flops.equation_flops(eqn),
                 counted=counted,
                 compute_index=compute_index if counted else None,
                 rng_derived=rng_derived,

@@ -236,7 +236,7 @@ def _dtype_name(aval) -> str:
 def _literal(aval) -> SavedResidual:
     """A saved literal (a constant the backward pass reads)."""
     shape = tuple(getattr(aval, "shape", ()))
-    return SavedResidual(shape, _dtype_name(aval), _program.aval_bytes(aval), CONSTANT, None, "literal", "a literal")
+    return SavedResidual(shape, _dtype_name(aval), _jaxpr.aval_bytes(aval), CONSTANT, None, "literal", "a literal")
 
 
 def _primitive_name(eqn) -> str:
@@ -415,7 +415,7 @@ def saved_residuals_report(
     invar_index = {}
     for i, v in enumerate(jaxpr.invars):
         invar_index[v] = i
-        if _program.is_key(v.aval):
+        if _jaxpr.is_key(v.aval):
             deps[v] = _KEY
         elif owners[i] in param_argnums:
             deps[v] = _PARAM
@@ -472,7 +472,7 @@ def saved_residuals_report(
             continue
         seen_vars.add(base)
         aval = base.aval
-        nbytes = _program.aval_bytes(aval)
+        nbytes = _jaxpr.aval_bytes(aval)
         names = chain_names + [n for n in forward_names(base) if n not in chain_names]
         user_names = _tags.user_names(names)
         plan_tags = [n for n in names if _tags.is_internal(n)]
@@ -490,7 +490,7 @@ def saved_residuals_report(
                 stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
         else:
             primitive, source = "constant", "a constant"
-        if _program.is_key(aval):
+        if _jaxpr.is_key(aval):
             kind = RNG_KEY
         elif mask & (_DATA | _KEY):
             kind = ACTIVATION

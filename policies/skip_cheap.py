@@ -1,6 +1,6 @@
 """``skip_cheap``: keep only values that are expensive to recompute per byte kept.
 
-Cost model (from :func:`jremat._program.equation_flops`): the FLOPs to recompute an op's output
+Cost model (from :func:`jremat._flops.equation_flops`): the FLOPs to recompute an op's output
 from its inputs divided by the bytes its output takes. Elementwise ops (about one FLOP per
 element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_general`` costs
 ``2 x contracted`` FLOPs per output element, so a matmul over 64 features in bf16 is

@@ -1,4 +1,5 @@
-"""The checkout's layout rules: no module over 550 lines, and ``train/`` on the public API only."""
+"""The checkout's layout rules: no module over 550 lines, ``train/`` on the public API only, and
+no import cycle among the library's modules."""
 
 import ast
 import pathlib
@@ -9,6 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: The folders of the library and its reference model and tools.
 PACKAGES = ("jremat", "policies", "models", "train")
 MAX_LINES = 550
+#: The folders whose modules import one another in layers, by the package each installs as.
+LAYERED_PACKAGES = {"jremat": "jremat", "policies": "jremat.policies", "models": "jremat.models"}
 
 
 def _python_files(folder: str) -> list[pathlib.Path]:
@@ -54,3 +57,87 @@ def test_train_imports_no_private_jremat_module():
     assert _private_jremat_imports("from jremat import _memory") == ["jremat._memory"]
     assert _private_jremat_imports("def f():\n    import jremat._compile") == ["jremat._compile"]
     assert _private_jremat_imports("from jremat.fit import largest_fitting\nimport jremat.diagnosis") == []
+
+
+def _module_level_imports(source: str) -> list[str]:
+    """The modules ``source`` imports when it is imported: every import outside a function body
+    and outside an ``if TYPE_CHECKING:`` block, as ``module`` and ``module.name`` for each
+    ``from module import name``."""
+    found: list[str] = []
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append(node.module)
+                found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                visit(node.orelse)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit([s for s in getattr(node, field, []) if isinstance(s, ast.stmt | ast.ExceptHandler)])
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` (module -> modules it imports): each strongly connected component
+    of more than one module, or of one module importing itself, sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in order:
+            connect(v)
+    return sorted(cycles)
+
+
+def _layered_import_graph() -> dict[str, set[str]]:
+    files = {
+        package if path.stem == "__init__" else f"{package}.{path.stem}": path
+        for folder, package in LAYERED_PACKAGES.items()
+        for path in _python_files(folder)
+    }
+    return {m: {i for i in _module_level_imports(f.read_text()) if i in files and i != m} for m, f in files.items()}
+
+
+def test_no_import_cycle_among_library_modules():
+    graph = _layered_import_graph()
+    assert len(graph) > 40 and graph["jremat._program"], "the scan sees the library's modules and their imports"
+    assert _import_cycles(graph) == []
+    # The scan sees each form of a module-level import, and no import in a function or a TYPE_CHECKING block.
+    source = (
+        "import jremat._a\nfrom jremat import _b\nfrom jremat._c import f\ntry:\n    import jremat._d\n"
+        "except ImportError:\n    pass\nif TYPE_CHECKING:\n    import jremat._e\nelse:\n    import jremat._f\n"
+        "def g():\n    import jremat._h\n"
+    )
+    imported = set(_module_level_imports(source))
+    assert {"jremat._a", "jremat._b", "jremat._c", "jremat._d", "jremat._f"} <= imported
+    assert not {"jremat._e", "jremat._h"} & imported
+    assert _import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _import_cycles({"a": {"b"}, "b": set()}) == []
