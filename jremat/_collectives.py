@@ -407,18 +407,21 @@ def collectives_report(
 
 
 __all__ = [
-    "BACKWARD",
-    "FORWARD",
-    "KINDS",
-    "PHASES",
-    "RECOMPUTE",
-    "Collective",
-    "CollectivesReport",
-    "collective_flops_per_byte",
-    "collective_s_per_byte",
+    # The report and what it is made of.
     "collectives_report",
     "compiled_collectives_report",
     "hlo_collectives",
+    "CollectivesReport",
+    "Collective",
+    "KINDS",
+    "PHASES",
+    "FORWARD",
+    "BACKWARD",
+    "RECOMPUTE",
+    # Prices, measured on the mesh.
+    "collective_s_per_byte",
+    "collective_flops_per_byte",
+    # Helpers other reports use.
     "mesh_devices",
     "reissued_lines",
     "shape_bytes",

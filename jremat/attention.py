@@ -142,17 +142,8 @@ def reference_attention(
     ``jremat.dropout(probs, rate, layer_key, site)`` when ``dropout_key`` is
     ``jremat.site_key(layer_key, site)``.
 
-    Args:
-      q: queries, ``[batch, seq, heads, head_dim]``.
-      k: keys, the same shape as ``q``.
-      v: values, ``[batch, seq, heads, value_dim]``.
-      causal: whether query ``i`` sees only keys ``j <= i``.
-      dropout_rate: probability of dropping an attention probability, in ``[0, 1)``.
-      dropout_key: the dropout site's key, or ``None`` for no dropout.
-      scale: multiplier of ``q @ k``; ``1 / sqrt(head_dim)`` if ``None``.
-
-    Returns:
-      ``[batch, seq, heads, value_dim]`` in ``q``'s dtype.
+    Arguments and result are :func:`blockwise_attention`'s, without ``block_size``; float64 inputs
+    are computed in float64, and ``scale`` may be traced.
 
     Raises:
       ValueError: if the shapes or dtypes do not match, a dimension is empty or ``dropout_rate`` is
