@@ -33,8 +33,10 @@ survive into HLO themselves; :func:`memory_timeline` traces the function to map 
 to tags), else by its JAX name stack and innermost source line. Kinds: ``argument`` (an input
 of the program: parameters, optimizer state, data), ``forward`` (computed by the forward pass;
 ``forward residual`` when it is still live once the backward pass has begun), ``recomputation``
-(JAX's ``rematted_computation``, or forward-pass math that runs after the backward pass has begun,
-such as a dropout mask drawn again from its key or a residual converted to another dtype),
+(JAX's ``rematted_computation``, or forward-pass math that runs after the backward pass has begun
+and that the backward pass reads, such as a dropout mask drawn again from its key or a residual
+converted to another dtype; a recomputation XLA merged with the forward's own computation of the
+value is the forward's),
 ``gathered weight`` (on a mesh, an all-gather's result or a copy of it in another layout or dtype,
 in either pass: communication, not recomputed math),
 ``gradient`` (the backward pass:
@@ -251,20 +253,36 @@ def _loop_spans(hlo: Hlo, position: dict) -> tuple[LoopSpan, ...]:
     return tuple(sorted(out, key=lambda lp: lp.start_position))
 
 
-_SETUP_OPS = frozenset({"broadcast", "constant", "parameter", "copy", "bitcast", "tuple", "get-tuple-element"})
-
-
 def _backward_start(sequence: list, hlo: Hlo, loops: Sequence[LoopSpan]) -> int:
-    """The first position of the backward pass: the first instruction of a ``transpose(...)`` name
-    stack that computes something (gradient accumulators are zeroed early) after every top-level
-    forward loop."""
+    """The first position of the backward pass: after every top-level forward loop, the first
+    instruction of a ``transpose(...)`` name stack that computes something (gradient accumulators
+    are zeroed early) from another such instruction's result, i.e. from a cotangent.
+
+    A backward-pass instruction that reads forward values only (a checkpoint's recomputation,
+    ``.../rematted_computation/...``, or a factor of a derivative such as a softmax's ``1/sum``)
+    can run as soon as those exist, and XLA often schedules it inside the forward pass; it does not
+    start the backward pass."""
     forward_end = max((lp.end_position for lp in loops if "transpose(" not in lp.op_name), default=-1)
+
+    reads_cotangent: dict[str, bool] = {}  # instruction -> whether a backward instruction is upstream
+
+    def reads(name: str) -> bool:
+        todo = [name]  # iterative post-order over operands (HLO is acyclic)
+        while todo:
+            current = todo[-1]
+            pending = [o for o in hlo.operands.get(current, ()) if o not in reads_cotangent]
+            if pending:
+                todo.extend(pending)
+                continue
+            todo.pop()
+            reads_cotangent[current] = any(
+                _timeline_buffers.is_backward(o, hlo) or reads_cotangent[o] for o in hlo.operands.get(current, ())
+            )
+        return reads_cotangent[name]
+
     for t, name in enumerate(sequence):
-        if t <= forward_end or "transpose(" not in hlo.op_name.get(name, ""):
-            continue
-        if hlo.opcode.get(name) in _SETUP_OPS or name.startswith("wrapped_broadcast"):
-            continue
-        return t
+        if t > forward_end and _timeline_buffers.is_backward(name, hlo) and reads(name):
+            return t
     return len(sequence)
 
 

@@ -18,13 +18,71 @@ from jremat import _timeline_data as kinds
 from jremat._timeline_data import TimelineBuffer
 from jremat._xla_dump import Hlo
 
+#: The name-stack entry of the ops JAX's checkpoint runs again for the backward pass.
+REMATTED = "rematted_computation"
+
 
 def _kind(op_name: str) -> str:
-    if "rematted_computation" in op_name:
+    if REMATTED in op_name:
         return kinds.RECOMPUTATION
     if "transpose(" in op_name:
         return kinds.GRADIENT
     return kinds.FORWARD if op_name else kinds.OTHER
+
+
+#: Opcodes that set up a buffer (gradient accumulators are zeroed early under the backward's names).
+SETUP_OPS = frozenset({"broadcast", "constant", "parameter", "copy", "bitcast", "tuple", "get-tuple-element"})
+
+
+def _combined(op_name: str) -> bool:
+    """Whether an op name is that of several ops XLA combined into one (``.../(name:name:...)``)."""
+    return "/(" in op_name and ":" in op_name
+
+
+def is_backward(instruction: str, hlo: Hlo) -> bool:
+    """Whether ``instruction`` is backward-pass math: a ``transpose(...)`` name stack, not a
+    checkpoint's recomputation, not a set-up op, not a leaf (``partition-id``, ``iota``) and not a
+    collective XLA combined from several (``.../(name:name:...)``, which may carry the loss's value
+    beside the gradients)."""
+    op_name = hlo.op_name.get(instruction, "")
+    return (
+        "transpose(" in op_name
+        and REMATTED not in op_name
+        and not _combined(op_name)
+        and hlo.opcode.get(instruction) not in SETUP_OPS
+        and not instruction.startswith("wrapped_broadcast")
+        and bool(hlo.operands.get(instruction))
+    )
+
+
+def _feeds_backward(instruction: str, hlo: Hlo, users: dict) -> bool:
+    """Whether a backward-pass instruction reads ``instruction``'s value, directly or through others
+    (not through a combined collective: its parts go their own ways)."""
+    seen, todo = {instruction}, [instruction]
+    while todo:
+        for user in users.get(todo.pop(), ()):
+            if is_backward(user, hlo):
+                return True
+            if user not in seen and not _combined(hlo.op_name.get(user, "")):
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _read_by_forward(instruction: str, hlo: Hlo, users: dict) -> bool:
+    """Whether a forward-pass instruction (a forward name stack, not a combined op) reads ``instruction``."""
+    return any(
+        _kind(op_name) == kinds.FORWARD and not _combined(op_name)
+        for op_name in (hlo.op_name.get(user, "") for user in users.get(instruction, ()))
+    )
+
+
+def _users(hlo: Hlo) -> dict:
+    out: dict = {}
+    for instruction, operands in hlo.operands.items():
+        for operand in operands:
+            out.setdefault(operand, []).append(instruction)
+    return out
 
 
 def _short_op(op_name: str) -> str:
@@ -124,6 +182,7 @@ def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_
         key = (v.allocation, v.offset) if alloc_kinds[v.allocation] == "temp" else (v.allocation,)
         groups.setdefault(key, []).append((s, e, v, size, reserved))
     out = []
+    users = None  # instruction -> the instructions that read it, built when first needed
     for members in groups.values():
         live_members = [m for m in members if not m[4]]
         reserved_only = not live_members
@@ -138,8 +197,18 @@ def buffers_at(t: int, spans: list, allocations, hlo: Hlo, tags: dict, backward_
             kind = kinds.ARGUMENT
         else:
             kind = _kind(op_name)
-            if kind == kinds.FORWARD and min(m[0] for m in members) >= backward_start:
-                kind = kinds.RECOMPUTATION  # forward math the backward pass does again (or re-casts)
+            start = min(m[0] for m in members)
+            if kind == kinds.RECOMPUTATION and start < backward_start:
+                # XLA merged the checkpoint's recomputation with the forward's own computation of the
+                # same value when forward math reads it: computed once, for both passes.
+                users = users if users is not None else _users(hlo)
+                if _read_by_forward(origin, hlo, users) or _read_by_forward(v.instruction, hlo, users):
+                    kind = kinds.FORWARD
+            if kind == kinds.FORWARD and start >= backward_start:
+                # Forward math the backward pass does again (or re-casts) is read by the backward pass;
+                # forward math no backward instruction reads (the loss's value) is the forward's own.
+                users = users if users is not None else _users(hlo)
+                kind = kinds.RECOMPUTATION if _feeds_backward(origin, hlo, users) else kinds.FORWARD
             elif kind == kinds.FORWARD and e >= backward_start:
                 kind = kinds.FORWARD_RESIDUAL
             if _is_gathered(origin, hlo):

@@ -214,6 +214,31 @@ def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict
     return flags
 
 
+def takes_key(name: str, key: str, params: dict[str, dict[str, registry.Param]]) -> bool:
+    """Whether a policy-key flag ``key`` applies to policy ``name``: ``params`` gives it the key, and a
+    switch (:data:`SWITCH_KEYS`) leaves ``none`` as it is."""
+    return key in params.get(name, {}) and not (key in SWITCH_KEYS and name == "none")
+
+
+def require_keys_taken(specs: Sequence[str], keys: Iterable[str], params: dict[str, dict[str, registry.Param]]) -> None:
+    """Each policy-key flag in ``keys`` applies to one of ``specs`` at least (:func:`takes_key`).
+
+    Args:
+      specs: the ``--policy`` specs (each one that parses).
+      keys: the keys given as flags.
+      params: each policy's keys, by policy name.
+
+    Raises:
+      UsageError: ``--keep-gathered is a key of dots, full, ..., not of the given policies (none)``.
+    """
+    names = [registry.parse_spec(spec)[0] for spec in specs]
+    unused = sorted({key for key in keys if not any(takes_key(name, key, params) for name in names)})
+    if unused:
+        takers = {key: sorted(n for n in params if takes_key(n, key, params)) for key in unused}
+        detail = "; ".join(f"--{k.replace('_', '-')} is a key of {', '.join(v)}" for k, v in takers.items())
+        raise UsageError(f"{detail}, not of the given policies ({', '.join(specs)})")
+
+
 def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> tuple[str, ...]:
     """Each spec with the policy-key flags it accepts applied (then in canonical form); every spec is checked.
 
@@ -223,27 +248,17 @@ def apply_policy_keys(specs: Sequence[str], keys: Sequence[tuple[str, str]]) -> 
       UsageError: a spec is invalid, a key is accepted by none of ``specs``, or a value is bad.
     """
     keys = dict(keys)
-    used: set[str] = set()
     canonical = []
     accepting = registered_policy_params()
     for spec in specs:
         try:
             name = registry.parse_spec(spec)[0]
-            accepted = accepting.get(name, {})
-            mine = {k: v for k, v in keys.items() if k in accepted and not (k in SWITCH_KEYS and name == "none")}
-            used |= set(mine)
+            mine = {k: v for k, v in keys.items() if takes_key(name, k, accepting)}
             normalized = registry.normalize_spec(spec, **mine)
             canonical.append(normalized if mine else spec)
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
-    unused = sorted(set(keys) - used)
-    if unused:
-        takers = {
-            k: sorted(n for n, params in accepting.items() if k in params and not (k in SWITCH_KEYS and n == "none"))
-            for k in unused
-        }
-        detail = "; ".join(f"--{k.replace('_', '-')} is a key of {', '.join(v)}" for k, v in takers.items())
-        raise UsageError(f"{detail}, not of the given policies ({', '.join(specs)})")
+    require_keys_taken(specs, keys, accepting)
     return tuple(canonical)
 
 
@@ -372,6 +387,7 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
     require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS)), params)
+    require_keys_taken(specs, [key for key, _ in keys if key in SWITCH_KEYS], params)
     for spec in specs:
         name, written = registry.parse_spec(spec)
         try:

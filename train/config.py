@@ -20,11 +20,14 @@ from jremat.models import preset as model_preset
 from jremat.models.config import NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
 from jremat.train import model_flags
 from jremat.train.cli import (
+    SWITCH_KEYS,
     UsageError,
     check_mesh_flag,
     option,
+    registered_policy_params,
     require,
     require_int,
+    require_keys_taken,
     require_number,
     require_one_budget,
 )
@@ -186,12 +189,17 @@ class TrainConfig(model_flags.ModelFlags):
         """The canonical policy spec of ``--policy`` with the per-key flags applied.
 
         Raises:
-          UsageError: unknown policy or module, unknown key, or a bad value (message from the registry).
+          UsageError: unknown policy or module, unknown key, or a bad value (message from the registry);
+            a switch flag (``--keep-gathered``) the policy does not take (``none`` leaves it as it is).
         """
         try:
             for module in self.policy_module:
                 registry.load_module(module)
+            switches = [key for key, _ in self.policy_keys if key in SWITCH_KEYS]
+            require_keys_taken([self.policy], switches, registered_policy_params())
             return registry.normalize_spec(self.policy, **dict(self.policy_keys))
+        except UsageError:
+            raise
         except ValueError as err:
             raise UsageError(f"bad policy {self.policy!r}: {err}") from None
 

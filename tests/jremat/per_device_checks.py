@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 
 import jax
-from jax.sharding import AxisType
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jremat
 from jremat import _timeline_buffers
@@ -110,6 +112,55 @@ def check_timeline() -> dict:
     return out
 
 
+def _normed_block(mesh):
+    """A residual block like the reference model's: LayerNorm and GELU from :mod:`jremat.ops`, whose
+    own checkpoints recompute their statistics and ``tanh`` in the backward pass under any policy."""
+    place = jax.lax.with_sharding_constraint
+    scale, bias = jnp.ones(mc.D), jnp.zeros(mc.D)
+
+    def block(w, x):
+        w1 = place(w["w1"], NamedSharding(mesh, P()))
+        w2 = place(w["w2"], NamedSharding(mesh, P()))
+        y = x + jremat.ops.gelu(jremat.ops.layer_norm(x, scale, bias) @ w1) @ w2
+        return place(y, NamedSharding(mesh, P(("data", "fsdp"), None)))
+
+    return block
+
+
+def check_timeline_kinds() -> dict:
+    """``memory_timeline`` of ``none`` and ``full`` on the unrolled FSDP model with normed blocks,
+    both engines: the kind of every buffer at every schedule position, as ``kind -> [[instruction,
+    op name], ...]`` for the kinds ``recomputation`` and ``forward residual``."""
+    mesh = mc.make_mesh("fsdp=8")
+    weights, x = mc.arguments(mesh, "unrolled")
+    buffers_at = _timeline_buffers.buffers_at
+    out = {}
+    for engine in mc.ENGINES:
+        for policy in ("none", "full"):
+            seen: dict = {}
+
+            def every_position(t, spans, allocations, hlo, tags, backward_start, top, seen=seen):
+                for position in range(max(s[1] for s in spans) + 1):
+                    for b in buffers_at(position, spans, allocations, hlo, tags, backward_start, None):
+                        seen[b.instruction] = [b.kind, b.op_name]
+                return buffers_at(t, spans, allocations, hlo, tags, backward_start, top)
+
+            jax.config.update("jax_remat3", engine == "remat3")
+            _timeline_buffers.buffers_at = every_position
+            try:
+                grad = jax.grad(mc.loss_fn(mesh, "unrolled", policy, block=_normed_block(mesh)), argnums=(0, 1))
+                jremat.memory_timeline(grad, weights, x)
+            finally:
+                _timeline_buffers.buffers_at = buffers_at
+                jax.config.update("jax_remat3", False)
+            kinds: dict = {"recomputation": [], "forward residual": []}
+            for instruction, (kind, op_name) in sorted(seen.items()):
+                if kind in kinds:
+                    kinds[kind].append([instruction, op_name])
+            out[f"{engine}/{policy}"] = kinds
+    return out
+
+
 def check_live() -> dict:
     """``live_memory`` of a sharded step on the CPU (no allocator statistics): what it says."""
     mesh = mc.make_mesh("fsdp=8")
@@ -144,7 +195,14 @@ def check_keep_gathered_remat3() -> dict:
 #: Each check by its name without ``check_``.
 CHECKS = {
     f.__name__.removeprefix("check_"): f
-    for f in (check_residuals, check_explain, check_timeline, check_live, check_keep_gathered_remat3)
+    for f in (
+        check_residuals,
+        check_explain,
+        check_timeline,
+        check_timeline_kinds,
+        check_live,
+        check_keep_gathered_remat3,
+    )
 }
 
 

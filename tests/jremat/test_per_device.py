@@ -7,11 +7,19 @@ import pytest
 import jremat
 from tests.jremat.test_collectives import _mesh_checks
 
+LAYERS = 4  # tests/jremat/mesh_checks.py's model (not imported here: it sets the 8-device flag)
+
 
 @pytest.fixture(scope="module")
 def checks():
     return _mesh_checks(
-        "residuals", "explain", "timeline", "live", "keep_gathered_remat3", module="tests.jremat.per_device_checks"
+        "residuals",
+        "explain",
+        "timeline",
+        "timeline_kinds",
+        "live",
+        "keep_gathered_remat3",
+        module="tests.jremat.per_device_checks",
     )
 
 
@@ -78,6 +86,24 @@ def test_unrolled_layout_copies_of_regathered_weights_are_gathered_weights(check
     buffers = checks["timeline"]["unrolled/classic"]["buffers"].values()
     copies = [k for k, op_name, opcode in buffers if opcode in ("copy", "fusion") and "rematted_computation" in op_name]
     assert copies and set(copies) == {"gathered weight"}
+
+
+@pytest.mark.parametrize("engine", ["classic", "remat3"])
+def test_timeline_under_none_labels_only_a_checkpoints_own_recomputation_not_forward_math(checks, engine):
+    """Normed blocks on fsdp=8, unrolled: LayerNorm's backward (jremat.ops) reads forward values only,
+    so XLA schedules parts of it inside the forward pass. The backward pass starts at the first
+    instruction that reads a cotangent, so the forward's matmuls after those parts are forward
+    residuals, and only LayerNorm's own checkpoint (its statistics) is recomputation."""
+    none = checks["timeline_kinds"][f"{engine}/none"]
+    recomputed = none["recomputation"]
+    assert recomputed and all("rematted_computation" in op_name for _, op_name in recomputed), recomputed
+    assert {op_name.rsplit("/", 1)[1] for _, op_name in recomputed} <= {"rsqrt", "div", "reduce_sum"}
+    residual_ops = [op_name for _, op_name in none["forward residual"]]
+    assert sum(op_name.endswith("jvp()/dot_general") for op_name in residual_ops) >= LAYERS
+    # full recomputes every block, its matmuls included, and only recomputed ops are labelled so.
+    full = checks["timeline_kinds"][f"{engine}/full"]["recomputation"]
+    assert all("rematted_computation" in op_name for _, op_name in full), full
+    assert sum(op_name.endswith("/dot_general") for _, op_name in full) == LAYERS
 
 
 def test_live_memory_on_a_mesh_counts_its_devices_and_reads_one_per_device(checks):

@@ -195,6 +195,21 @@ def test_keep_gathered_flag_leaves_the_none_baseline_and_needs_a_policy_that_tak
         train_memory.parse_config(["--preset", "tiny", "--policy", "none", "--keep-gathered"])
 
 
+@pytest.mark.parametrize("module", ["train.ptb", "train.memory", "train.bench"])
+@pytest.mark.parametrize("policy", ["none", "nested"])
+def test_keep_gathered_with_only_a_policy_that_does_not_take_it_is_refused_before_imports(module, policy):
+    """``--keep-gathered`` leaves ``none`` as it is and ``nested`` takes no such key: with no other
+    policy, every CLI refuses the flag, before imports and after, with the same message."""
+    argv = ["--policy", policy, "--keep-gathered"]
+    with pytest.raises(cli.UsageError) as early:
+        cli.check_before_imports(_CONFIGS[module], argv, prog=module)
+    with pytest.raises(cli.UsageError) as late:
+        cli.parse(_CONFIGS[module], argv, prog=module, description="")
+    assert str(early.value) == str(late.value)
+    assert str(early.value).startswith("--keep-gathered is a key of auto, dots, dots_no_batch, every_k, full, ")
+    assert str(early.value).endswith(f", not of the given policies ({policy})")
+
+
 def test_a_conflict_names_the_renamed_key_flag():
     """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
 
@@ -312,6 +327,7 @@ def test_a_spec_given_as_a_keys_value_is_left_to_parse():
         ("train.ptb", ["--steps", "0"], "error: --steps must be a positive integer, got 0"),
         ("train.bench", ["--time-rounds", "0"], "error: --time-rounds must be a positive integer, got 0"),
         ("train.memory", ["--policy", "every_k:k=4", "--k", "4.0"], "error: --k 4.0: policy 'every_k': k must be"),
+        ("train.ptb", ["--policy", "none", "--keep-gathered"], "error: --keep-gathered is a key of auto, dots,"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v[:20],
 )
