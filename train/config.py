@@ -19,18 +19,8 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import NO_DROPOUT_ATTENTIONS, whole_step_head_chunks
 from jremat.train import model_flags
-from jremat.train.cli import (
-    SWITCH_KEYS,
-    UsageError,
-    check_mesh_flag,
-    option,
-    registered_policy_params,
-    require,
-    require_int,
-    require_keys_taken,
-    require_number,
-    require_one_budget,
-)
+from jremat.train.cli import SWITCH_KEYS, UsageError, option, registered_policy_params, require_keys_taken
+from jremat.train.value_checks import check_mesh_flag, require, require_int, require_number, require_one_budget
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,17 +33,9 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags
-from jremat.train.cli import (
-    UsageError,
-    apply_policy_keys,
-    check_mesh_flag,
-    option,
-    require,
-    require_choice,
-    require_int,
-    require_one_budget,
-)
+from jremat.train.cli import UsageError, apply_policy_keys, option
 from jremat.train.usage import program_name
+from jremat.train.value_checks import check_mesh_flag, require, require_choice, require_int, require_one_budget
 
 #: Parameters larger than this are refused up front: the report is of one device's step, and no
 #: device holds a model this size (building one would take hours of Python before any compile).

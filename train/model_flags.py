@@ -19,7 +19,8 @@ from typing import Any
 import jremat
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import ATTENTIONS, DTYPES, check_attention_backend
-from jremat.train.cli import UsageError, option, require, require_choice, require_int
+from jremat.train.cli import UsageError, option
+from jremat.train.value_checks import require, require_choice, require_int
 
 
 @dataclasses.dataclass(frozen=True)

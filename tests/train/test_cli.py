@@ -12,7 +12,7 @@ import pytest
 
 from jremat import registry
 from jremat._builtin_keys import BUILTIN_PARAMS
-from jremat.train import cli, ptb
+from jremat.train import cli, ptb, value_checks
 from jremat.train import memory as train_memory
 from jremat.train.bench.config import BenchConfig
 from jremat.train.config import TrainConfig
@@ -31,7 +31,7 @@ class _Demo:
     report: bool = cli.option(True, "print a report")
 
     def __post_init__(self):
-        cli.require_int("count", self.count)
+        value_checks.require_int("count", self.count)
 
 
 def _parse(argv):

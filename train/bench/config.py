@@ -11,8 +11,9 @@ from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
 from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS
 from jremat.train import model_flags
-from jremat.train.cli import UsageError, apply_policy_keys, option, parse, require_int
+from jremat.train.cli import UsageError, apply_policy_keys, option, parse
 from jremat.train.usage import program_name
+from jremat.train.value_checks import require_int
 
 PARTS = ("needle", "needle_time", "megatron", "maxbatch", "time", "peers", "auto", "fit")
 
