@@ -37,6 +37,7 @@ The engine is detected from what ``jax.checkpoint`` actually emits, never from a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -52,23 +53,40 @@ from jremat._cache import BoundedCache
 _jax_compat.exclude_from_tracebacks(__file__)
 
 
+# JAX's policy classes, reached through public policy objects (their typing is JAX-internal).
+DotsSaveable: Any = type(jax.checkpoint_policies.dots_saveable)
+SaveOnlyTheseNames: Any = type(jax.checkpoint_policies.save_only_these_names())
+
+
+@dataclasses.dataclass(frozen=True)
+class DotsAndNames(DotsSaveable, SaveOnlyTheseNames):
+    """``dots_saveable`` (or ``dots_with_no_batch_dims_saveable``) and ``save_only_these_names`` as
+    one JAX policy. remat3 decides by the policy's type (a matmul is saved for a ``DotsSaveable``, a
+    name for a ``SaveOnlyTheseNames``), inside ``scan`` bodies too; a policy of both types keeps
+    both there. The classic engine calls it: a matmul the dots policy saves, or a listed name."""
+
+    def __call__(self, prim, *args, **params):
+        return DotsSaveable.__call__(self, prim, *args, **params) or SaveOnlyTheseNames.__call__(
+            self, prim, *args, **params
+        )
+
+
 def natively_understood(callback: Callable | None) -> bool:
     """Whether remat3 applies ``callback`` as the classic engine does, without jremat's help.
 
     True for ``None`` / ``nothing_saveable`` (save only the inputs), ``dots_saveable``,
     ``dots_with_no_batch_dims_saveable``, ``save_only_these_names`` and
-    ``save_any_names_but_these``. Everything else (``everything_saveable``, offload policies,
-    user callbacks) is lowered by :func:`lower_checkpoint` under remat3.
+    ``save_any_names_but_these``, and :class:`DotsAndNames` (dots and names at once). Everything
+    else (``everything_saveable``, offload policies, user callbacks, and a subclass of those types,
+    which may save more than remat3 asks it about) is lowered by :func:`lower_checkpoint` under
+    remat3.
     """
     cp = jax.checkpoint_policies
     if callback is None or callback is cp.nothing_saveable:
         return True
-    native_types = (
-        type(cp.dots_saveable),
-        type(cp.save_only_these_names()),
-        type(cp.save_any_names_but_these()),
-    )
-    return isinstance(callback, native_types)
+    # The exact types: a subclass may save more than remat3 would ask it about.
+    native_types = (DotsSaveable, SaveOnlyTheseNames, type(cp.save_any_names_but_these()), DotsAndNames)
+    return type(callback) in native_types
 
 
 def lower_checkpoint(
@@ -343,4 +361,5 @@ __all__ = [
     "checkpoint_chosen",
     "lower_checkpoint",
     "natively_understood",
+    "DotsAndNames",
 ]

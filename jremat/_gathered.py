@@ -22,7 +22,6 @@ explicit axes, where a sharding constraint does not gather), as the reference mo
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, cast
@@ -30,7 +29,7 @@ from typing import Any, cast
 import jax
 from jax.extend import core as jcore
 
-from jremat import _jaxpr, _program
+from jremat import _engine, _jaxpr, _program
 from jremat._policy import CallbackPolicy, NoRemat, PlanPolicy, Policy
 from jremat._program import Program
 
@@ -108,24 +107,6 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     return tagged
 
 
-# JAX's policy classes, reached through public policy objects (their typing is JAX-internal).
-_DotsSaveable: Any = type(jax.checkpoint_policies.dots_saveable)
-_SaveOnlyTheseNames: Any = type(jax.checkpoint_policies.save_only_these_names())
-
-
-@dataclasses.dataclass(frozen=True)
-class _DotsAndNames(_DotsSaveable, _SaveOnlyTheseNames):
-    """``dots_saveable`` (or ``dots_with_no_batch_dims_saveable``) and ``save_only_these_names`` as
-    one JAX policy. remat3 decides by the policy's type (a matmul is saved for a ``DotsSaveable``, a
-    name for a ``SaveOnlyTheseNames``), inside ``scan`` bodies too; a policy of both types keeps
-    both there. The classic engine calls it: a matmul the dots policy saves, or a listed name."""
-
-    def __call__(self, prim, *args, **params):
-        return _DotsSaveable.__call__(self, prim, *args, **params) or _SaveOnlyTheseNames.__call__(
-            self, prim, *args, **params
-        )
-
-
 def _saving_gathered(callback: Callable | None) -> Callable:
     """A checkpoint-policy callback that saves what ``callback`` saves and every value tagged
     :data:`GATHERED_TAG`. JAX's own policies (name lists, the dots policies) stay JAX policies,
@@ -134,13 +115,14 @@ def _saving_gathered(callback: Callable | None) -> Callable:
     policies = jax.checkpoint_policies
     if callback is None or callback is policies.nothing_saveable:
         return policies.save_only_these_names(GATHERED_TAG)
-    names = getattr(callback, "saveable_names", None)  # save_only_these_names(...)
-    if names is not None:
-        return policies.save_only_these_names(*names, GATHERED_TAG)
-    if type(callback) is _DotsSaveable:
-        return _DotsAndNames(
-            saveable_names=frozenset({GATHERED_TAG}), only_if_no_batch_dims=cast(Any, callback).only_if_no_batch_dims
+    if type(callback) in (_engine.DotsSaveable, _engine.DotsAndNames):
+        dots = cast(Any, callback)
+        dot_names: frozenset[str] = frozenset(getattr(dots, "saveable_names", ()))
+        return _engine.DotsAndNames(
+            saveable_names=dot_names | {GATHERED_TAG}, only_if_no_batch_dims=dots.only_if_no_batch_dims
         )
+    if type(callback) is _engine.SaveOnlyTheseNames:
+        return policies.save_only_these_names(*cast(Any, callback).saveable_names, GATHERED_TAG)
 
     def either(prim, *avals, **params):
         if prim.name == _jaxpr.NAME and params.get("name") == GATHERED_TAG:

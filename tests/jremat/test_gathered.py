@@ -8,7 +8,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat import _jax_compat, kernels
+from jremat import _engine, _gathered, _jax_compat, kernels
 from tests.jremat import kernel_models as km
 
 
@@ -69,3 +69,18 @@ def test_a_gathered_weight_is_found_on_auto_and_explicit_axes(axis_type):
 
     w = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, PartitionSpec("fsdp", None)))
     assert gathered_weights(trace_program(block, w, jnp.ones((2, 4)))) == frozenset({0})
+
+
+def test_adding_the_gathered_tag_to_a_jax_policy_keeps_it_a_jax_policy_twice_over():
+    """The dots policies stay dots policies (with the tag among their names), also when the tag is
+    added to a policy that has it already; a name list keeps its names."""
+    policies = jax.checkpoint_policies
+    for dots in (policies.dots_saveable, policies.dots_with_no_batch_dims_saveable):
+        once = _gathered._saving_gathered(dots)
+        twice = _gathered._saving_gathered(once)
+        for policy in (once, twice):
+            assert type(policy) is _engine.DotsAndNames
+            assert policy.saveable_names == frozenset({_gathered.GATHERED_TAG})
+            assert policy.only_if_no_batch_dims == dots.only_if_no_batch_dims
+    names = _gathered._saving_gathered(policies.save_only_these_names("q", "k"))
+    assert set(names.saveable_names) == {"q", "k", _gathered.GATHERED_TAG}

@@ -1,7 +1,9 @@
 """jremat's tag protocol and the one reader of a policy callback's answer (``jremat._tags``)."""
 
+import dataclasses
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,3 +91,27 @@ def test_prefixes_are_unique_across_threads():
     for t in threads:
         t.join()
     assert len(set(minted)) == len(minted) == 800
+
+
+DotsSaveable = type(jax.checkpoint_policies.dots_saveable)
+
+
+@dataclasses.dataclass(frozen=True)
+class DotsAndSin(DotsSaveable):
+    """A user's subclass of JAX's dots policy that also keeps ``sin``: remat3 would ask it about
+    matmuls only, so jremat must lower it as a callback for its ``sin`` to be kept."""
+
+    def __call__(self, prim, *avals, **params):
+        return prim.name == "sin" or DotsSaveable.__call__(self, prim, *avals, **params)
+
+
+def test_a_subclass_of_a_jax_policy_keeps_what_it_answers_and_explain_says_so(remat_engine):
+    policy = CallbackPolicy(DotsAndSin(only_if_no_batch_dims=False))
+    dots_only = CallbackPolicy(jax.checkpoint_policies.dots_saveable)
+    # The run keeps x @ w and sin(x @ w), two [2, 3] float32 values, under either engine.
+    assert run_saved_activation_bytes(policy) == 2 * (2 * 3 * 4)
+    # explain also counts the last matmul's output, which the backward pass never reads; what it
+    # says the subclass keeps beyond the dots policy is what the run keeps beyond it: sin's output.
+    extra = 2 * 3 * 4
+    assert explained_saved_bytes(policy) - explained_saved_bytes(dots_only) == extra
+    assert run_saved_activation_bytes(policy) - run_saved_activation_bytes(dots_only) == extra
