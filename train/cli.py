@@ -360,7 +360,8 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
     require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS)), params)
-    require_keys_taken(specs, [key for key, _ in keys if key in SWITCH_KEYS], params)
+    if specs:  # no --policy: the CLI's default policies, checked when parse fills them in
+        require_keys_taken(specs, [key for key, _ in keys if key in SWITCH_KEYS], params)
     for spec in specs:
         name, written = registry.parse_spec(spec)
         try:

@@ -210,6 +210,17 @@ def test_keep_gathered_with_only_a_policy_that_does_not_take_it_is_refused_befor
     assert str(early.value).endswith(f", not of the given policies ({policy})")
 
 
+@pytest.mark.parametrize("module", ["train.ptb", "train.memory", "train.bench"])
+def test_keep_gathered_without_a_policy_applies_to_the_default_policies(module):
+    """No ``--policy``: the flag reaches each default policy that takes it, before imports and after."""
+    argv = ["--keep-gathered"] if module == "train.bench" else ["--preset", "tiny", "--keep-gathered"]
+    cli.check_before_imports(_CONFIGS[module], argv, prog=module)
+    config = cli.parse(_CONFIGS[module], argv, prog=module, description="")
+    policies = (config.policy_spec(),) if module == "train.ptb" else config.policy
+    assert "full:keep_gathered=true" in policies
+    assert all(p.endswith("keep_gathered=true") or p in ("none", "nested:block=auto") for p in policies)
+
+
 def test_a_conflict_names_the_renamed_key_flag():
     """A key whose flag a CLI takes itself is ``--policy-<key>``; the message names that flag."""
 
