@@ -77,7 +77,7 @@ CLASSIC_CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 INLINED_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 #: Custom-derivative calls (``jax.custom_vjp``, ``jax.custom_jvp``).
 CUSTOM_CALL_PRIMITIVES = frozenset({CUSTOM_VJP_CALL, CUSTOM_JVP_CALL})
-#: Custom-derivative calls, with the name older JAX releases gave a ``custom_vjp`` call.
+#: Custom-derivative calls, and ``custom_vjp_call_jaxpr``: the name some JAX releases give a ``custom_vjp`` call.
 CUSTOM_DERIVATIVE_PRIMITIVES = CUSTOM_CALL_PRIMITIVES | {"custom_vjp_call_jaxpr"}
 #: Equations that run one nested jaxpr once, whose inputs and outputs are the equation's own.
 CALL_PRIMITIVES = INLINED_CALL_PRIMITIVES | CLASSIC_CHECKPOINT_PRIMITIVES | CUSTOM_CALL_PRIMITIVES

@@ -12,7 +12,7 @@ A :class:`Policy` turns a function into its checkpointed version. Three kinds ex
   internal names, then checkpointed by name).
 
 :meth:`Policy.wrap` is the checkpoint jremat applies (tied to its cotangent where needed:
-:mod:`jremat._tie`); :meth:`Policy.checkpoint` is the untied checkpoint a subclass defines.
+:mod:`jremat._tie`); :meth:`Policy.checkpoint_untied` is the untied checkpoint a subclass defines.
 The built-in policies are in :mod:`jremat.policies`.
 """
 
@@ -54,8 +54,8 @@ class Policy(abc.ABC):
     """A rematerialization policy.
 
     A subclass defines :meth:`checkpoint_untied`; :meth:`wrap` is what jremat applies (that
-    checkpoint, tied to its cotangent where XLA could undo it). :meth:`checkpoint` is the older
-    name of :meth:`checkpoint_untied`: a subclass may define either, and both names work.
+    checkpoint, tied to its cotangent where XLA could undo it). :meth:`checkpoint` is an alias of
+    :meth:`checkpoint_untied`: a subclass may define either, and both names work.
 
     Attributes:
       spec: the canonical spec string that builds this policy (``"every_k:k=4"``).
@@ -102,7 +102,7 @@ class Policy(abc.ABC):
         """
 
     def checkpoint(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
-        """:meth:`checkpoint_untied`, by its older name."""
+        """An alias of :meth:`checkpoint_untied`."""
         return self.checkpoint_untied(fn, prevent_cse=prevent_cse)
 
     def describe_match(self, program: _program.Program) -> list[str]:

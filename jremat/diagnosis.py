@@ -13,7 +13,7 @@
   (:func:`count_forward_passes`), a compiled program's XLA cost (:func:`cost_analysis`) and
   identity (:func:`hlo_fingerprint`).
 
-The names that were public before this namespace are also at the top level
+Those of its names that are also at the top level are the same objects
 (``jremat.explain is jremat.diagnosis.explain``). See ``docs/memory.md`` and ``docs/timeline.md``.
 """
 
