@@ -7,7 +7,7 @@ subset when there are few units, else the greedy prefixes in order of recompute 
 :func:`solve` reduces the candidates to the Pareto frontier of (recompute FLOPs, predicted
 bytes) and walks it from the cheapest plan, measuring each plan predicted to fit until one does.
 
-* On one checkpointed function (:func:`plan_function`, the ``auto:budget=B`` policy): units are
+* On one checkpointed function (:func:`ops_to_keep_within_budget`, the ``auto:budget=B`` policy): units are
   the function's compute ops, the prediction is the kept bytes and the measurement is the
   prediction (nothing can be compiled while tracing).
 * On a layered model (:func:`plan_layers`): units are the block's tagged tensors
@@ -210,7 +210,7 @@ def solve(
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_function(program: Program, budget: str | Budget) -> frozenset[int]:
+def ops_to_keep_within_budget(program: Program, budget: str | Budget) -> frozenset[int]:
     """The compute ops of one checkpointed function to keep under ``budget`` (op indices).
 
     Units are the compute ops (outputs of PRNG-only ops are always recomputed); a fractional
@@ -236,6 +236,10 @@ def plan_function(program: Program, budget: str | Budget) -> frozenset[int]:
         measure_peak_bytes=kept,
     )
     return frozenset(int(n) for n in solution.candidate)
+
+
+#: Alias of :func:`ops_to_keep_within_budget`, kept for compatibility.
+plan_function = ops_to_keep_within_budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,6 +455,7 @@ __all__ = [
     "Solution",
     "as_budget",
     "name_costs",
+    "ops_to_keep_within_budget",
     "parse_budget",
     "plan_function",
     "plan_layers",
