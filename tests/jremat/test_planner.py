@@ -154,11 +154,13 @@ def mlp(w1, w2, x):
     return jnp.sin(h @ w2) @ w2.T
 
 
-def test_plan_function_fits_and_keeps_more_as_the_budget_rises():
+def test_ops_to_keep_within_budget_fits_and_keeps_more_as_the_budget_rises():
     args = (jnp.ones((32, 64)), jnp.ones((64, 64)), jnp.ones((16, 32)))
     program = jremat.trace_program(mlp, *args)
     by_index = {op.index: op.out_bytes for op in program.ops}
-    kept = [sum(by_index[i] for i in jremat.plan_function(program, str(b))) for b in (16, 4096, 8192, 65536)]
+    kept = [
+        sum(by_index[i] for i in jremat.ops_to_keep_within_budget(program, str(b))) for b in (16, 4096, 8192, 65536)
+    ]
     assert all(k <= b for k, b in zip(kept, (16, 4096, 8192, 65536)))
     assert kept == sorted(kept) and kept[-1] > kept[0] == 0
 
@@ -169,3 +171,7 @@ def test_offload_is_off_on_cpu_and_its_price_is_measured():
     assert not jremat.host_offload_available()  # pinned_host is listed, but it is the same RAM
     per_byte = jremat.offload_flops_per_byte("float32", transfer_bytes=4 * 2**20, matmul_size=256)
     assert 0 < per_byte < float("inf")
+
+
+def test_plan_function_is_an_alias_of_ops_to_keep_within_budget():
+    assert jremat.plan_function is jremat.ops_to_keep_within_budget
