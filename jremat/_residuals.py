@@ -485,7 +485,7 @@ def saved_residuals_report(
         elif base in producer:
             eqn = producer[base]
             primitive, source = eqn.primitive.name, _summarize_source(eqn)
-            if primitive in _jaxpr.LOOP_PRIMITIVES:
+            if _jaxpr.is_scan(eqn):
                 length = eqn.params.get("length")
                 stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
         else:
