@@ -117,7 +117,7 @@ class Call:
         wanted = set(self.diff_nodes)
         diff_filter = lambda path, value: path[0] in wanted and isinstance(value, nnx.Param)
         graphdef, diff_state, *others = nnx.split(nodes, diff_filter, ...)
-        (other_state,) = others  # one state per filter after the first
+        (other_state,) = others  # the state the `...` filter takes
         return graphdef, diff_state, other_state, arrays
 
     def node_state(self):
