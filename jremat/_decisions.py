@@ -125,7 +125,7 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
         else:
             subs = _jaxpr.nested_jaxprs(e)
             if subs:
-                inner = (*scopes, (_scope(e), e.params["length"])) if prim == _jaxpr.SCAN else scopes
+                inner = (*scopes, *_scopes((e,)))
                 for sub in subs:
                     _body_decisions(sub, callback, inner, excluded, acc, visit)
                 continue

@@ -10,6 +10,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -137,7 +138,8 @@ def _plain_call(fn: Callable, chosen: Policy, options: _Options, traced: Bounded
     key = (in_tree, tuple(jax.typeof(leaf) for leaf in traced_leaves), constants, statics, static_kwargs, cse)
 
     def build():
-        static_out = [None]  # filtered: (out_tree, array positions, leaves) of the output, set by each trace
+        # filtered: (out_tree, array positions, leaves) of the output, set by each trace
+        static_out: list[tuple[Any, tuple[int, ...], list] | None] = [None]
 
         def flat_fn(*dynamic_leaves):
             all_leaves = [None] * n_leaves

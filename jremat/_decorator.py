@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 
@@ -122,15 +123,15 @@ def policy(
             _check_methods(target, methods)
             if linen is not None and issubclass(target, linen.Module):
                 return _linen(target, chosen, options.any_cse, methods)
-            attrs = {m: _function(getattr(target, m), chosen, options) for m in methods}
+            attrs: dict[str, Any] = {m: _function(getattr(target, m), chosen, options) for m in methods}
             attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
             return type(target.__name__, (target,), attrs)
         if isinstance(target, type) and issubclass(target, _equinox_module_type()):
             _check_methods(target, methods)
             filtered = dataclasses.replace(options, filtered=True)
-            attrs = {m: _function(getattr(target, m), chosen, filtered) for m in methods}
-            attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
-            return type(target)(target.__name__, (target,), attrs)
+            eqx_attrs: dict[str, Any] = {m: _function(getattr(target, m), chosen, filtered) for m in methods}
+            eqx_attrs.update(__module__=target.__module__, __qualname__=target.__qualname__, __doc__=target.__doc__)
+            return type(target)(target.__name__, (target,), eqx_attrs)
         if callable(target):
             return _function(target, chosen, options)
         raise ValueError(f"@jremat.policy needs a function or a Flax or Equinox module class, got {target!r}")
@@ -246,7 +247,7 @@ class _FilteredCheckpoint:
         return cls(children[0], call)
 
 
-def _equinox_module_type() -> tuple[type, ...]:
+def _equinox_module_type() -> tuple[type[Any], ...]:
     """Equinox's module class if the program has imported Equinox (never imports it)."""
     equinox = sys.modules.get("equinox")
     return (equinox.Module,) if equinox is not None else ()

@@ -116,7 +116,8 @@ class Call:
         nodes = [self.leaves[i] for i in self.node_pos]
         wanted = set(self.diff_nodes)
         diff_filter = lambda path, value: path[0] in wanted and isinstance(value, nnx.Param)
-        graphdef, diff_state, other_state = nnx.split(nodes, diff_filter, ...)
+        graphdef, diff_state, *others = nnx.split(nodes, diff_filter, ...)
+        (other_state,) = others  # the state the `...` filter takes
         return graphdef, diff_state, other_state, arrays
 
     def node_state(self):
@@ -189,7 +190,7 @@ class Call:
 def cotangent(out):
     """A constant cotangent for ``out``: 1 for scalars, seeded normal draws for arrays, float0 for ints."""
     leaves, treedef = jax.tree.flatten(out)
-    cts = []
+    cts: list[jax.Array | np.ndarray] = []
     for i, leaf in enumerate(leaves):
         if _is_float(leaf):
             if leaf.ndim == 0:

@@ -163,10 +163,10 @@ def stack_temps(remat_fn, fn, argnum: int, args: tuple, kwargs: dict, depth: int
 
     def chained(block):
         def stack(*a, **kw):
-            a = list(a)
+            values = list(a)
             for _ in range(depth):
-                a[argnum] = block(*a, **kw)
-            return a[argnum]
+                values[argnum] = block(*values, **kw)
+            return values[argnum]
 
         return stack
 

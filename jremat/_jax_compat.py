@@ -291,6 +291,10 @@ def _build_remat3_primitives() -> _Remat3Primitives:
             return self.again(args[0]), dims[0]
 
     class Offload(VJPHiPrimitive):
+        # VJPHiPrimitive.__init__ copies ``params`` onto the instance: these are ``params``'s two keys.
+        src: Any
+        dst: Any
+
         def __init__(self, aval, src, dst):
             self.in_avals = (aval,)
             self.out_aval = aval

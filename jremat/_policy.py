@@ -67,11 +67,11 @@ class Policy(abc.ABC):
         super().__init_subclass__(**kwargs)
         own = cls.__dict__
         # Each class that defines one name gets the other, so that ``super()`` calls under
-        # either name reach the parent's own definition.
+        # either name reach the parent's own definition. (Assigning a method is the point here.)
         if "checkpoint_untied" in own and "checkpoint" not in own:
-            cls.checkpoint = own["checkpoint_untied"]
+            cls.checkpoint = own["checkpoint_untied"]  # type: ignore[method-assign]
         elif "checkpoint" in own and "checkpoint_untied" not in own:
-            cls.checkpoint_untied = own["checkpoint"]
+            cls.checkpoint_untied = own["checkpoint"]  # type: ignore[method-assign]
 
     def wrap(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
         """Return ``fn`` rematerialized under this policy.

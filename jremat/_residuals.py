@@ -438,23 +438,23 @@ def saved_residuals_report(
             not isinstance(v, jcore.Literal) and v in producer and _primitive_name(producer[v]) in IDENTITY_PRIMITIVES
         ):
             eqn = producer[v]
-            if _primitive_name(eqn) == _jaxpr.NAME:
-                names.append(_jaxpr.any_name_tag(eqn))
+            if (tag := _jaxpr.any_name_tag(eqn)) is not None:
+                names.append(tag)
             v = eqn.invars[0]
         return v, names
 
     def forward_names(v, depth=8):
         found, frontier, seen = [], [v], set()
         for _ in range(depth):
-            nxt = []
+            nxt: list[jcore.Var] = []
             for u in frontier:
                 for eqn in consumers.get(u, ()):
                     if id(eqn) in seen:
                         continue
                     seen.add(id(eqn))
                     prim = _primitive_name(eqn)
-                    if prim == _jaxpr.NAME:
-                        found.append(_jaxpr.any_name_tag(eqn))
+                    if (tag := _jaxpr.any_name_tag(eqn)) is not None:
+                        found.append(tag)
                     if prim in IDENTITY_PRIMITIVES or prim in _jaxpr.SHAPE_ONLY_PRIMITIVES:
                         nxt.extend(o for o in eqn.outvars if not isinstance(o, jcore.DropVar))
             user = _tags.user_names(found)
@@ -492,7 +492,7 @@ def saved_residuals_report(
         elif base in producer:
             eqn = producer[base]
             primitive, source = eqn.primitive.name, _summarize_source(eqn)
-            if primitive in _jaxpr.LOOP_PRIMITIVES:
+            if _jaxpr.is_scan(eqn):
                 length = eqn.params.get("length")
                 stacked = bool(length == n_layers and aval.shape and aval.shape[0] == n_layers and n_layers > 1)
         else:
