@@ -38,6 +38,10 @@ import jax.numpy as jnp
 
 from jremat import _jax_compat
 
+#: The name scope of the tie's probe: on a mesh, the ``op_name`` of each all-reduce the tie adds
+#: contains it.
+TIE_SCOPE = "jremat_cotangent_tie"
+
 
 def tie_to_cotangent(fn: Callable) -> Callable:
     """Make the recomputation in ``fn``'s backward pass wait for its output cotangent.
@@ -80,7 +84,9 @@ def _tied_call(converted: Callable, consts: tuple, args: tuple):
         if float_cotangents:
             # One element of every cotangent: some may be zeros that XLA folds (an output the
             # loss does not use, such as state written back), never all of those that matter.
-            probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
+            # The scope names the all-reduce XLA adds on a mesh (jremat._collectives reads it).
+            with jax.named_scope(TIE_SCOPE):
+                probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
             residuals = [_times_exact_one(r, probe) for r in residuals]
         return jax.tree.unflatten(treedef, residuals)(cotangent)
 
