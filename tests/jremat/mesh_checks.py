@@ -215,6 +215,11 @@ def check_advice() -> dict:
     """What ``explain_applied`` and ``assert_no_reissued_collectives`` say of the tie's all-reduces
     (apart from re-issued ones), of a row-parallel all-reduce the recomputation re-runs, and of
     ``keep_gathered`` on weights XLA gathers implicitly; the tie inside a user's ``lax.scan``."""
+
+    def explained(mesh, policy, block, weights, x):
+        remat, base = (loss_fn(mesh, "unrolled", p, block=block) for p in (policy, "none"))
+        return jremat.explain_applied(remat, weights, x, policy=policy, baseline=base).text()
+
     out = {}
     tp = make_mesh(MESHES["tp"])
     weights, x = arguments(tp, "unrolled")
@@ -223,13 +228,7 @@ def check_advice() -> dict:
     def block(w, h):  # the row-parallel output feeds a tanh: full recomputes its all-reduce
         return jnp.tanh(inner(w, h))
 
-    out["tp full"] = jremat.explain_applied(
-        loss_fn(tp, "unrolled", "full", block=block),
-        weights,
-        x,
-        policy="full",
-        baseline=loss_fn(tp, "unrolled", "none", block=block),
-    ).text()
+    out["tp full"] = explained(tp, "full", block, weights, x)
     fsdp = make_mesh(MESHES["fsdp"])
     weights, x = arguments(fsdp, "unrolled")
     try:
@@ -248,13 +247,7 @@ def check_advice() -> dict:
     def implicit(w, h):  # no sharding constraint: XLA gathers the weights where the matmuls need them
         return h + jnp.tanh(h @ w["w1"]) @ w["w2"]
 
-    out["implicit kept"] = jremat.explain_applied(
-        loss_fn(fsdp, "unrolled", "full:keep_gathered=true", block=implicit),
-        weights,
-        x,
-        policy="full:keep_gathered=true",
-        baseline=loss_fn(fsdp, "unrolled", "none", block=implicit),
-    ).text()
+    out["implicit kept"] = explained(fsdp, "full:keep_gathered=true", implicit, weights, x)
     # A user's own scan over jremat.checkpoint: tied by default (prevent_cse=True, as jax.checkpoint).
     stacked, x = arguments(fsdp, "scanned")
     for prevent_cse in (True, False):
