@@ -24,8 +24,11 @@ runs untied.
 
 On a mesh the element ``c`` reads lives on one device, so XLA's SPMD partitioner broadcasts it:
 each tied checkpoint costs one 4-byte all-reduce in its backward step (no SPMD-expressible scalar
-depends on the cotangent without one; docs/sharding.md has the counts). ``prevent_cse=False``
-builds the checkpoint untied, as ``jax.checkpoint`` with ``prevent_cse=False`` behaves.
+depends on the cotangent without one; docs/sharding.md has the counts). The probe is computed in
+the name scope :data:`TIE_SCOPE`, so :func:`jremat.collectives_report` tells these all-reduces
+apart from re-issued ones. ``prevent_cse=False`` builds the checkpoint untied, as
+``jax.checkpoint`` with ``prevent_cse=False`` behaves: what a checkpoint in a user's own
+``lax.scan`` of several steps should pass.
 """
 
 from __future__ import annotations
