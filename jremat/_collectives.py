@@ -20,7 +20,11 @@ How it is read (and the limits):
 * the phase comes from the instruction's ``op_name`` metadata, which JAX writes from the
   transformation stack: ``rematted_computation`` (the recomputation of a checkpoint, both remat
   engines) is :data:`RECOMPUTE`, ``transpose(`` (the backward pass) :data:`BACKWARD`, anything
-  else :data:`FORWARD`. XLA may move a collective onto an operand from elsewhere (in a
+  else :data:`FORWARD`; the name scope of jremat's cotangent tie (:data:`jremat._tie.TIE_SCOPE`)
+  is :data:`TIE`: the 4-byte all-reduce each tied checkpoint adds on a mesh (one per checkpoint's
+  backward step), which :meth:`CollectivesReport.reissued` leaves out and :func:`tie_lines` reports.
+  XLA may combine it with other all-reduces into one tuple all-reduce, whose ``op_name`` is one
+  of theirs. XLA may move a collective onto an operand from elsewhere (in a
   ``lax.scan`` the re-gather of a weight lands on the loop's slice of the stacked weights, whose
   metadata names the slice, not the checkpoint), so a recomputation's collective can be labelled
   backward. The difference from the same program without remat (:meth:`CollectivesReport.reissued`)
@@ -39,13 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jremat import _memory, _xla_dump
+from jremat import _memory, _tie, _xla_dump
 
 #: Collective kinds, in report order.
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 #: Phases of a collective.
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
-PHASES = (FORWARD, BACKWARD, RECOMPUTE)
+#: The phase of the all-reduces jremat's cotangent tie adds (:mod:`jremat._tie`).
+TIE = "tie"
+PHASES = (FORWARD, BACKWARD, RECOMPUTE, TIE)
 
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
@@ -71,6 +77,8 @@ def _kind(opcode: str) -> str | None:
 
 
 def _phase(op_name: str) -> str:
+    if _tie.TIE_SCOPE in op_name:
+        return TIE
     if "rematted_computation" in op_name:
         return RECOMPUTE
     if "transpose(" in op_name:
@@ -84,7 +92,7 @@ class Collective:
 
     Attributes:
       kind: one of :data:`KINDS`.
-      phase: :data:`FORWARD`, :data:`BACKWARD` or :data:`RECOMPUTE` (read from ``op_name``; see
+      phase: :data:`FORWARD`, :data:`BACKWARD`, :data:`RECOMPUTE` or :data:`TIE` (read from ``op_name``; see
         the module docstring for its limits).
       bytes: bytes per device of one execution (the result; a reduce-scatter's operand).
       executions: how many times it runs per call of the program (loop trip counts multiplied).
@@ -150,17 +158,24 @@ class CollectivesReport:
 
     def reissued(self, baseline: CollectivesReport) -> dict[str, tuple[int, int]]:
         """``{kind: (count, bytes)}`` more than ``baseline`` (usually the program without remat),
-        for every kind where either differs (negative: fewer)."""
+        for every kind where either differs (negative: fewer); the cotangent tie's all-reduces
+        (phase :data:`TIE`, see :func:`tie_lines`) are left out of both."""
+
+        def untied(report: CollectivesReport, kind: str) -> tuple[int, int]:
+            return report.count(kind) - report.count(kind, TIE), report.bytes(kind) - report.bytes(kind, TIE)
+
         out = {}
         for k in KINDS:
-            delta = (self.count(k) - baseline.count(k), self.bytes(k) - baseline.bytes(k))
+            (count, size), (base_count, base_size) = untied(self, k), untied(baseline, k)
+            delta = (count - base_count, size - base_size)
             if delta != (0, 0):
                 out[k] = delta
         return out
 
     def text(self, baseline: CollectivesReport | None = None) -> str:
         """One line per kind: count and bytes per device per step, by phase, and the difference
-        from ``baseline`` when given; ``"no collectives"`` when there are none."""
+        from ``baseline`` when given (the cotangent tie's apart, as in :meth:`reissued`);
+        ``"no collectives"`` when there are none."""
         if not self.collectives:
             return f"no collectives ({self.devices} device{'s' if self.devices != 1 else ''})"
         lines = []
@@ -171,6 +186,8 @@ class CollectivesReport:
             if baseline is not None:
                 dc, db = extra.get(kind, (0, 0))
                 more = f"; {dc:+d} ({'+' if db >= 0 else '-'}{_memory.format_bytes(abs(db))}) vs without remat"
+                if self.count(kind, TIE):
+                    more += f", the cotangent tie's {self.count(kind, TIE)} apart"
             lines.append(f"{kind}: {count} per step, {_memory.format_bytes(total)} per device ({phases}){more}")
         return "\n".join(lines + list(self.notes))
 
@@ -344,19 +361,50 @@ HOW_TO_AVOID = {
 }
 
 
-def reissued_lines(label: str, report: CollectivesReport, baseline: CollectivesReport) -> list[str]:
+#: The all-gather advice when the policy keeps gathered weights already and they are re-gathered.
+KEPT_YET_REGATHERED = (
+    "the recomputation gathers its weights again, and keep_gathered finds no gathered weight to keep: XLA "
+    "gathers them implicitly; make the gather explicit in the model, before the matmul: "
+    "jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())) on a mesh of auto axes, "
+    "jax.sharding.reshard(w, P()) on a mesh of explicit axes (P(): the weight's gathered placement when only FSDP "
+    "shards it)"
+)
+
+
+def reissued_lines(
+    label: str, report: CollectivesReport, baseline: CollectivesReport, *, keeps_gathered: bool = False
+) -> list[str]:
     """One line per collective kind ``report`` issues more of than ``baseline`` (the same program
-    without remat), with bytes per device per step and how to avoid them; ``[]`` when none."""
+    without remat), with bytes per device per step and how to avoid them; ``[]`` when none. The
+    cotangent tie's all-reduces are not among them (:func:`tie_lines`). ``keeps_gathered``: the
+    policy has ``keep_gathered=true`` already, so re-gathered weights are ones it cannot find."""
     lines = []
     for kind, (count, size) in report.reissued(baseline).items():
         if count <= 0 and size <= 0:
             continue
         how = HOW_TO_AVOID.get(kind, "save the values whose recomputation issues them")
+        if kind == "all-gather" and keeps_gathered:
+            how = KEPT_YET_REGATHERED
         lines.append(
             f"re-issued collectives ({label}): re-issues {count} {kind}{'s' if count != 1 else ''}, "
             f"{_memory.format_bytes(size)} per step per device more than none; {how}"
         )
     return lines
+
+
+def tie_lines(label: str, report: CollectivesReport) -> list[str]:
+    """The line naming the all-reduces jremat's cotangent tie adds to ``report`` (phase :data:`TIE`)
+    and how to drop them; ``[]`` when there are none."""
+    count = report.count("all-reduce", TIE)
+    if not count:
+        return []
+    size = report.bytes("all-reduce", TIE)
+    return [
+        f"cotangent tie ({label}): the cotangent tie adds {count} all-reduce{'s' if count != 1 else ''} of "
+        f"{_memory.format_bytes(size // count)} ({_memory.format_bytes(size)} per step per device), one per tied "
+        "checkpoint's backward step; they keep each recomputation in that step, which straight-line code needs; "
+        "inside a lax.scan of more than one step, pass prevent_cse=False (as to jax.checkpoint there) to drop them"
+    ]
 
 
 def mesh_devices(tree) -> int:
@@ -418,11 +466,13 @@ __all__ = [
     "FORWARD",
     "BACKWARD",
     "RECOMPUTE",
+    "TIE",
     # Prices, measured on the mesh.
     "collective_s_per_byte",
     "collective_flops_per_byte",
     # Helpers other reports use.
     "mesh_devices",
     "reissued_lines",
+    "tie_lines",
     "shape_bytes",
 ]

@@ -41,6 +41,7 @@ from jremat import (
     _collectives,
     _decisions,
     _explain_memory,
+    _gathered,
     _jax_compat,
     _memory,
     _program,
@@ -265,7 +266,9 @@ def explain_applied(
                 comms.append(_collectives.compiled_collectives_report(compiled))
             temp_bytes, baseline_temp_bytes = temps
             collectives, baseline_collectives = comms
-            messages.extend(_collectives.reissued_lines(label, collectives, baseline_collectives))
+            keeps = isinstance(chosen, _gathered.KeepGathered)
+            messages.extend(_collectives.reissued_lines(label, collectives, baseline_collectives, keeps_gathered=keeps))
+            messages.extend(_collectives.tie_lines(label, collectives))
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_explain_memory.more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))
     passes = base_passes = None

@@ -24,8 +24,11 @@ runs untied.
 
 On a mesh the element ``c`` reads lives on one device, so XLA's SPMD partitioner broadcasts it:
 each tied checkpoint costs one 4-byte all-reduce in its backward step (no SPMD-expressible scalar
-depends on the cotangent without one; docs/sharding.md has the counts). ``prevent_cse=False``
-builds the checkpoint untied, as ``jax.checkpoint`` with ``prevent_cse=False`` behaves.
+depends on the cotangent without one; docs/sharding.md has the counts). The probe is computed in
+the name scope :data:`TIE_SCOPE`, so :func:`jremat.collectives_report` tells these all-reduces
+apart from re-issued ones. ``prevent_cse=False`` builds the checkpoint untied, as
+``jax.checkpoint`` with ``prevent_cse=False`` behaves: what a checkpoint in a user's own
+``lax.scan`` of several steps should pass.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ import jax
 import jax.numpy as jnp
 
 from jremat import _jax_compat
+
+#: The name scope of the tie's probe: on a mesh, the ``op_name`` of each all-reduce the tie adds
+#: contains it.
+TIE_SCOPE = "jremat_cotangent_tie"
 
 
 def tie_to_cotangent(fn: Callable) -> Callable:
@@ -80,7 +87,9 @@ def _tied_call(converted: Callable, consts: tuple, args: tuple):
         if float_cotangents:
             # One element of every cotangent: some may be zeros that XLA folds (an output the
             # loss does not use, such as state written back), never all of those that matter.
-            probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
+            # The scope names the all-reduce XLA adds on a mesh (jremat._collectives reads it).
+            with jax.named_scope(TIE_SCOPE):
+                probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
             residuals = [_times_exact_one(r, probe) for r in residuals]
         return jax.tree.unflatten(treedef, residuals)(cotangent)
 

@@ -205,8 +205,59 @@ def check_tie() -> dict:
             report = jremat.compiled_collectives_report(compiled)
             out[f"{mesh_name}/{'tied' if tie else 'untied'}"] = {
                 "all-reduce": report.count("all-reduce"),
+                "tie": [report.count("all-reduce", "tie"), report.bytes("all-reduce", "tie")],
                 "temp": compiled.memory_analysis().temp_size_in_bytes,
             }
+    return out
+
+
+def check_advice() -> dict:
+    """What ``explain_applied`` and ``assert_no_reissued_collectives`` say of the tie's all-reduces
+    (apart from re-issued ones), of a row-parallel all-reduce the recomputation re-runs, and of
+    ``keep_gathered`` on weights XLA gathers implicitly; the tie inside a user's ``lax.scan``."""
+
+    def explained(mesh, policy, block, weights, x):
+        remat, base = (loss_fn(mesh, "unrolled", p, block=block) for p in (policy, "none"))
+        return jremat.explain_applied(remat, weights, x, policy=policy, baseline=base).text()
+
+    out = {}
+    tp = make_mesh(MESHES["tp"])
+    weights, x = arguments(tp, "unrolled")
+    inner = block_fn(tp)
+
+    def block(w, h):  # the row-parallel output feeds a tanh: full recomputes its all-reduce
+        return jnp.tanh(inner(w, h))
+
+    out["tp full"] = explained(tp, "full", block, weights, x)
+    fsdp = make_mesh(MESHES["fsdp"])
+    weights, x = arguments(fsdp, "unrolled")
+    try:
+        jremat.testing.assert_no_reissued_collectives(
+            jax.grad(loss_fn(fsdp, "unrolled", "full:keep_gathered=true")),
+            jax.grad(loss_fn(fsdp, "unrolled", "none")),
+            weights,
+            x,
+            kinds=("all-gather", "all-reduce"),
+        )
+    except AssertionError as err:
+        out["kept assert"] = str(err)
+    else:
+        out["kept assert"] = None
+
+    def implicit(w, h):  # no sharding constraint: XLA gathers the weights where the matmuls need them
+        return h + jnp.tanh(h @ w["w1"]) @ w["w2"]
+
+    out["implicit kept"] = explained(fsdp, "full:keep_gathered=true", implicit, weights, x)
+    # A user's own scan over jremat.checkpoint: tied by default (prevent_cse=True, as jax.checkpoint).
+    stacked, x = arguments(fsdp, "scanned")
+    for prevent_cse in (True, False):
+        block = jremat.checkpoint(block_fn(fsdp), "full", prevent_cse=prevent_cse)
+
+        def loss(weights, x, block=block):
+            return jnp.mean(jax.lax.scan(lambda h, w: (block(w, h), None), x, weights)[0] ** 2)
+
+        report = jremat.compiled_collectives_report(_compile(loss, stacked, x))
+        out[f"scan prevent_cse={prevent_cse}"] = [report.count("all-reduce", "tie"), report.count("all-reduce")]
     return out
 
 
@@ -366,6 +417,7 @@ CHECKS = {
     "tie": check_tie,
     "keep_gathered": check_keep_gathered,
     "explain": check_explain,
+    "advice": check_advice,
     "table": check_table,
     "timeline": check_timeline,
     "price": check_price,

@@ -72,6 +72,20 @@ def test_hlo_collectives_counts_async_pairs_once_loops_by_trip_count_and_phases(
     assert "all-gather: 1 per step, 256 B per device (forward 1); +1 (+256 B) vs without remat" in report.text(base)
 
 
+def test_reissued_leaves_the_cotangent_tie_out_and_tie_lines_names_it():
+    tied = HLO.replace("while/body/dot_general", "while/body/jvp(jremat_cotangent_tie)/squeeze")
+    report, base = _collectives.hlo_collectives(tied), _collectives.hlo_collectives(HLO.replace("%ar = ", "%ar0 = "))
+    base = _collectives.CollectivesReport(tuple(c for c in base.collectives if c.kind != "all-reduce"))
+    assert report.count("all-reduce", _collectives.TIE) == 3 and report.count("all-reduce", "backward") == 0
+    assert report.reissued(base) == {}
+    assert _collectives.tie_lines("f", report) == [
+        "cotangent tie (f): the cotangent tie adds 3 all-reduces of 32 B (96 B per step per device), one per tied "
+        "checkpoint's backward step; they keep each recomputation in that step, which straight-line code needs; "
+        "inside a lax.scan of more than one step, pass prevent_cse=False (as to jax.checkpoint there) to drop them"
+    ]
+    assert _collectives.tie_lines("f", base) == [] and _collectives.reissued_lines("f", report, base) == []
+
+
 def test_shape_bytes_reads_every_element_width():
     assert (
         _collectives.shape_bytes("(f32[2]{0}, bf16[4], f8e4m3fn[8], pred[2], s4[4], c64[1])") == 8 + 8 + 8 + 2 + 2 + 8
@@ -116,8 +130,8 @@ def _mesh_checks(*names: str, module: str = "tests.jremat.mesh_checks") -> dict:
 
 @pytest.fixture(scope="module")
 def checks():
-    """Collectives, gradients and the tie on every mesh (tests/jremat/mesh_checks.py)."""
-    return _mesh_checks("collectives", "tie")
+    """Collectives, gradients, the tie on every mesh and the advice about them (tests/jremat/mesh_checks.py)."""
+    return _mesh_checks("collectives", "tie", "advice")
 
 
 def test_report_equals_a_direct_count_of_the_optimized_hlo(checks):
@@ -244,6 +258,46 @@ def test_the_tie_costs_one_scalar_all_reduce_per_checkpoint_and_works_on_explici
     for mesh in ("fsdp", "tp", "fsdp_explicit"):
         # 4 tied checkpoints: one 4-byte all-reduce each (docs/sharding.md), none untied.
         assert tie[f"{mesh}/tied"]["all-reduce"] - tie[f"{mesh}/untied"]["all-reduce"] == 4, mesh
+        # The report finds them by the tie's name scope: phase "tie", 4 B each.
+        assert tie[f"{mesh}/tied"]["tie"] == [4, 16] and tie[f"{mesh}/untied"]["tie"] == [0, 0], mesh
+
+
+def test_the_tie_s_all_reduces_are_reported_apart_from_reissued_row_parallel_ones(checks):
+    text = checks["advice"]["tp full"]
+    # 4 row-parallel all-reduces re-run by the recomputation: the dots advice, the tie's 4 not among them.
+    assert (
+        "re-issued collectives (full): re-issues 4 all-reduces, 2.00 KiB per step per device more than none; the "
+        "recomputation re-runs a tensor-parallel (row-parallel) matmul" in text
+    )
+    assert "save that matmul's output (dots" in text
+    assert (
+        "cotangent tie (full): the cotangent tie adds 4 all-reduces of 4 B (16 B per step per device)" in text
+        and "pass prevent_cse=False" in text
+    )
+    assert "+4 (+2.00 KiB) vs without remat, the cotangent tie's 4 apart" in text
+
+
+def test_assert_no_reissued_collectives_holds_on_the_tie_alone(checks):
+    # full:keep_gathered=true on FSDP re-issues nothing; its only extra all-reduces are the tie's.
+    assert checks["advice"]["kept assert"] is None
+
+
+def test_keep_gathered_on_implicitly_gathered_weights_advises_an_explicit_gather(checks):
+    text = checks["advice"]["implicit kept"]
+    for said in (
+        "no gathered weight (no sharding constraint on an input that feeds a matmul) to keep",
+        "keep_gathered finds no gathered weight to keep: XLA gathers them implicitly",
+        "jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))",
+        "jax.sharding.reshard(w, P())",
+    ):
+        assert said in text, said
+    assert "(e.g. 'full:keep_gathered=true')" not in text  # not the policy it already runs
+
+
+def test_a_user_s_scan_over_the_default_checkpoint_is_tied_and_prevent_cse_false_unties_it(checks):
+    # [tie all-reduces, all all-reduces] per step of 4 scan iterations (docs/sharding.md).
+    assert checks["advice"]["scan prevent_cse=True"] == [4, 8]
+    assert checks["advice"]["scan prevent_cse=False"] == [0, 4]
 
 
 def test_timeline_on_a_mesh_says_it_is_per_device(fsdp_checks):
