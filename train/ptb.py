@@ -99,14 +99,19 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
 # ----------------------------------------------------------------------------- reports
 
 
-def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
+def memory_report(model_cfg, batch_size: int, seq_len: int, mesh=None) -> str:
     """The start-up memory report: peak estimate, saved bytes per layer and recompute, this policy vs ``none``.
 
     Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device. The
     figures are those of ``python -m train.memory``'s row for the same model, batch, sequence
     length, policy and head chunks, against the same ``none`` (no remat anywhere, head whole).
+    With a ``mesh`` they are still those of the unsharded step of the whole (global) batch on one
+    device, and the report says so (the per-device figures are :func:`train.sharded_steps.sharded_step_memory`'s).
     """
-    return policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
+    summary = policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
+    if mesh is None:
+        return summary
+    return f"one device, unsharded, global batch {batch_size}: {summary}"
 
 
 def plan_auto_policy(cfg: TrainConfig, model_cfg):
@@ -362,7 +367,7 @@ def prepare_run(cfg: TrainConfig, state_files, signals, primary: bool, log, prog
     t_compile = time.perf_counter()
     try:  # a policy that does not fit this model (nested:block=3 on 2 layers, a name it does not tag)
         if cfg.memory_report and primary:
-            log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
+            log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len, mesh))
             if mesh is not None:
                 log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
         log("compiling the train and eval steps...")
