@@ -14,14 +14,18 @@ recursion is inherent, the imports go one way.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 from jax.extend import core as jcore
 
 from jremat import _jax_compat, _jaxpr, _tags
 from jremat._active_engine import REMAT3, active_engine, name_tag, offload_function
+
+# Equations it binds for the user's are attributed to the user's line (:func:`source_of`), any other to the caller's.
+_jax_compat.exclude_from_tracebacks(__file__)
 
 # jremat._engine.lower_checkpoint, installed by jremat._engine on import.
 _lower_checkpoint: list[Callable] = []
@@ -73,7 +77,8 @@ def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str
 
     def offload_named(eqn, outs):
         if eqn.primitive.name == _jaxpr.NAME and eqn.params["name"] in offload:
-            return [offload_function(*offload[eqn.params["name"]])(outs[0])]
+            with source_of(eqn):
+                return [offload_function(*offload[eqn.params["name"]])(outs[0])]
         return outs
 
     return evaluate_inlined(jaxpr, consts, args, offload_named, keep_calls=keep_calls)
@@ -94,23 +99,31 @@ def _read(env, v):
     return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
+@contextlib.contextmanager
+def source_of(eqn) -> Iterator[None]:
+    """Equations bound inside carry ``eqn``'s source line and name stack (and its context): those
+    the interpreter binds for the user's equation (the equation itself, a name tag on its output)
+    point at the user's line, not here."""
+    if _jax_compat.source_user_context is None or _jax_compat.source_current_name_stack is None:  # pragma: no cover
+        yield
+        return
+    name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
+    with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
 def bind_equation(eqn, invals) -> list:
     """Bind ``eqn``'s primitive to ``invals`` with its source line and name stack, for the active engine.
 
     Returns:
       The outputs, as a list.
     """
-    if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
-        return bind_translated(eqn, invals)
-    if _jaxpr.is_scan(eqn) and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
-        return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    if _jax_compat.source_user_context is not None and _jax_compat.source_current_name_stack is not None:
-        name_stack = _jax_compat.source_current_name_stack() + eqn.source_info.name_stack
-        with _jax_compat.source_user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **bind_params)
-    else:  # pragma: no cover
-        outs = eqn.primitive.bind(*invals, **bind_params)
+    with source_of(eqn):
+        if translates(eqn):  # a classic name tag / checkpoint re-bound under jax_remat3
+            return bind_translated(eqn, invals)
+        if _jaxpr.is_scan(eqn) and active_engine() == REMAT3 and _holds_translated(eqn.params["jaxpr"].jaxpr):
+            return rebind_scan(eqn, invals, lambda body, args: evaluate_inlined(body.jaxpr, body.consts, args))
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -220,7 +233,8 @@ def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) 
         outs = bind_equation(eqn, [_read(env, v) for v in eqn.invars])
         tag = tags.get(i)
         if tag is not None:
-            outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
+            with source_of(eqn):
+                outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

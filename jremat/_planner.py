@@ -40,6 +40,7 @@ from typing import Any, Generic, TypeVar
 from jremat import _jaxpr, _tags
 from jremat import names as tensor_names
 from jremat._budget import Budget, as_budget, parse_budget
+from jremat._memory import format_bytes
 from jremat._program import Program
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
@@ -320,7 +321,7 @@ class LayerPlan:
         mesh = self.devices > 1
         per = " per device" if mesh else ""
         lines = [
-            f"auto plan for budget {self.budget_bytes:,} bytes{per} ({self.budget_bytes / 2**30:.3f} GiB)"
+            f"auto plan for budget {self.budget_bytes:,} bytes{per} ({format_bytes(self.budget_bytes)})"
             f"{f' on {self.devices} devices' if mesh else ''}: {cand.describe(self.n_layers)}"
         ]
         column = "global B/layer" if mesh else "bytes/layer"

@@ -23,10 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jremat import _tie, names, registry
+from jremat import _jax_compat, _tie, names, registry
 from jremat._builtin_keys import parse_nest
 from jremat._granularity import GRANULARITIES
 from jremat._policy import CallbackPolicy, Policy
+
+# The stack's slices, splits and scans are bound for the model: attributed to its call of run_layers.
+_jax_compat.exclude_from_tracebacks(__file__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,7 +187,7 @@ def format_mesh_table(rows: Sequence[MeshRow]) -> str:
         )
     first = rows[0].memory
     lines.append(
-        f"gradient step on mesh {first.mesh} ({first.devices} devices), compiled only; every figure is per device "
+        f"gradient step on mesh {first.mesh} ({sharding.device_count(first.devices)}), compiled only; every figure is per device "
         f"(one device's share of the SPMD program); collectives as count / bytes per step (jremat.collectives_report)"
         + ("; live = the allocator's peak of the mesh's first device after one step" if live else "")
     )
@@ -212,7 +212,7 @@ def format_mesh_timelines(rows: Sequence[MeshRow]) -> str:
     first = rows[0].memory
     lines = [
         f"timelines per device: one device's share of the sharded gradient step on mesh {first.mesh} "
-        f"({first.devices} devices); buffers are shards, all-gathered weights have their own kind"
+        f"({sharding.device_count(first.devices)}); buffers are shards, all-gathered weights have their own kind"
     ]
     for row in rows:
         by_kind: dict[str, int] = {}

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import jremat
 from jremat import parse_budget, registry
 from jremat.models import PRESETS, policy_memory
-from jremat.models.config import whole_step_head_chunks
+from jremat.models.config import ModelConfig, whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
@@ -99,14 +99,19 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
 # ----------------------------------------------------------------------------- reports
 
 
-def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
+def memory_report(model_cfg, batch_size: int, seq_len: int, mesh=None) -> str:
     """The start-up memory report: peak estimate, saved bytes per layer and recompute, this policy vs ``none``.
 
     Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device. The
     figures are those of ``python -m train.memory``'s row for the same model, batch, sequence
     length, policy and head chunks, against the same ``none`` (no remat anywhere, head whole).
+    With a ``mesh`` they are still those of the unsharded step of the whole (global) batch on one
+    device, and the report says so (the per-device figures are :func:`train.sharded_steps.sharded_step_memory`'s).
     """
-    return policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
+    summary = policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
+    if mesh is None:
+        return summary
+    return f"one device, unsharded, global batch {batch_size}: {summary}"
 
 
 def resolve_auto_policy(cfg: TrainConfig, model_cfg):
@@ -130,12 +135,29 @@ def resolve_auto_policy(cfg: TrainConfig, model_cfg):
     return planned, plan.table()
 
 
+def fit_model_configs(cfg: TrainConfig, vocab_size: int) -> Callable[[str], ModelConfig]:
+    """The fit search's mapping from a policy spec to the model config it compiles and trains.
+
+    ``--remat-head-chunks`` as given applies to every policy searched; left at its default (the
+    default of ``--policy``), each policy gets its own (:func:`models.config.whole_step_head_chunks`:
+    0 for ``none``). With one policy searched the two are the same.
+    """
+    base = cfg.model_config(vocab_size)
+    given = cfg.remat_head_chunks != whole_step_head_chunks(cfg.policy, cfg.seq_len)
+
+    def model_config(spec: str) -> ModelConfig:
+        chunks = cfg.remat_head_chunks if given else whole_step_head_chunks(spec, cfg.seq_len)
+        return base.replace(remat_policy=spec, remat_head_chunks=chunks)
+
+    return model_config
+
+
 def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool, mesh=None):
     """``--batch-size auto``: the fit search's winner (:mod:`train.fit`) under ``--memory-budget``.
 
     With ``--policy auto`` the search covers :data:`train.fit.FIT_POLICIES` and the budget
-    planner's plans; with another policy, only the batch is chosen. Each policy gets the CLI's
-    default head chunks (:func:`models.config.whole_step_head_chunks`). On a ``mesh`` the search
+    planner's plans; with another policy, only the batch is chosen. Each policy gets
+    ``--remat-head-chunks`` (:func:`fit_model_configs`). On a ``mesh`` the search
     compiles the sharded train step: the budget is per device, every peak is one device's, the
     batch is searched per data-parallel shard and the run trains with that batch times the shards.
 
@@ -152,10 +174,7 @@ def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool, mesh=None):
             "python -m train.memory --fit and pass the chosen --batch-size and --policy to every process"
         )
     base = cfg.model_config(vocab_size)
-
-    def model_config(spec: str):
-        return base.replace(remat_policy=spec, remat_head_chunks=whole_step_head_chunks(spec, cfg.seq_len))
-
+    model_config = fit_model_configs(cfg, vocab_size)
     auto = registry.parse_spec(base.remat_policy)[0] == "auto"
     optimizer = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, 1, cfg.clip, cfg.weight_decay, 1)
     builder = fit_lib.GPTStepBuilder(model_config, cfg.seq_len, optimizer, mesh=mesh)
@@ -349,7 +368,7 @@ def prepare_run(cfg: TrainConfig, state_files, signals, primary: bool, log, prog
     t_compile = time.perf_counter()
     try:  # a policy that does not fit this model (nested:block=3 on 2 layers, a name it does not tag)
         if cfg.memory_report and primary:
-            log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len))
+            log(memory_report(model_cfg, cfg.batch_size, cfg.seq_len, mesh))
             if mesh is not None:
                 log(sharded_steps.sharded_step_memory(model_cfg, mesh, cfg.batch_size, cfg.seq_len, tx).format())
         log("compiling the train and eval steps...")

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jremat
-from jremat import compiled_memory_report
+from jremat import compiled_memory_report, format_bytes
 from jremat.models import GPT, ModelConfig, cross_entropy_loss
 from jremat.train.sharding import (
     FSDP_AXIS,
@@ -27,6 +27,7 @@ from jremat.train.sharding import (
     GatheredWeights,
     batch_sharding,
     check_batch,
+    device_count,
     format_mesh,
     gathered_layer_bytes,
     keeps_gathered,
@@ -261,11 +262,10 @@ class DeviceMemory:
 
     def format(self) -> str:
         """One line: ``mesh data=4,fsdp=2 (8 devices), per device: peak ... temp ... args ... out ...``."""
-        mib = 1 << 20
         return (
-            f"mesh {self.mesh} ({self.devices} devices), per device: peak {self.peak / mib:.2f} MiB, "
-            f"temp {self.temp / mib:.2f} MiB, arguments {self.argument / mib:.2f} MiB, "
-            f"outputs {self.output / mib:.2f} MiB, aliased {self.alias / mib:.2f} MiB"
+            f"mesh {self.mesh} ({device_count(self.devices)}), per device: peak {format_bytes(self.peak)}, "
+            f"temp {format_bytes(self.temp)}, arguments {format_bytes(self.argument)}, "
+            f"outputs {format_bytes(self.output)}, aliased {format_bytes(self.alias)}"
         )
 
 

@@ -145,6 +145,11 @@ def format_mesh(mesh: Mesh) -> str:
     return ",".join(parts) or f"{MESH_AXES[0]}=1"
 
 
+def device_count(n: int) -> str:
+    """``"1 device"``, ``"8 devices"``: a mesh's size as the reports word it."""
+    return f"{n} device" if n == 1 else f"{n} devices"
+
+
 def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
     """A :class:`jax.sharding.Mesh` with the four :data:`MESH_AXES` over ``devices``.
 
@@ -167,8 +172,11 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
         processes = len({d.process_index for d in devices})
         if processes > 1:
             where += f", {processes} processes with {len(devices) // processes} each"
+        available = f"only {len(devices)} is" if len(devices) == 1 else f"{len(devices)} are"
+        if math.prod(shape) > len(devices) > 1:
+            available = f"only {available}"
         raise ValueError(
-            f"mesh {spec} has {math.prod(shape)} devices but {len(devices)} are available "
+            f"mesh {spec} has {device_count(math.prod(shape))} but {available} available "
             f"({where}); the axis sizes must multiply to {len(devices)}"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from jremat import MemoryTimeline, TimelineBuffer
+from jremat import MemoryTimeline, TimelineBuffer, format_bytes
 
 #: Buffers listed per policy, in the figure and in the printed tables.
 TOP_BUFFERS = 10
@@ -92,11 +92,17 @@ def format_timelines(rows: Sequence, top: int = TOP_BUFFERS) -> str:
     return "\n".join(p for p in parts if p)
 
 
+def legend_label(policy: str, timeline: MemoryTimeline) -> str:
+    """A curve's legend entry: the policy and its timeline's peak (:func:`jremat.format_bytes`, so
+    peaks a few KiB apart read apart)."""
+    return f"{policy}: peak {format_bytes(timeline.peak_bytes)}"
+
+
 def _table_lines(timeline: MemoryTimeline, top: int) -> list[str]:
-    lines = [f"{'MiB':>8}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>9}  source"]
+    lines = [f"{'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>9}  source"]
     for b in timeline.top_buffers[:top]:
         lines.append(
-            f"{b.size_bytes / 2**20:>8.2f}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "
+            f"{format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {b.shape.split('{')[0][:24]:<24} "
             f"{b.start_position:>4}-{b.end_position:<4}  {b.source}"
         )
     return lines
@@ -127,7 +133,7 @@ def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS, scope:
     for i, row in enumerate(rows):
         tl, color = row.timeline, colors[i % len(colors)]
         ys = [b / mib for b in tl.live_bytes]
-        ax.plot(range(len(ys)), ys, color=color, lw=1.4, label=f"{row.policy}: peak {tl.peak_bytes / mib:.1f} MiB")
+        ax.plot(range(len(ys)), ys, color=color, lw=1.4, label=legend_label(row.policy, tl))
         ax.plot([tl.peak_position], [tl.peak_bytes / mib], "o", color=color, ms=7)
         ax.annotate(
             f"peak {row.policy}",
@@ -157,8 +163,7 @@ def write_timeline_png(rows: Sequence, path: str, top: int = TOP_BUFFERS, scope:
         tl = row.timeline
         head = (
             f"{row.policy}: top {top} buffers at the peak (position {tl.peak_position}, "
-            f"{tl.peak_bytes / mib:.2f} MiB; compiled peak "
-            f"{(tl.compiled_peak_bytes or 0) / mib:.2f} MiB)"
+            f"{format_bytes(tl.peak_bytes)}; compiled peak {format_bytes(tl.compiled_peak_bytes or 0)})"
         )
         tax.text(
             0.0,

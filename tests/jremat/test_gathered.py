@@ -2,10 +2,14 @@
 the policy does: its kernel split, its checks of the names it needs, its saves inside scan bodies.
 (The gathered weights themselves, on 8 devices: tests/jremat/test_collectives.py.)"""
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, PartitionSpec
 
 import jremat
 from jremat import _engine, _gathered, _jax_compat, kernels
@@ -84,3 +88,20 @@ def test_adding_the_gathered_tag_to_a_jax_policy_keeps_it_a_jax_policy_twice_ove
             assert policy.only_if_no_batch_dims == dots.only_if_no_batch_dims
     names = _gathered._saving_gathered(policies.save_only_these_names("q", "k"))
     assert set(names.saveable_names) == {"q", "k", _gathered.GATHERED_TAG}
+
+
+def _gathered_block(w, h):
+    whole = jax.sharding.NamedSharding(jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Auto,)), PartitionSpec())
+    return h + jnp.tanh(h @ jax.lax.with_sharding_constraint(w, whole))
+
+
+@pytest.mark.parametrize("spec", ["full:keep_gathered=true", "dots:keep_gathered=true"])
+def test_what_keep_gathered_binds_is_attributed_to_the_users_line(remat_engine, spec):
+    """The gathered-weight tags, and the equations re-bound to add them, carry the model's source
+    line (a timeline's source column, an HLO op's metadata), not a line of the modules that trace
+    and re-bind the model (the tie's own equations are jremat's, and say so)."""
+    loss = lambda w, h: jnp.sum(jremat.checkpoint(_gathered_block, spec)(w, h))
+    lowered = jax.jit(jax.grad(loss)).lower(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    sources = {os.path.basename(s) for s in re.findall(r'loc\("([^"]+\.py)":\d+', lowered.as_text(debug_info=True))}
+    assert os.path.basename(__file__) in sources
+    assert not sources & {"_interpreter.py", "_gathered.py", "_program.py", "_engine.py"}, sources

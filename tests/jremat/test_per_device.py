@@ -128,7 +128,7 @@ def test_plan_layers_table_on_a_mesh_says_per_device():
         )
 
     table = plan(8).table()
-    assert table.startswith("auto plan for budget 800 bytes per device (0.000 GiB) on 8 devices: ")
+    assert table.startswith("auto plan for budget 800 bytes per device (800 B) on 8 devices: ")
     assert "global B/layer" in table and "compiled peak 800 B per device" in table
     assert "per device" not in plan(1).table()
     with pytest.raises(ValueError, match="devices must be a positive integer, got 0"):

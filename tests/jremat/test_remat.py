@@ -77,3 +77,23 @@ def test_tie_rule():
     for bad in (0, -1, 1.0, True):
         with pytest.raises(ValueError, match="scan_length must be None"):
             needs_tie(bad)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_layer_stacks_slices_are_attributed_to_the_models_call_of_run_layers(remat_engine, scan_layers):
+    """What the stack runner binds for the model (each layer's slice of the stacked weights, the
+    scan) points at the model's line in a timeline's source column, not into jremat."""
+    import os
+    import re
+
+    config = jremat.RematConfig(policy="full", scan_layers=scan_layers)
+
+    def make_layer(policy):
+        return jremat.remat_at(lambda w, x, key: jnp.tanh(x @ w), "block", config, policy=policy)
+
+    def loss(ws, x):
+        return jnp.sum(jremat.run_layers(make_layer, ws, x, None, config))
+
+    text = jax.jit(jax.grad(loss)).lower(jnp.ones((3, 4, 4)), jnp.ones((2, 4))).as_text(debug_info=True)
+    sources = {os.path.basename(s) for s in re.findall(r'loc\("([^"]+\.py)":\d+', text)}
+    assert os.path.basename(__file__) in sources and "_remat.py" not in sources, sources

@@ -1,6 +1,7 @@
 """python -m train.memory: JSON schema, table, plot and one-line errors with exit code 2 (tiny, compile-only)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -272,3 +273,37 @@ def test_bad_timeline_path_exits_2_before_compiling(path, message, tmp_path, cap
     assert tm.main(TINY + ["--timeline", path.format(tmp=tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --timeline ") and message in err and "\n" not in err
+
+
+def test_timeline_png_legend_tells_peaks_a_few_kib_apart(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from jremat.train import timeline_plot
+
+    legends = []
+    draw_legend = matplotlib.axes.Axes.legend
+
+    def legend(ax, *args, **kwargs):
+        legends.append(ax.get_legend_handles_labels()[1])
+        return draw_legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", legend)
+    rows = [
+        SimpleNamespace(
+            policy=policy,
+            n_layers=2,
+            batch_size=1,
+            seq_len=16,
+            timeline=SimpleNamespace(
+                peak_bytes=peak,
+                peak_position=1,
+                live_bytes=[0, peak, 0],
+                compiled_peak_bytes=peak,
+                loops=[],
+                top_buffers=[],
+            ),
+        )
+        for policy, peak in (("none", 218_172), ("full", 201_073), ("dots", 209_265))
+    ]
+    timeline_plot.write_timeline_png(rows, str(tmp_path / "t.png"))
+    assert legends == [["none: peak 213.06 KiB", "full: peak 196.36 KiB", "dots: peak 204.36 KiB"]]

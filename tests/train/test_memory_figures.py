@@ -1,5 +1,7 @@
 """One set of figures: train.ptb's start-up line, train.memory's table and explain measure against one ``none``."""
 
+import jax
+
 from jremat import format_bytes
 from jremat.models import PRESETS, preset
 from jremat.models.policy_memory import compare_policies, config_for_spec, format_recompute, summary_line
@@ -25,6 +27,10 @@ def test_startup_line_and_memory_table_agree_for_one_configuration():
     assert abs(log_row.recompute_flops_fraction - row.recompute_flops_fraction) < 1e-3
     line = ptb.memory_report(model_cfg, train_cfg.batch_size, train_cfg.seq_len)
     assert line == summary_line(row, base)
+    # On a mesh the same figures are the unsharded step's, beside the sharded step's per-device line: labelled.
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("fsdp",))
+    on_mesh = ptb.memory_report(model_cfg, train_cfg.batch_size, train_cfg.seq_len, mesh)
+    assert on_mesh == f"one device, unsharded, global batch {train_cfg.batch_size}: {line}"
     table = tm.format_table([row], base)
     for figure in (format_bytes(row.peak_bytes), format_recompute(row.recompute_flops_fraction), "4 chunks"):
         assert figure in line and figure in table, figure

@@ -4,6 +4,7 @@ Runs the CLI in a subprocess on 8 simulated CPU devices (the device count is fix
 starts); bad input is checked in-process, before any compile.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from jremat.train import memory
+from jremat.train import memory, sharded_steps
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
@@ -89,7 +90,7 @@ def test_timeline_and_live_on_a_mesh_are_per_device_and_show_gathered_weights(tm
 
 def test_a_mesh_the_devices_do_not_fit_exits_2(capsys):
     assert memory.main(["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8"]) == 2
-    assert "--mesh: mesh fsdp=8 has 8 devices but 1 are available" in capsys.readouterr().err
+    assert "--mesh: mesh fsdp=8 has 8 devices but only 1 is available" in capsys.readouterr().err
 
 
 def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mesh_rows):
@@ -126,3 +127,12 @@ def test_fit_on_a_mesh_fits_a_per_device_budget_and_searches_keeping_gathered_we
     assert gathers[("full:keep_gathered=true", 1)] < gathers[("full", 1)]
     assert dict(out["time_model"]["collective_s_per_byte"])["all-gather"] > 0  # measured on the mesh
     assert "per device" in proc.stderr
+
+
+def test_a_one_device_mesh_is_worded_in_the_singular(capsys):
+    argv = ["--preset", "tiny", "--mesh", "fsdp=1", "--batch-size", "2", "--seq-len", "8", "--policy", "full"]
+    assert memory.main(argv) == 0
+    assert "gradient step on mesh data=1 (1 device), compiled only;" in capsys.readouterr().out
+    one = sharded_steps.DeviceMemory("data=1", 1, 0, 0, 0, 0, 218_172, "argument + output - alias + temp")
+    assert one.format().startswith("mesh data=1 (1 device), per device: peak 213.06 KiB, temp 0 B")
+    assert dataclasses.replace(one, mesh="fsdp=8", devices=8).format().startswith("mesh fsdp=8 (8 devices), per")

@@ -64,8 +64,12 @@ def test_parse_mesh_rejects_bad_specs_with_specific_messages(text, fragment):
 
 def test_make_mesh_needs_sizes_multiplying_to_the_device_count():
     devices = jax.devices()[:1]
-    with pytest.raises(ValueError, match=r"mesh data=2 has 2 devices but 1 are available .*multiply to 1"):
+    with pytest.raises(ValueError, match=r"mesh data=2 has 2 devices but only 1 is available .*multiply to 1"):
         sh.make_mesh(sh.parse_mesh("data=2"), devices)
+    with pytest.raises(ValueError, match=r"mesh data=4 has 4 devices but only 2 are available .*multiply to 2"):
+        sh.make_mesh(sh.parse_mesh("data=4"), devices * 2)
+    with pytest.raises(ValueError, match=r"mesh all sizes 1 has 1 device but 2 are available .*multiply to 2"):
+        sh.make_mesh({}, devices * 2)
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
         sh.make_mesh({"model": 1}, devices)
     mesh = sh.make_mesh(sh.parse_mesh("data=1"), devices)
@@ -258,7 +262,8 @@ def test_sequence_parallel_halves_per_device_activation_memory(checks):
 def test_bad_meshes_and_batches_on_eight_devices(checks):
     e = checks["errors"]
     assert (
-        e["product"] == "mesh data=4,fsdp=4 has 16 devices but 8 are available (cpu); the axis sizes must multiply to 8"
+        e["product"]
+        == "mesh data=4,fsdp=4 has 16 devices but only 8 are available (cpu); the axis sizes must multiply to 8"
     )
     assert "mesh data=2 has 2 devices but 8" in e["too_few"]
     assert e["unknown_axis"].startswith("unknown mesh axis 'model'")
