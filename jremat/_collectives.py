@@ -50,7 +50,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 #: Phases of a collective.
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
 #: The phase of the all-reduces jremat's cotangent tie adds (:mod:`jremat._tie`).
-TIE = "tie"
+TIE = "cotangent tie"
 PHASES = (FORWARD, BACKWARD, RECOMPUTE, TIE)
 
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")

@@ -205,7 +205,7 @@ def check_tie() -> dict:
             report = jremat.compiled_collectives_report(compiled)
             out[f"{mesh_name}/{'tied' if tie else 'untied'}"] = {
                 "all-reduce": report.count("all-reduce"),
-                "tie": [report.count("all-reduce", "tie"), report.bytes("all-reduce", "tie")],
+                "tie": [report.count("all-reduce", "cotangent tie"), report.bytes("all-reduce", "cotangent tie")],
                 "temp": compiled.memory_analysis().temp_size_in_bytes,
             }
     return out
@@ -257,7 +257,7 @@ def check_advice() -> dict:
             return jnp.mean(jax.lax.scan(lambda h, w: (block(w, h), None), x, weights)[0] ** 2)
 
         report = jremat.compiled_collectives_report(_compile(loss, stacked, x))
-        out[f"scan prevent_cse={prevent_cse}"] = [report.count("all-reduce", "tie"), report.count("all-reduce")]
+        out[f"scan prevent_cse={prevent_cse}"] = [report.count("all-reduce", "cotangent tie"), report.count("all-reduce")]
     return out
 
 

@@ -258,7 +258,7 @@ def test_the_tie_costs_one_scalar_all_reduce_per_checkpoint_and_works_on_explici
     for mesh in ("fsdp", "tp", "fsdp_explicit"):
         # 4 tied checkpoints: one 4-byte all-reduce each (docs/sharding.md), none untied.
         assert tie[f"{mesh}/tied"]["all-reduce"] - tie[f"{mesh}/untied"]["all-reduce"] == 4, mesh
-        # The report finds them by the tie's name scope: phase "tie", 4 B each.
+        # The report finds them by the tie's name scope: phase "cotangent tie", 4 B each.
         assert tie[f"{mesh}/tied"]["tie"] == [4, 16] and tie[f"{mesh}/untied"]["tie"] == [0, 0], mesh
 
 
