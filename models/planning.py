@@ -56,6 +56,8 @@ def plan_for_budget(
     offload: bool | None = None,
     offload_cost_per_byte: float | None = None,
     regather_flops: float = 0.0,
+    keep_gathered: bool | None = None,
+    devices: int = 1,
 ) -> LayerPlan:
     """The least-recompute plan for ``cfg`` whose compiled step peak fits ``budget``.
 
@@ -74,6 +76,9 @@ def plan_for_budget(
       regather_flops: on a mesh, as in :func:`jremat.plan_layers` (with a ``measure_peak_bytes``
         that compiles the sharded step): plans that keep each layer's gathered weights are
         candidates, and re-gathering is priced.
+      keep_gathered: only plans that keep (``True``) or re-gather (``False``) the gathered weights,
+        as in :func:`jremat.plan_layers`; ``None`` (default): the cheaper.
+      devices: the devices of the step's mesh, as in :func:`jremat.plan_layers`.
 
     Returns:
       The :class:`jremat.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
@@ -102,6 +107,8 @@ def plan_for_budget(
         step_flops=step_flops(none_cfg, batch_size, seq_len),
         offload_cost_per_byte=offload_cost_per_byte if offload else None,
         regather_flops=regather_flops,
+        keep_gathered=keep_gathered,
+        devices=devices,
     )
 
 
