@@ -301,7 +301,7 @@ def collective_flops_per_byte(
     :func:`collective_s_per_byte` times the FLOP rate of a ``matmul_size``-square float32 matmul
     on one of the devices, each rounded to a power of two as :func:`jremat.fit_search`'s time
     model rounds its rates (:func:`power_of_two`), so that the price, and the plan ``auto``
-    chooses with it, is the same from run to run: communication in the recompute cost model's
+    chooses with it, agree between runs unless a rate sits near a power of two: communication in the recompute cost model's
     unit, as :func:`jremat.offload_flops_per_byte` prices offloading. Measured once per argument
     set and cached; threads asking at once wait for one measurement.
 
