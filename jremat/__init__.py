@@ -69,7 +69,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Memory: compiled reports and the remat diagnosis.
     "jremat._memory": ("MemoryReport", "compiled_memory_report", "diagnose_remat", "format_bytes", "memory_report"),
     # The budget planner: per-layer and per-name choices under a memory budget.
-    "jremat._planner": ("Candidate", "LayerPlan", "NameCost", "name_costs", "plan_function", "plan_layers"),
+    "jremat._planner": (
+        "Candidate",
+        "LayerPlan",
+        "NameCost",
+        "name_costs",
+        "ops_to_keep_within_budget",
+        "plan_function",  # alias of ops_to_keep_within_budget
+        "plan_layers",
+    ),
     # Policies: the base classes, the plan a plan policy returns, and the offload precondition.
     "jremat._policy": (
         "CallbackPolicy",
@@ -153,6 +161,7 @@ if TYPE_CHECKING:
     from jremat._planner import LayerPlan as LayerPlan
     from jremat._planner import NameCost as NameCost
     from jremat._planner import name_costs as name_costs
+    from jremat._planner import ops_to_keep_within_budget as ops_to_keep_within_budget
     from jremat._planner import plan_function as plan_function
     from jremat._planner import plan_layers as plan_layers
     from jremat._policy import CallbackPolicy as CallbackPolicy

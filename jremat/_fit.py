@@ -51,7 +51,7 @@ def keep_gathered_variants(policies: Sequence[str]) -> list[str]:
     """The ``keep_gathered=true`` variant of each policy spec that takes the key and does not set it.
 
     Those are the registered policies of one function (:data:`jremat.registry.KEEP_GATHERED`), but
-    ``none`` (it keeps everything already) and ``auto`` (its plans choose it per layer); labels that
+    ``none`` (it keeps everything already) and ``auto`` (its layer plans choose it per layer); labels that
     are not policy specs have none.
     """
     out = []
@@ -153,6 +153,7 @@ def fit_search_budgets(
     policies: Sequence[str],
     budgets: Sequence[str | int | Budget],
     *,
+    extra_candidates: Callable[[int, Sequence[FitProbe]], Sequence[tuple[str, int, int]]] | None = None,
     plans: Callable[[int, Sequence[FitProbe]], Sequence[tuple[str, int, int]]] | None = None,
     global_batch: int | None = None,
     tokens_per_example: int = 1,
@@ -177,6 +178,10 @@ def fit_search_budgets(
     :func:`fit_search`; returns one :class:`FitResult` per budget, in the order given.
     """
     _check_settings(policies, global_batch, finalists, rounds, calls_per_round, batch_tolerance, noise_tolerance)
+    if plans is not None:
+        if extra_candidates is not None:
+            raise TypeError("give extra_candidates or plans (its alias), not both")
+        extra_candidates = plans
     t0 = time.perf_counter()
     budget_list = _resolve_budgets(budgets)
     search = _Search(build, progress)
@@ -207,7 +212,7 @@ def fit_search_budgets(
             search,
             budget,
             policies,
-            plans,
+            extra_candidates,
             global_batch,
             max_batch_size,
             batch_tolerance,
@@ -273,13 +278,13 @@ def _fitting(
     search: _Search,
     budget: int,
     policies: Sequence[str],
-    plans: Callable[[int, Sequence[FitProbe]], Sequence[tuple[str, int, int]]] | None,
+    extra_candidates: Callable[[int, Sequence[FitProbe]], Sequence[tuple[str, int, int]]] | None,
     global_batch: int | None,
     max_batch_size: int,
     batch_tolerance: float,
     workers: int,
 ) -> tuple[list[FitProbe], dict[tuple, str]]:
-    """The candidates that fit ``budget``, one per program (the searches' and the plans'), and
+    """The candidates that fit ``budget``, one per program (the searches' and the extra ones), and
     where each came from.
 
     Raises:
@@ -295,14 +300,14 @@ def _fitting(
     # compiles with the GIL released, so the policies are searched on parallel threads.
     with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(policies)))) as pool:
         fitting = [p for p in pool.map(searched, dict.fromkeys(policies)) if p is not None]
-    plan_probes = []
-    for key in dict.fromkeys(plans(budget, tuple(fitting)) if plans else ()):
+    extra_probes = []
+    for key in dict.fromkeys(extra_candidates(budget, tuple(fitting)) if extra_candidates else ()):
         p = search.probe(*key)
         if p.peak_bytes is not None and p.peak_bytes <= budget:
-            plan_probes.append(p)
+            extra_probes.append(p)
     origin = {p.key: "search" for p in fitting}
-    origin.update({p.key: "plan" for p in plan_probes if p.key not in origin})
-    fitting = _one_per_program(fitting + plan_probes)
+    origin.update({p.key: "plan" for p in extra_probes if p.key not in origin})
+    fitting = _one_per_program(fitting + extra_probes)
     if not fitting:
         raise _nothing_fits(budget, search.probes.values(), global_batch)
     return fitting, origin
@@ -406,7 +411,7 @@ def fit_search(
     Per policy, the largest batch that fits to within ``batch_tolerance`` (compile-only, up to
     ``max_batch_size``: batch 1, 16, then where the line through the probes crosses the budget,
     see :func:`largest_fitting`) or, with ``global_batch``, the fewest micro-batches that divide
-    it and fit; ``plans`` may add candidates at chosen batches. One program (:attr:`FitStep.program`)
+    it and fit; ``extra_candidates`` may add candidates at chosen batches. One program (:attr:`FitStep.program`)
     at several batches is one candidate, its largest batch, and labels that compile to the same
     program are one candidate, the first.
     The ``finalists`` best by the time model are run on the device in ``rounds`` interleaved
@@ -425,9 +430,11 @@ def fit_search(
         earlier).
       budget: bytes (an int, ``"12GiB"``, ``"512MiB"``) of the compiled peak per device (on a
         mesh, one device's share of the SPMD program: see the module docstring).
-      plans: ``plans(budget_bytes, searched)`` -> more ``(label, batch_size, micro_batches)``
-        candidates (e.g. a budget planner's plan at some of the batches where the searches of
-        ``policies`` ended; ``searched`` holds their probes); those that fit join the candidates.
+      extra_candidates: ``extra_candidates(budget_bytes, searched)`` -> more
+        ``(label, batch_size, micro_batches)`` candidates (e.g. the budget planner's layer plan at
+        some of the batches where the searches of ``policies`` ended; ``searched`` holds their
+        probes); those that fit join the candidates.
+      plans: an alias of ``extra_candidates`` (give one of the two).
       global_batch: fix the examples per optimizer step and choose the micro-batches.
       tokens_per_example: tokens per example (sequence length), for tokens/s.
       max_batch_size: the largest batch tried.
@@ -454,6 +461,7 @@ def fit_search(
       FitError: nothing fits (with the smallest compiled peak found and its policy and batch), a
         fractional budget, bad search settings (a tolerance outside ``[0, 1)``), a builder that returns something else, or a
         backend without compiled memory figures.
+      TypeError: both ``extra_candidates`` and its alias ``plans``.
     """
     return fit_search_budgets(build, policies, [budget], **kwargs)[0]
 

@@ -144,7 +144,7 @@ class FitRow:
       tokens_per_s: measured (median over rounds), ``None`` if not a finalist.
       rounds_tokens_per_s: the measured tokens/s of each round.
       origin: ``"search"`` (a policy's largest fitting batch, or fewest micro-batches),
-        ``"plan"`` (from ``plans``) or ``"smaller budget"`` (a finalist of a smaller budget of the
+        ``"plan"`` (from ``extra_candidates``) or ``"smaller budget"`` (a finalist of a smaller budget of the
         same search, kept so that throughput never falls as the budget grows, beyond the tie rule's noise).
     """
 

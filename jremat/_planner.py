@@ -1,13 +1,17 @@
 """The memory-budget planner behind the ``auto`` policy, for any function or layered model.
 
-One algorithm, two uses. A *unit* is a value the plan may keep for the backward pass (a tagged
+One algorithm, two uses. A *unit* is a value the planner may keep for the backward pass (a tagged
 tensor of a block, or a compute op of a function) with its bytes and its recompute FLOPs (the
 cost model of ``skip_cheap``). A *candidate* is a set of kept units (:func:`save_sets`: every
 subset when there are few units, else the greedy prefixes in order of recompute FLOPs per byte).
 :func:`solve` reduces the candidates to the Pareto frontier of (recompute FLOPs, predicted
-bytes) and walks it from the cheapest plan, measuring each plan predicted to fit until one does.
+bytes) and walks it from the cheapest candidate, measuring each one predicted to fit until one does.
 
-* On one checkpointed function (:func:`plan_function`, the ``auto:budget=B`` policy): units are
+Words: the candidate chosen for a layered model, with its numbers, is a *layer plan*
+(:class:`LayerPlan`); a plain *plan* is what a plan policy keeps in one traced program
+(:class:`jremat.Plan`), as the ``auto:budget=B`` policy does with :func:`ops_to_keep_within_budget`.
+
+* On one checkpointed function (:func:`ops_to_keep_within_budget`, the ``auto:budget=B`` policy): units are
   the function's compute ops, the prediction is the kept bytes and the measurement is the
   prediction (nothing can be compiled while tracing).
 * On a layered model (:func:`plan_layers`): units are the block's tagged tensors
@@ -210,7 +214,7 @@ def solve(
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_function(program: Program, budget: str | Budget) -> frozenset[int]:
+def ops_to_keep_within_budget(program: Program, budget: str | Budget) -> frozenset[int]:
     """The compute ops of one checkpointed function to keep under ``budget`` (op indices).
 
     Units are the compute ops (outputs of PRNG-only ops are always recomputed); a fractional
@@ -236,6 +240,10 @@ def plan_function(program: Program, budget: str | Budget) -> frozenset[int]:
         measure_peak_bytes=kept,
     )
     return frozenset(int(n) for n in solution.candidate)
+
+
+#: Alias of :func:`ops_to_keep_within_budget`, kept for compatibility.
+plan_function = ops_to_keep_within_budget
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +284,7 @@ class LayerPlan:
     """What :func:`plan_layers` chose, with the numbers behind it.
 
     Attributes:
-      config: ``apply(candidate)``: the caller's form of the plan (a model config).
+      config: ``apply(candidate)``: the caller's form of the layer plan (a model config).
       candidate: the chosen :class:`Candidate`.
       n_layers: layers of the model.
       budget_bytes: the budget in bytes.
@@ -500,6 +508,7 @@ __all__ = [
     "Solution",
     "as_budget",
     "name_costs",
+    "ops_to_keep_within_budget",
     "parse_budget",
     "plan_function",
     "plan_layers",

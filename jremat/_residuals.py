@@ -50,7 +50,9 @@ class SavedResidual:
         shape-only ops), or ``None``.
       primitive: the primitive that produced it, or ``argument`` / ``constant`` / ``literal``.
       source: ``file:line (function)`` of the producing equation, or the argument's path.
-      plan_tag: the :class:`jremat.PlanPolicy` tag (``jremat3/17``) if a plan chose it.
+      internal_tag: jremat's internal tag (``jremat3/17``, :mod:`jremat._tags`) if a
+        :class:`jremat.PlanPolicy` or a policy callback under ``jax_remat3`` chose it, else
+        ``None`` (also readable as ``plan_tag``).
       layer_stacked: whether it is a stacked ``[n_layers, ...]`` output of a loop over layers.
       device_bytes: the bytes one device holds (its shard; :attr:`bytes` off a mesh or replicated).
     """
@@ -62,13 +64,18 @@ class SavedResidual:
     name: str | None
     primitive: str
     source: str
-    plan_tag: str | None = None
+    internal_tag: str | None = None
     layer_stacked: bool = False
     device_bytes: int | None = None
 
     def __post_init__(self):
         if self.device_bytes is None:
             object.__setattr__(self, "device_bytes", self.bytes)
+
+    @property
+    def plan_tag(self) -> str | None:
+        """The same as :attr:`internal_tag` (a compatible alias)."""
+        return self.internal_tag
 
     @property
     def label(self) -> str:
@@ -475,9 +482,9 @@ def saved_residuals_report(
         nbytes = _jaxpr.aval_bytes(aval)
         names = chain_names + [n for n in forward_names(base) if n not in chain_names]
         user_names = _tags.user_names(names)
-        plan_tags = [n for n in names if _tags.is_internal(n)]
+        internal_tags = [n for n in names if _tags.is_internal(n)]
         name = user_names[0] if user_names else None
-        plan_tag = plan_tags[0] if plan_tags else None
+        internal_tag = internal_tags[0] if internal_tags else None
         mask = deps.get(base, 0)
         stacked = False
         if base in invar_index:
@@ -507,7 +514,7 @@ def saved_residuals_report(
                 name,
                 primitive,
                 source,
-                plan_tag,
+                internal_tag,
                 stacked,
                 round(nbytes * fraction),
             )

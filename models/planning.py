@@ -1,6 +1,7 @@
 """``--policy auto --memory-budget B`` for the reference GPT: :func:`jremat.plan_layers` on its programs.
 
-A plan becomes an ordinary config (:func:`apply_candidate`): ``remat_policy="names:save=..."``
+A layer plan (the candidate the budget planner chooses, :class:`jremat.LayerPlan`) becomes an
+ordinary config (:func:`apply_candidate`): ``remat_policy="names:save=..."``
 (``full`` for the empty set; ``offload:names=...,save=...`` when some names go to host memory)
 and, for a partial stack, ``layer_policies="G:<spec>"`` with the remaining layers on ``none``.
 The step measured is the gradient step (:func:`models.programs.step_program`) unless the caller
@@ -59,7 +60,7 @@ def plan_for_budget(
     keep_gathered: bool | None = None,
     devices: int = 1,
 ) -> LayerPlan:
-    """The least-recompute plan for ``cfg`` whose compiled step peak fits ``budget``.
+    """The least-recompute layer plan for ``cfg`` whose compiled step peak fits ``budget``.
 
     Args:
       cfg: the model (its remat fields are replaced by the plan).

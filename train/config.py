@@ -29,7 +29,9 @@ class TrainConfig(model_flags.ModelFlags):
 
     Attributes are documented by their ``metadata["help"]``, which is also the CLI help; the
     model flags are :class:`train.model_flags.ModelFlags`' (``--dtype`` and ``--granularity`` left
-    unset take the preset's).
+    unset take the preset's). ``ckpt_dir``, ``ckpt_every`` and ``keep_checkpoints`` are about the
+    training-state files (:mod:`train.state_files`; each saved step is an orbax checkpoint, hence the
+    flags' names), not about :func:`jremat.checkpoint`.
     """
 
     policy: str = option("full", "remat policy name or spec (NAME or NAME:key=value,...)", metavar="SPEC")
@@ -52,12 +54,12 @@ class TrainConfig(model_flags.ModelFlags):
     seed: int = option(0, "seed for initialization and dropout")
     eval_every: int | None = option(None, "valid perplexity every N steps (0: only at the end)")
     eval_batches: int = option(0, "limit each evaluation to N batches (0: the whole split)")
-    ckpt_dir: str | None = option(None, "orbax checkpoint directory (none: no checkpoints)")
+    ckpt_dir: str | None = option(None, "directory of the training-state files (none: save no training state)")
     ckpt_every: int = option(
-        100, "checkpoint every N steps (0: only at the end); also at the end and on Ctrl-C or SIGTERM"
+        100, "save the training state every N steps (0: only at the end); also at the end and on Ctrl-C or SIGTERM"
     )
-    keep_checkpoints: int = option(3, "how many most recent checkpoints to keep")
-    resume: bool = option(False, "continue from the latest checkpoint in --ckpt-dir")
+    keep_checkpoints: int = option(3, "how many most recent saved steps of the training state to keep")
+    resume: bool = option(False, "continue from the latest saved step in --ckpt-dir")
     metrics_file: str | None = option(None, "per-step metrics file: JSON lines, or CSV if it ends in .csv")
     data_dir: str | None = option(None, "folder with ptb.{train,valid,test}.txt (else $JREMAT_PTB_DIR, else cache)")
     memory_report: bool = option(True, "print the compile-time memory report at start")

@@ -71,7 +71,7 @@ class GPTStepBuilder:
         self.data_shards = 1 if mesh is None else sharding.data_parallel_size(mesh)
         self._configs: dict[tuple, ModelConfig | None] = {}
         self._steps: dict[tuple, jremat.FitStep] = {}
-        self.plans: dict[tuple, jremat.LayerPlan] = {}
+        self.layer_plans: dict[tuple, jremat.LayerPlan] = {}
 
     def step(self, cfg: ModelConfig, batch_size: int, micro_batches: int) -> jremat.FitStep:
         """The jitted train step of ``cfg`` and its abstract arguments (one object per config and
@@ -117,7 +117,7 @@ class GPTStepBuilder:
                 except ValueError:  # no plan fits this batch
                     self._configs[key] = None
                 else:
-                    self.plans[key] = plan
+                    self.layer_plans[key] = plan
                     self._configs[key] = plan.config
         return self._configs[key]
 
@@ -130,8 +130,8 @@ class GPTStepBuilder:
         return {"offload": False, "regather_flops": self._regather_flops}
 
     def describe(self, policy: str, batch_size: int, micro_batches: int) -> str:
-        """The label, and for an ``auto`` plan what it keeps."""
-        plan = self.plans.get((policy, batch_size, micro_batches))
+        """The label, and for an ``auto`` layer plan what it keeps."""
+        plan = self.layer_plans.get((policy, batch_size, micro_batches))
         return policy if plan is None else f"{policy} = {plan.candidate.describe(plan.n_layers)}"
 
     def __call__(self, policy: str, batch_size: int, micro_batches: int) -> jremat.FitStep | None:
@@ -144,8 +144,8 @@ class GPTStepBuilder:
 PLAN_BATCH_TOLERANCE = 0.03
 
 
-def auto_plans(budget_bytes: int, searched) -> list[tuple[str, int, int]]:
-    """The planner's plan at each batch where a searched policy ended above ``none``'s largest
+def auto_candidates(budget_bytes: int, searched) -> list[tuple[str, int, int]]:
+    """The ``auto`` candidates (the planner's layer plan) at each batch where a searched policy ended above ``none``'s largest
     fitting batch (at or below it, the plan is ``none``, already a candidate), one per group of
     batches within :data:`PLAN_BATCH_TOLERANCE` of the group's largest."""
     none_batch = max((p.batch_size for p in searched if p.policy == "none"), default=0)
@@ -183,7 +183,7 @@ def search(
     max_batch_size: int = 4096,
     progress: bool = True,
 ) -> list[jremat.FitResult]:
-    """:func:`jremat.fit_search_budgets` of the GPT's train step (``auto`` adds the planner's plans).
+    """:func:`jremat.fit_search_budgets` of the GPT's train step (``auto`` adds the planner's layer plans).
 
     ``global_batch`` counts the sequences of the whole mesh (the builder's batches are per
     data-parallel shard).
@@ -204,7 +204,7 @@ def search(
             builder,
             policies,
             budgets,
-            plans=auto_plans if auto else None,
+            extra_candidates=auto_candidates if auto else None,
             global_batch=shard_batch,
             tokens_per_example=builder.seq_len * builder.data_shards,
             max_batch_size=max_batch_size,
@@ -278,8 +278,8 @@ __all__ = [
     "FIT_POLICIES",
     "GPTStepBuilder",
     "SEARCH_OPTIMIZER",
+    "auto_candidates",
     "auto_label",
-    "auto_plans",
     "format_result",
     "search",
     "tqdm_progress",

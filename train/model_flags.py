@@ -1,13 +1,15 @@
-"""The model flags the CLIs share, declared once: two frozen dataclasses that a CLI's config inherits.
+"""The model flags the CLIs share, declared once: frozen dataclasses that a CLI's config inherits.
 
-:class:`AttentionFlags` (``--attention``, ``--attention-block-size``) is in every CLI that builds
-the model (``train.ptb``, ``train.memory``, ``train.bench``); :class:`ModelFlags` adds the flags of
-the one preset model that ``train.ptb`` and ``train.memory`` build (``--preset``, ``--seq-len``,
-``--max-seq-len``, ``--dtype``, ``--dropout``, ``--granularity``, ``--unrolled``,
-``--remat-head-chunks``). A config inherits the group, so its fields become flags through the one
-mechanism of :mod:`train.cli` (inherited fields come first). ``train.bench`` has no
-``--max-seq-len`` or ``--preset``: each bench model keeps its own. :func:`model_overrides` turns
-the attention flags and ``--max-seq-len`` into :class:`~jremat.models.ModelConfig` overrides.
+:class:`ComputeFlags` (``--attention``, ``--attention-block-size``, ``--dtype``,
+``--remat-head-chunks``) is in every CLI that builds the model (``train.ptb``, ``train.memory``,
+``train.bench``); :class:`ModelFlags` adds the flags of the one preset model that ``train.ptb``
+and ``train.memory`` build (``--preset``, ``--seq-len``, ``--max-seq-len``, ``--dropout``,
+``--granularity``, ``--unrolled``). A config inherits the group, so its fields become flags through
+the one mechanism of :mod:`train.cli` (inherited fields come first); a CLI gives a shared flag its
+own default with :func:`cli_default`, which keeps the flag's declaration (help, choices).
+``train.bench`` has none of :class:`ModelFlags`' own flags: each bench model keeps its own preset,
+positions and sequence length. :func:`model_overrides` turns the attention flags and
+``--max-seq-len`` into :class:`~jremat.models.ModelConfig` overrides.
 """
 
 from __future__ import annotations
@@ -34,7 +36,34 @@ class AttentionFlags:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelFlags(AttentionFlags):
+class ComputeFlags(AttentionFlags):
+    """``--dtype`` and ``--remat-head-chunks`` (with the attention flags): how every CLI's model computes.
+
+    Declared with no default; each CLI gives its own with :func:`cli_default`.
+    """
+
+    dtype: str | None = option(None, "compute dtype; parameters stay float32", choices=DTYPES)
+    remat_head_chunks: int | None = option(
+        None, "remat the final LayerNorm, head and loss over N sequence chunks; 0 keeps their logits"
+    )
+
+
+def cli_default(name: str, default: Any, note: str = "") -> Any:
+    """The :class:`ComputeFlags` field ``name`` with a CLI's own ``default``, its help ending in ``note``.
+
+    The flag's declaration (help, choices) stays the one of :class:`ComputeFlags`; assign the
+    result to the same field name in the CLI's config.
+
+    Raises:
+      KeyError: if ``name`` is not a field of :class:`ComputeFlags`.
+    """
+    meta = {f.name: f for f in dataclasses.fields(ComputeFlags)}[name].metadata
+    help_text = f"{meta['help']}; {note}" if note else meta["help"]
+    return option(default, help_text, choices=meta["choices"], metavar=meta["metavar"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlags(ComputeFlags):
     """The flags of the preset model that ``train.ptb`` and ``train.memory`` build.
 
     Fields left ``None`` take the preset's value (``--seq-len``: its positions; ``--remat-head-chunks``:
@@ -44,14 +73,12 @@ class ModelFlags(AttentionFlags):
     preset: str = option("small", "model preset", choices=tuple(PRESETS))
     seq_len: int | None = option(None, "tokens per sequence; <= the model's positions, --max-seq-len (default: equal)")
     max_seq_len: int | None = option(None, "learned positions (default: the preset's); --seq-len may go up to it")
-    dtype: str | None = option(None, "compute dtype; parameters stay float32 (default: the preset's)", choices=DTYPES)
+    dtype: str | None = cli_default("dtype", None, "default: the preset's")
     dropout: float | None = option(None, "attention and residual dropout rate (default: the preset's)")
     granularity: str | None = option(None, "where remat applies (default: the preset's)", choices=jremat.GRANULARITIES)
     unrolled: bool = option(False, "unroll the layer loop instead of lax.scan")
-    remat_head_chunks: int | None = option(
-        None,
-        "remat the final LayerNorm, head and loss over N sequence chunks (0: keep their logits; "
-        "default: 4 for every policy but none, models.config.whole_step_head_chunks)",
+    remat_head_chunks: int | None = cli_default(
+        "remat_head_chunks", None, "default: 4 for every policy but none, models.config.whole_step_head_chunks"
     )
 
     def check_model_flags(self) -> None:

@@ -109,14 +109,15 @@ def memory_report(model_cfg, batch_size: int, seq_len: int) -> str:
     return policy_memory.summary_vs_none(model_cfg, batch_size, seq_len)
 
 
-def plan_auto_policy(cfg: TrainConfig, model_cfg):
-    """Replace an ``auto`` policy by the plan that fits the budget (see :mod:`models.planning`).
+def resolve_auto_policy(cfg: TrainConfig, model_cfg):
+    """Replace an ``auto`` policy by the budget planner's layer plan that fits the budget (see
+    :mod:`models.planning`).
 
     Returns:
       ``(model_cfg, plan_table)``; the config unchanged and ``None`` for any other policy.
 
     Raises:
-      UsageError: if no plan fits the budget (the message gives the smallest achievable peak).
+      UsageError: if no layer plan fits the budget (the message gives the smallest achievable peak).
     """
     if registry.parse_spec(model_cfg.remat_policy)[0] != "auto":
         return model_cfg, None
@@ -305,7 +306,7 @@ def prepare_run(cfg: TrainConfig, state_files, signals, primary: bool, log, prog
     if cfg.batch_size == AUTO_BATCH:
         cfg, model_cfg, plan_table = fit_batch(cfg, corpus.vocab_size, progress, mesh)
     else:
-        model_cfg, plan_table = plan_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
+        model_cfg, plan_table = resolve_auto_policy(cfg, cfg.model_config(corpus.vocab_size))
     try:
         rows = None if mesh is None else sharding_lib.process_batch_rows(mesh, cfg.batch_size)  # this process's rows
     except ValueError as err:

@@ -15,6 +15,11 @@ continues from the newest good checkpoint and can save that step again.
 One run at a time writes a directory: :class:`RunLock` holds an exclusive ``flock`` on
 ``.jremat-run.lock`` for the run's lifetime. The kernel releases it when the process dies, so a
 killed run's lock is taken over by the next run (and reported), never a stale lock to delete by hand.
+
+Words: here a *checkpoint* is one saved step of the training state, orbax's word, kept in the
+flags ``--ckpt-dir``, ``--ckpt-every`` and ``--keep-checkpoints`` and in the messages that name
+them; it has nothing to do with :func:`jremat.checkpoint` (what a function keeps for its backward
+pass). The code calls the directory and its steps the *state files*.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_one_program_at_adjacent_batches_is_one_candidate_its_largest_batch(budg
         (full,) = [p for p in searched if p.policy == "full"]
         return [("full", full.batch_size - 1, 1), ("full", full.batch_size - 2, 1), ("none", 1, 1)]
 
-    result = search(budget, policies=("full", "none"), plans=plans, finalists=3)
+    result = search(budget, policies=("full", "none"), extra_candidates=plans, finalists=3)
     searched_full = max(p.batch_size for p in result.probes if p.policy == "full" and p.peak_bytes <= budget)
     assert sorted((r.probe.policy, r.probe.batch_size) for r in result.rows) == [
         ("full", searched_full),
@@ -251,16 +251,19 @@ def test_a_search_of_three_policies_stays_within_its_compile_count():
     assert len(result.probes) <= 12, [p.key for p in result.probes]
 
 
-def test_plans_join_the_candidates_at_the_batches_they_name(budget):
+@pytest.mark.parametrize("keyword", ["extra_candidates", "plans"])
+def test_extra_candidates_join_the_candidates_at_the_batches_they_name(budget, keyword):
     seen = []
 
-    def plans(budget_bytes, searched):
+    def more(budget_bytes, searched):
         seen.append((budget_bytes, [p.key for p in searched]))
         return [("full", p.batch_size, p.micro_batches) for p in searched]
 
-    result = search(budget, policies=("none",), plans=plans)
+    result = search(budget, policies=("none",), **{keyword: more})
     assert seen and seen[0][0] == budget and seen[0][1][0][0] == "none"
     assert ("full", seen[0][1][0][1], 1) in {r.probe.key for r in result.rows}
+    with pytest.raises(TypeError, match="not both"):
+        search(budget, policies=("none",), extra_candidates=more, plans=more)
 
 
 def test_nothing_fits_names_the_smallest_peak():

@@ -418,14 +418,14 @@ def test_skip_cheap_without_the_split_runs_the_ffi_kernel_again(remat_engine, do
 def test_the_budget_planner_keeps_the_kernel_its_price_makes_costliest(double_ffi_target):
     """Every op's output is 512 bytes; a budget of one keeps the costliest to recompute: the
     undeclared FFI call (64 FLOPs per byte in and out), or, declared cheap, a matmul."""
-    from jremat._planner import plan_function
+    from jremat._planner import ops_to_keep_within_budget
 
     fn = _with_ffi(double_ffi_target)
     program = jremat.trace_program(fn, *X_W)
-    assert plan_function(program, "512B") == {_ffi_op(program).index}
+    assert ops_to_keep_within_budget(program, "512B") == {_ffi_op(program).index}
     jremat.register_kernel(double_ffi_target, flops=1)
     program = jremat.trace_program(fn, *X_W)
-    (kept,) = plan_function(program, "512B")
+    (kept,) = ops_to_keep_within_budget(program, "512B")
     assert program.ops[kept].primitive == "dot_general"
 
 

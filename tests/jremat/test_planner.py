@@ -154,11 +154,13 @@ def mlp(w1, w2, x):
     return jnp.sin(h @ w2) @ w2.T
 
 
-def test_plan_function_fits_and_keeps_more_as_the_budget_rises():
+def test_ops_to_keep_within_budget_fits_and_keeps_more_as_the_budget_rises():
     args = (jnp.ones((32, 64)), jnp.ones((64, 64)), jnp.ones((16, 32)))
     program = jremat.trace_program(mlp, *args)
     by_index = {op.index: op.out_bytes for op in program.ops}
-    kept = [sum(by_index[i] for i in jremat.plan_function(program, str(b))) for b in (16, 4096, 8192, 65536)]
+    kept = [
+        sum(by_index[i] for i in jremat.ops_to_keep_within_budget(program, str(b))) for b in (16, 4096, 8192, 65536)
+    ]
     assert all(k <= b for k, b in zip(kept, (16, 4096, 8192, 65536)))
     assert kept == sorted(kept) and kept[-1] > kept[0] == 0
 
@@ -254,3 +256,7 @@ def test_regather_price_is_rounded_as_the_fit_search_rounds_its_rates(monkeypatc
     draws = iter([2.0**-30 * 1.2] * 3)
     fit_rate = dict(with_collective_rates(TimeModel(2.0**38, 1.0), devices).collective_s_per_byte)
     assert fit_rate["all-gather"] * 2.0**38 == first
+
+
+def test_plan_function_is_an_alias_of_ops_to_keep_within_budget():
+    assert jremat.plan_function is jremat.ops_to_keep_within_budget

@@ -69,9 +69,10 @@ def test_selective_keeps_no_attention_matrix(bf16_tiny):
 def test_plan_policy_tags_map_back_to_names(bf16_tiny):
     fn, args = _block(bf16_tiny, "every_k:k=4")
     report = jremat.saved_residuals_report(fn, *args, param_argnums=(0,))
-    tagged = [r for r in report.residuals if r.plan_tag is not None]
+    tagged = [r for r in report.residuals if r.internal_tag is not None]
     assert tagged, "every_k should save tagged values"
-    assert all(r.plan_tag.startswith("jremat") for r in tagged)
+    assert all(r.internal_tag.startswith("jremat") for r in tagged)
+    assert [r.plan_tag for r in report.residuals] == [r.internal_tag for r in report.residuals]
     assert all(not r.label.startswith("jremat") for r in report.residuals)
 
 

@@ -397,3 +397,20 @@ def test_the_installed_console_script_names_itself_in_errors():
     done = subprocess.run([str(script), "--bogus"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip() == "error: unrecognized arguments: --bogus (see jremat-memory --help)"
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "dtype", "head_chunks"),
+    [(TrainConfig, None, None), (train_memory.MemoryConfig, None, None), (BenchConfig, "float32", 4)],
+)
+def test_compute_flags_are_declared_once_with_each_clis_default(config_cls, dtype, head_chunks):
+    from jremat.train.model_flags import ComputeFlags
+
+    shared = {f.name: f for f in dataclasses.fields(ComputeFlags)}
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    assert issubclass(config_cls, ComputeFlags)
+    assert (fields["dtype"].default, fields["remat_head_chunks"].default) == (dtype, head_chunks)
+    for name in ("dtype", "remat_head_chunks"):
+        assert fields[name].metadata["choices"] == shared[name].metadata["choices"]
+        assert fields[name].metadata["help"].startswith(shared[name].metadata["help"])
+    assert shared["dtype"].metadata["choices"] == ("float32", "bfloat16")

@@ -83,21 +83,21 @@ def test_the_builder_plans_auto_at_a_batch_and_describes_it():
     assert builder(fit_lib.auto_label(1024), 8, 1) is None  # no plan fits 1 KiB
 
 
-def test_auto_plans_are_tried_only_above_nones_largest_batch():
+def test_auto_candidates_are_tried_only_above_nones_largest_batch():
     from jremat import FitProbe
 
     searched = (FitProbe("none", 8, 1, 1), FitProbe("full", 12, 1, 1), FitProbe("dots", 8, 1, 1))
-    assert fit_lib.auto_plans(100, searched) == [(fit_lib.auto_label(100), 12, 1)]
+    assert fit_lib.auto_candidates(100, searched) == [(fit_lib.auto_label(100), 12, 1)]
 
 
-def test_auto_plans_one_plan_for_batches_within_a_few_percent():
+def test_auto_candidates_one_plan_for_batches_within_a_few_percent():
     from jremat import FitProbe
 
     searched = [FitProbe("none", 40, 1, 1)]
     searched += [FitProbe(p, b, 1, 1) for p, b in [("full", 108), ("dots", 107), ("selective", 105), ("x", 60)]]
     label = fit_lib.auto_label(100)
     # 107 and 105 are within 3% of 108: one plan, at 108
-    assert fit_lib.auto_plans(100, searched) == [(label, 60, 1), (label, 108, 1)]
+    assert fit_lib.auto_candidates(100, searched) == [(label, 60, 1), (label, 108, 1)]
 
 
 def test_the_search_reuses_the_planners_compile_of_its_plan(monkeypatch):

@@ -9,7 +9,7 @@ from typing import Any
 
 from jremat.models import PRESETS, ModelConfig
 from jremat.models import preset as model_preset
-from jremat.models.config import DTYPES, NO_DROPOUT_ATTENTIONS
+from jremat.models.config import NO_DROPOUT_ATTENTIONS
 from jremat.train import model_flags
 from jremat.train.cli import UsageError, apply_policy_keys, option, parse
 from jremat.train.usage import program_name
@@ -91,7 +91,7 @@ def _sized(name: str, help: str, **kwargs) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig(model_flags.AttentionFlags):
+class BenchConfig(model_flags.ComputeFlags):
     """What ``python -m train.bench`` runs; one field per command-line flag (``a_b`` <-> ``--a-b``).
 
     Size fields left ``None`` take :data:`FULL_SIZES`, or :data:`QUICK_SIZES` with ``quick``.
@@ -133,16 +133,13 @@ class BenchConfig(model_flags.AttentionFlags):
         "fit budgets, as fractions between full's (0) and none's (1) Adam-step peak at --time-batch",
     )
     fit_rounds: int | None = _sized("fit_rounds", "interleaved rounds of the fit part's timings (3 steps each)")
-    dtype: str = option(
+    dtype: str = model_flags.cli_default(
+        "dtype",
         "float32",
-        "compute dtype of the needle, needle_time, time, peers and auto models (parameters stay float32; "
-        "megatron and maxbatch are bfloat16 always)",
-        choices=DTYPES,
+        "used by the needle, needle_time, time, peers and auto models (megatron and maxbatch: bfloat16)",
     )
     seed: int = option(0, "parameter and data seed")
-    remat_head_chunks: int = option(
-        4, "every policy but none also rematerializes the head and loss in N chunks (0: blocks only)"
-    )
+    remat_head_chunks: int = model_flags.cli_default("remat_head_chunks", 4, "under every policy but none")
 
     def __post_init__(self):
         self.check_arguments()
