@@ -15,7 +15,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 import jremat
-from jremat import Budget, Candidate, LayerPlan
+from jremat import Budget, Candidate, LayerPlan, registry
+from jremat._spec_text import convert_values
 from jremat.models.config import ModelConfig
 from jremat.models.programs import block_program, step_flops, step_memory_report
 
@@ -45,6 +46,21 @@ def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
             f"this backend reports no compiled memory figures ({'; '.join(report.notes)}); auto cannot verify a plan"
         )
     return int(report.peak_bytes)
+
+
+def keep_gathered_of(values: dict) -> bool | None:
+    """The ``keep_gathered`` key of an ``auto`` spec's raw values (:func:`jremat.registry.parse_spec`):
+    ``True`` or ``False`` when given (``plan_for_budget(keep_gathered=...)``), ``None`` when not.
+
+    Raises:
+      ValueError: a value that is not a boolean.
+    """
+    if registry.KEEP_GATHERED not in values:
+        return None
+    param = {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
+    return convert_values("auto", param, {registry.KEEP_GATHERED: values[registry.KEEP_GATHERED]})[
+        registry.KEEP_GATHERED
+    ]
 
 
 def plan_for_budget(
@@ -113,4 +129,4 @@ def plan_for_budget(
     )
 
 
-__all__ = ["apply_candidate", "compiled_peak_bytes", "plan_for_budget"]
+__all__ = ["apply_candidate", "compiled_peak_bytes", "keep_gathered_of", "plan_for_budget"]

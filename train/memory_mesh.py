@@ -139,17 +139,13 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     Raises:
       ValueError: on a bad budget, or when no plan fits.
     """
-    from jremat.models.planning import plan_for_budget
+    from jremat.models.planning import keep_gathered_of, plan_for_budget
     from jremat.train import sharded_steps
 
     base = config.model_config("none")
     gathered, regather = sharded_steps.regather_price(base, mesh)
     raw = registry.parse_spec(spec)[1]
     budget = config.memory_budget or raw.get("budget", "0.5")
-    keep = raw.get(registry.KEEP_GATHERED)
-    if keep is not None:
-        param = {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
-        keep = registry.convert_values("auto", param, {registry.KEEP_GATHERED: keep})[registry.KEEP_GATHERED]
     plan = plan_for_budget(
         base,
         config.batch_size,
@@ -158,7 +154,7 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
         measure_peak_bytes=lambda c: step_memory(c).peak,
         offload=False,
         regather_flops=regather,
-        keep_gathered=keep,
+        keep_gathered=keep_gathered_of(raw),
         devices=mesh.size,
     )
     return plan, gathered, regather
