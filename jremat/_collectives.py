@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -292,15 +293,34 @@ def collective_s_per_byte(kind: str = "all-gather", devices=None, *, transfer_by
         return _measured_s_per_byte(kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes)
 
 
+def power_of_two(x: float) -> float:
+    """``x`` rounded to the nearest power of two (in log scale): the rates the planners price with,
+    so that runs on machines of one kind (and repeated runs on one) agree unless a rate sits near a
+    power of two."""
+    return 2.0 ** round(math.log2(max(x, 1e-30)))
+
+
+def rounded_s_per_byte(kind: str, devices) -> float:
+    """:func:`collective_s_per_byte` rounded by :func:`power_of_two`: the rate :func:`jremat.fit_search`
+    (``TimeModel.collective_s_per_byte``) and :func:`collective_flops_per_byte` price with.
+
+    Raises:
+      ValueError: as :func:`collective_s_per_byte`.
+    """
+    return power_of_two(collective_s_per_byte(kind, devices))
+
+
 def collective_flops_per_byte(
     kind: str = "all-gather", devices=None, *, transfer_bytes: int = 4 * 2**20, matmul_size: int = 1024
 ) -> float:
     """FLOP-equivalents of one byte of a collective of ``kind`` across ``devices``, measured there.
 
     :func:`collective_s_per_byte` times the FLOP rate of a ``matmul_size``-square float32 matmul
-    on one of the devices: communication in the recompute cost model's unit, as
-    :func:`jremat.offload_flops_per_byte` prices offloading. Measured once per argument set and
-    cached; threads asking at once wait for one measurement.
+    on one of the devices, each rounded to a power of two as :func:`jremat.fit_search`'s time
+    model rounds its rates (:func:`power_of_two`), so that the price, and the plan ``auto``
+    chooses with it, agree between runs unless a rate sits near a power of two: communication in the recompute cost model's
+    unit, as :func:`jremat.offload_flops_per_byte` prices offloading. Measured once per argument
+    set and cached; threads asking at once wait for one measurement.
 
     Args:
       kind: one of :data:`KINDS`.
@@ -314,7 +334,7 @@ def collective_flops_per_byte(
     devices = _devices_for_price(kind, devices, "collective_flops_per_byte")
     with _price_lock:
         seconds = _measured_s_per_byte(kind if kind in TIMED_KINDS else "all-gather", devices, transfer_bytes)
-        return seconds * _matmul_flops_per_s(devices[0], matmul_size)
+        return power_of_two(seconds) * power_of_two(_matmul_flops_per_s(devices[0], matmul_size))
 
 
 @functools.lru_cache(maxsize=16)

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jremat._collectives import TIMED_KINDS, collective_s_per_byte
+from jremat._collectives import TIMED_KINDS, power_of_two, rounded_s_per_byte
 from jremat._fit_types import FitError, FitStep, TimeModel
-
-
-def _power_of_two(x: float) -> float:
-    return 2.0 ** round(math.log2(max(x, 1e-30)))
 
 
 def _best_time_s(fn, *args, repeats: int = 5) -> float:
@@ -44,18 +39,19 @@ def calibrate_time_model(dtype: str = "float32", devices: Sequence | None = None
     x = jnp.ones((64 * 2**20 // 4,), jnp.float32)
     copy = jax.jit(lambda v: v * 2.0)
     bytes_per_s = 2 * x.nbytes / _best_time_s(copy, x)
-    model = TimeModel(_power_of_two(flops_per_s), _power_of_two(bytes_per_s))
+    model = TimeModel(power_of_two(flops_per_s), power_of_two(bytes_per_s))
     return with_collective_rates(model, devices) if devices is not None and len(devices) > 1 else model
 
 
 def with_collective_rates(model: TimeModel, devices: Sequence) -> TimeModel:
     """``model`` with the seconds per byte of each timed collective kind across ``devices``
-    (:func:`jremat.collective_s_per_byte`: measured once per mesh and cached), rounded to powers of two.
+    (:func:`jremat.collective_s_per_byte`: measured once per mesh and cached), rounded to powers of two
+    (:func:`jremat._collectives.rounded_s_per_byte`, as ``auto``'s re-gather price is).
 
     Raises:
       ValueError: fewer than two devices.
     """
-    rates = tuple((kind, _power_of_two(collective_s_per_byte(kind, devices))) for kind in TIMED_KINDS)
+    rates = tuple((kind, rounded_s_per_byte(kind, devices)) for kind in TIMED_KINDS)
     return dataclasses.replace(model, collective_s_per_byte=rates)
 
 

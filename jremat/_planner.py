@@ -297,6 +297,8 @@ class LayerPlan:
       devices: the devices of the step's mesh (1: none). Above 1 the budget and the peaks are per
         device (a compiled SPMD program's peak is one device's share) and the names' bytes global
         (traced values, all devices together); :meth:`table` says so.
+      gathered_choice: on a mesh, whether the plan keeps or re-gathers the layers' gathered
+        weights and why (``""``: no gathered weights, or no layer rematerialized).
     """
 
     config: Any
@@ -309,6 +311,7 @@ class LayerPlan:
     full_peak_bytes: int
     step_flops: float
     devices: int = 1
+    gathered_choice: str = ""
 
     @property
     def recompute_fraction(self) -> float:
@@ -323,6 +326,7 @@ class LayerPlan:
         lines = [
             f"auto plan for budget {self.budget_bytes:,} bytes{per} ({format_bytes(self.budget_bytes)})"
             f"{f' on {self.devices} devices' if mesh else ''}: {cand.describe(self.n_layers)}"
+            + (f"; {self.gathered_choice}" if self.gathered_choice else "")
         ]
         column = "global B/layer" if mesh else "bytes/layer"
         lines.append(f"  {'tensor':<14} {column:>14} {'recompute FLOPs':>16}  decision")
@@ -358,6 +362,7 @@ def plan_layers(
     offload_cost_per_byte: float | None = None,
     regather_flops: float = 0.0,
     devices: int = 1,
+    keep_gathered: bool | None = None,
 ) -> LayerPlan:
     """The least-recompute layer plan whose measured step peak fits ``budget``.
 
@@ -385,10 +390,15 @@ def plan_layers(
         per device (as a sharded step's compiled peak is) and :meth:`LayerPlan.table` says so;
         ``costs`` and the layer bytes may be global (traced values), the prediction being
         calibrated on the measured peaks.
+      keep_gathered: ``True``: only plans whose rematerialized layers keep their gathered weights;
+        ``False``: only plans that gather them again; ``None`` (default): both when
+        ``regather_flops`` is positive, the cheaper that fits chosen.
+        :attr:`LayerPlan.gathered_choice` says which the plan does and why.
 
     Raises:
-      ValueError: on a bad budget, when no plan fits (with the smallest achievable peak), or when
-        ``devices`` is not a positive integer.
+      ValueError: on a bad budget, when no plan fits (with the smallest achievable peak; with
+        ``keep_gathered`` given, among the plans it allows), or when ``devices`` is not a
+        positive integer.
     """
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
@@ -399,7 +409,10 @@ def plan_layers(
     none_cand, full_cand = Candidate((), 0), Candidate((), n_layers)
     none_peak, full_peak = int(measure_peak_bytes(none_cand)), int(measure_peak_bytes(full_cand))
     kept_cand = Candidate((), n_layers, (), True)
-    kept_peak = int(measure_peak_bytes(kept_cand)) if regather_flops > 0 else full_peak
+    keeping = (False, True) if keep_gathered is None else (keep_gathered,)
+    if regather_flops <= 0 and keep_gathered is None:
+        keeping = (False,)
+    kept_peak = int(measure_peak_bytes(kept_cand)) if True in keeping else full_peak
     gathered_per_layer = max(kept_peak - full_peak, 0) / n_layers
     traced_span = max(none_layer_bytes - block_input_bytes, 1)
     bytes_per_traced_byte = max(none_peak - full_peak, 0) / (n_layers * traced_span)
@@ -424,18 +437,21 @@ def plan_layers(
     candidates = [none_cand]
     for subset in save_sets(costs):
         moved = tuple(c.name for c in costs if c.offloaded and c.name not in subset)
-        candidates.extend(Candidate(subset, g, moved) for g in range(1, n_layers + 1))
-        if regather_flops > 0:
-            candidates.extend(Candidate(subset, g, moved, True) for g in range(1, n_layers + 1))
+        candidates.extend(Candidate(subset, g, moved, keep) for keep in keeping for g in range(1, n_layers + 1))
     budget_bytes = budget.resolve(none_peak, floor_bytes=full_peak if budget.fraction is not None else 0)
-    solution = solve(
-        budget_bytes,
-        candidates,
-        predict_peak_bytes=predict,
-        recompute_flops=cost,
-        measure_peak_bytes=measure,
-        describe=lambda c: c.describe(n_layers),
-    )
+    try:
+        solution = solve(
+            budget_bytes,
+            candidates,
+            predict_peak_bytes=predict,
+            recompute_flops=cost,
+            measure_peak_bytes=measure,
+            describe=lambda c: c.describe(n_layers),
+        )
+    except ValueError as err:
+        if keep_gathered is None:
+            raise
+        raise ValueError(f"keep_gathered={str(keep_gathered).lower()}: {err}") from None
     return LayerPlan(
         config=apply(solution.candidate),
         candidate=solution.candidate,
@@ -447,6 +463,39 @@ def plan_layers(
         full_peak_bytes=full_peak,
         step_flops=step_flops,
         devices=devices,
+        gathered_choice=_gathered_choice(
+            solution.candidate, keep_gathered, regather_flops, budget_bytes, kept_peak, keeping
+        ),
+    )
+
+
+def _gathered_choice(
+    chosen: Candidate,
+    keep_gathered: bool | None,
+    regather_flops: float,
+    budget_bytes: int,
+    kept_peak_bytes: int,
+    keeping: tuple[bool, ...],
+) -> str:
+    """:attr:`LayerPlan.gathered_choice` of ``chosen``."""
+    if chosen.remat_layers == 0 or (regather_flops <= 0 and keep_gathered is None):
+        return ""
+    if keep_gathered is not None:
+        verb, value = ("keeps gathered weights", "true") if keep_gathered else ("re-gathers weights", "false")
+        return f"{verb}, as asked (keep_gathered={value})"
+    if chosen.keep_gathered:
+        return (
+            f"keeps gathered weights: cheaper than re-gathering them ({regather_flops:,.0f} FLOP-equivalents "
+            "per layer) within the budget"
+        )
+    if True in keeping and kept_peak_bytes > budget_bytes:
+        return (
+            f"re-gathers weights: keeping them does not fit the budget of {budget_bytes:,} B "
+            f"(full remat keeping them peaks at {kept_peak_bytes:,} B)"
+        )
+    return (
+        f"re-gathers weights: cheaper than keeping them within the budget (re-gathering a layer's weights "
+        f"priced at {regather_flops:,.0f} FLOP-equivalents)"
     )
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 import jremat
-from jremat import Budget, Candidate, LayerPlan
+from jremat import Budget, Candidate, LayerPlan, registry
+from jremat._spec_text import convert_values
 from jremat.models.config import ModelConfig
 from jremat.models.programs import block_program, step_flops, step_memory_report
 
@@ -47,6 +48,21 @@ def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
     return int(report.peak_bytes)
 
 
+def keep_gathered_of(values: dict) -> bool | None:
+    """The ``keep_gathered`` key of an ``auto`` spec's raw values (:func:`jremat.registry.parse_spec`):
+    ``True`` or ``False`` when given (``plan_for_budget(keep_gathered=...)``), ``None`` when not.
+
+    Raises:
+      ValueError: a value that is not a boolean.
+    """
+    if registry.KEEP_GATHERED not in values:
+        return None
+    param = {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
+    return convert_values("auto", param, {registry.KEEP_GATHERED: values[registry.KEEP_GATHERED]})[
+        registry.KEEP_GATHERED
+    ]
+
+
 def plan_for_budget(
     cfg: ModelConfig,
     batch_size: int,
@@ -57,6 +73,8 @@ def plan_for_budget(
     offload: bool | None = None,
     offload_cost_per_byte: float | None = None,
     regather_flops: float = 0.0,
+    keep_gathered: bool | None = None,
+    devices: int = 1,
 ) -> LayerPlan:
     """The least-recompute layer plan for ``cfg`` whose compiled step peak fits ``budget``.
 
@@ -75,6 +93,9 @@ def plan_for_budget(
       regather_flops: on a mesh, as in :func:`jremat.plan_layers` (with a ``measure_peak_bytes``
         that compiles the sharded step): plans that keep each layer's gathered weights are
         candidates, and re-gathering is priced.
+      keep_gathered: only plans that keep (``True``) or re-gather (``False``) the gathered weights,
+        as in :func:`jremat.plan_layers`; ``None`` (default): the cheaper.
+      devices: the devices of the step's mesh, as in :func:`jremat.plan_layers`.
 
     Returns:
       The :class:`jremat.LayerPlan`; its ``config`` is the planned :class:`ModelConfig`.
@@ -103,7 +124,9 @@ def plan_for_budget(
         step_flops=step_flops(none_cfg, batch_size, seq_len),
         offload_cost_per_byte=offload_cost_per_byte if offload else None,
         regather_flops=regather_flops,
+        keep_gathered=keep_gathered,
+        devices=devices,
     )
 
 
-__all__ = ["apply_candidate", "compiled_peak_bytes", "plan_for_budget"]
+__all__ = ["apply_candidate", "compiled_peak_bytes", "keep_gathered_of", "plan_for_budget"]

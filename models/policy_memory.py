@@ -33,7 +33,7 @@ from jremat import (
 )
 from jremat.models.config import ModelConfig, whole_step_head_chunks
 from jremat.models.gpt import GPT
-from jremat.models.planning import plan_for_budget
+from jremat.models.planning import keep_gathered_of, plan_for_budget
 from jremat.models.programs import (
     attention_forward_passes,
     block_program,
@@ -333,7 +333,8 @@ def config_for_spec(
     name, values = registry.parse_spec(spec)
     if name != "auto":
         return base_cfg.replace(remat_policy=spec), None
-    plan = plan_for_budget(base_cfg, batch_size, memory_budget or values.get("budget", "0.5"), seq_len)
+    budget = memory_budget or values.get("budget", "0.5")
+    plan = plan_for_budget(base_cfg, batch_size, budget, seq_len, keep_gathered=keep_gathered_of(values))
     return plan.config, plan
 
 

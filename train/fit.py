@@ -26,7 +26,7 @@ import jremat
 from jremat import registry
 from jremat.fit import compile_figures
 from jremat.models import ModelConfig
-from jremat.models.planning import plan_for_budget
+from jremat.models.planning import keep_gathered_of, plan_for_budget
 from jremat.models.programs import adam_train_step
 from jremat.train import sharded_steps, sharding
 from jremat.train.step import OptimizerConfig, make_train_step
@@ -112,6 +112,7 @@ class GPTStepBuilder:
                         values["budget"],
                         self.seq_len,
                         measure_peak_bytes=lambda c: self.peak_bytes(c, batch_size, micro_batches),
+                        keep_gathered=keep_gathered_of(values),
                         **self._mesh_plan_options(),
                     )
                 except ValueError:  # no plan fits this batch

@@ -415,7 +415,8 @@ def report_mesh(config: MemoryConfig) -> int:
         if note:
             print(note, file=sys.stderr)
     if config.json:
-        print(json.dumps([memory_mesh.mesh_row_json(row) for row in rows], indent=2))
+        none = memory_mesh.none_collectives(rows)
+        print(json.dumps([memory_mesh.mesh_row_json(row, none) for row in rows], indent=2))
     else:
         print(memory_mesh.format_mesh_table(rows))
         if config.timeline:

@@ -133,17 +133,19 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     ``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
     per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
     re-gathering weights is priced at the all-gather's cost measured on this mesh
-    (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates.
+    (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates;
+    the spec's ``keep_gathered=true`` (``false``) allows only the plans that keep (re-gather) them.
 
     Raises:
       ValueError: on a bad budget, or when no plan fits.
     """
-    from jremat.models.planning import plan_for_budget
+    from jremat.models.planning import keep_gathered_of, plan_for_budget
     from jremat.train import sharded_steps
 
     base = config.model_config("none")
     gathered, regather = sharded_steps.regather_price(base, mesh)
-    budget = config.memory_budget or registry.parse_spec(spec)[1].get("budget", "0.5")
+    raw = registry.parse_spec(spec)[1]
+    budget = config.memory_budget or raw.get("budget", "0.5")
     plan = plan_for_budget(
         base,
         config.batch_size,
@@ -152,6 +154,8 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
         measure_peak_bytes=lambda c: step_memory(c).peak,
         offload=False,
         regather_flops=regather,
+        keep_gathered=keep_gathered_of(raw),
+        devices=mesh.size,
     )
     return plan, gathered, regather
 
@@ -160,7 +164,7 @@ def format_mesh_table(rows: Sequence[MeshRow]) -> str:
     """The ``--mesh`` table: per policy, per-device peak and temp (and live peak, with ``--live``),
     all-gathers and all-reduces (count and bytes per device per step), and the collectives it
     issues beyond ``none``'s (when ``none`` is a row)."""
-    base = next((r.memory for r in rows if r.policy == "none"), None)
+    base = none_collectives(rows)
     live = any(r.live_peak_bytes is not None for r in rows)
     width = max(28, *(len(r.policy) for r in rows))
     header = (
@@ -176,7 +180,7 @@ def format_mesh_table(rows: Sequence[MeshRow]) -> str:
         for kinds in (("all-gather",), ("all-reduce",), ("reduce-scatter", "all-to-all", "collective-permute")):
             n, b = sum(c.count(k) for k in kinds), sum(c.bytes(k) for k in kinds)
             cells.append(f"{n} / {format_bytes(b)}" if n else "0")
-        extra = c.reissued(base.collectives) if base is not None else {}
+        extra = c.reissued(base) if base is not None else {}
         reissued = ", ".join(
             f"{n:+d} {k} ({'+' if b >= 0 else '-'}{format_bytes(abs(b))})" for k, (n, b) in extra.items()
         ) or ("none" if base is not None else "n/a (no none row)")
@@ -194,11 +198,22 @@ def format_mesh_table(rows: Sequence[MeshRow]) -> str:
     return "\n".join(lines)
 
 
-def mesh_row_json(row: MeshRow) -> dict:
-    """One ``--mesh --json`` object: the policy, per-device memory and collectives (and, when measured,
-    the live peak and the timeline, per device)."""
+def none_collectives(rows: Sequence[MeshRow]) -> jremat.CollectivesReport | None:
+    """The collectives of the ``none`` row, what the others re-issue beyond; ``None`` without one."""
+    return next((r.memory.collectives for r in rows if r.policy == "none"), None)
+
+
+def mesh_row_json(row: MeshRow, none: jremat.CollectivesReport | None = None) -> dict:
+    """One ``--mesh --json`` object: the policy, per-device memory and collectives, and
+    ``reissued_beyond_none`` (per collective kind it issues more or fewer of than ``none``, the
+    ``none`` row's :class:`jremat.CollectivesReport`: count and bytes per device per step; ``null``
+    without one) (and, when measured, the live peak and the timeline, per device)."""
     out = {k: v for k, v in dataclasses.asdict(row.memory).items() if k != "collectives"}
     out = {"policy": row.policy, **out, "collectives": row.memory.collectives.to_json()}
+    extra = row.memory.collectives.reissued(none) if none is not None else None
+    out["reissued_beyond_none"] = (
+        None if extra is None else {kind: {"count": n, "bytes": b} for kind, (n, b) in extra.items()}
+    )
     if row.live_peak_bytes is not None:
         out["live_peak_bytes"] = row.live_peak_bytes
     if row.timeline is not None:

@@ -173,5 +173,90 @@ def test_offload_is_off_on_cpu_and_its_price_is_measured():
     assert 0 < per_byte < float("inf")
 
 
+#: Per layer, per device: the gathered weights a rematerialized layer keeps with keep_gathered.
+GATHERED = 400
+
+
+def gathered_peak(cand: Candidate) -> int:
+    """:func:`fake_peak` plus the gathered weights of every layer that keeps them."""
+    return fake_peak(cand) + (GATHERED * cand.remat_layers if cand.keep_gathered else 0)
+
+
+def gathered_plan(budget: int, regather_flops: float, keep_gathered=None):
+    return plan(str(budget), gathered_peak, regather_flops=regather_flops, keep_gathered=keep_gathered, devices=8)
+
+
+KEPT_PEAK = gathered_peak(Candidate((), N_LAYERS, (), True))
+
+
+def test_keep_gathered_true_or_false_allows_only_the_plans_that_keep_or_regather():
+    roomy = KEPT_PEAK + 1
+    # Priced high, auto keeps them where they fit; asked to re-gather, it does.
+    chosen = gathered_plan(roomy, 1e6)
+    assert chosen.candidate.keep_gathered and chosen.candidate.remat_layers == N_LAYERS
+    assert (
+        "keeps gathered weights: cheaper than re-gathering them (1,000,000 FLOP-equivalents per layer)"
+        in (chosen.table().splitlines()[0])
+    )
+    regathers = gathered_plan(roomy, 1e6, keep_gathered=False)
+    assert not regathers.candidate.keep_gathered and regathers.candidate.remat_layers > 0
+    assert regathers.table().splitlines()[0].endswith("; re-gathers weights, as asked (keep_gathered=false)")
+    # Priced at nothing, auto re-gathers; asked to keep them, it does.
+    assert not gathered_plan(roomy, 1e-9).candidate.keep_gathered
+    kept = gathered_plan(roomy, 1e-9, keep_gathered=True)
+    assert kept.candidate.keep_gathered and kept.solution.compiled_peak_bytes <= roomy
+    assert kept.table().splitlines()[0].endswith("; keeps gathered weights, as asked (keep_gathered=true)")
+
+
+def test_keep_gathered_true_that_fits_no_budget_names_the_smallest_peak_keeping_them():
+    tight = FULL_PEAK + 1  # full re-gathering fits; keeping the gathered weights does not
+    with pytest.raises(ValueError, match=r"^keep_gathered=true: no plan fits .* the smallest achievable peak is"):
+        gathered_plan(tight, 1e6, keep_gathered=True)
+    chosen = gathered_plan(tight, 1e6)
+    assert not chosen.candidate.keep_gathered
+    assert (
+        chosen.table()
+        .splitlines()[0]
+        .endswith(
+            f"; re-gathers weights: keeping them does not fit the budget of {tight:,} B "
+            f"(full remat keeping them peaks at {KEPT_PEAK:,} B)"
+        )
+    )
+
+
+def test_regathering_that_costs_less_than_keeping_says_so():
+    # Room to keep the gathered weights under full, or to save mlp_act (400 B) and re-gather:
+    # re-gathering priced at 1 FLOP a layer is cheaper than recomputing mlp_act.
+    chosen = gathered_plan(FULL_PEAK + N_LAYERS * GATHERED, 1.0)
+    assert chosen.candidate == Candidate(("mlp_act",), N_LAYERS)
+    assert (
+        chosen.table()
+        .splitlines()[0]
+        .endswith(
+            "; re-gathers weights: cheaper than keeping them within the budget (re-gathering a layer's weights priced "
+            "at 1 FLOP-equivalents)"
+        )
+    )
+
+
+def test_regather_price_is_rounded_as_the_fit_search_rounds_its_rates(monkeypatch):
+    from jremat import _collectives
+    from jremat._fit_time import with_collective_rates
+    from jremat._fit_types import TimeModel
+
+    # Two measurements of one machine, 20% apart (within one power of two): one price.
+    draws = iter([2.0**-30 * 1.1, 2.0**-30 * 1.3])
+    rates = iter([2.0**38 * 0.9, 2.0**38 * 1.2])
+    monkeypatch.setattr(_collectives, "_measured_s_per_byte", lambda kind, devices, transfer_bytes: next(draws))
+    monkeypatch.setattr(_collectives, "_matmul_flops_per_s", lambda device, matmul_size: next(rates))
+    devices = [jax.devices()[0]] * 2
+    first = jremat.collective_flops_per_byte("all-gather", devices)
+    assert first == jremat.collective_flops_per_byte("all-gather", devices) == 2.0**8
+    # The fit search's time model prices the same collective at the same rate (one draw per kind timed).
+    draws = iter([2.0**-30 * 1.2] * 3)
+    fit_rate = dict(with_collective_rates(TimeModel(2.0**38, 1.0), devices).collective_s_per_byte)
+    assert fit_rate["all-gather"] * 2.0**38 == first
+
+
 def test_plan_function_is_an_alias_of_ops_to_keep_within_budget():
     assert jremat.plan_function is jremat.ops_to_keep_within_budget

@@ -3,9 +3,9 @@
 import pytest
 
 import jremat
-from jremat import Candidate
+from jremat import Candidate, registry
 from jremat.models import preset
-from jremat.models.planning import apply_candidate, compiled_peak_bytes, plan_for_budget
+from jremat.models.planning import apply_candidate, compiled_peak_bytes, keep_gathered_of, plan_for_budget
 
 BATCH = 8
 
@@ -34,3 +34,13 @@ def test_a_budget_between_full_and_none_fits_the_compiled_step(tiny):
     assert 0 < plan.solution.recompute_flops and 0 < plan.recompute_fraction < 1
     assert all(c.name in plan.table() for c in plan.names)
     jremat.resolve(plan.config.remat_policy)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("auto", None), ("auto:keep_gathered=true", True), ("auto:budget=0.5,keep_gathered=false", False)],
+)
+def test_keep_gathered_of_an_auto_spec_is_given_or_not(spec, expected):
+    assert keep_gathered_of(registry.parse_spec(spec)[1]) is expected
+    with pytest.raises(ValueError, match="keep_gathered"):
+        keep_gathered_of({"keep_gathered": "sometimes"})

@@ -17,14 +17,15 @@ from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
 
-def _run_memory(argv: list[str]) -> subprocess.CompletedProcess:
-    """``python -m train.memory argv`` on 8 simulated CPU devices."""
+def _run_memory(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``python -m train.memory argv`` on 8 simulated CPU devices, with ``env`` added to the environment."""
     return subprocess.run(
         [sys.executable, "-m", "train.memory", *argv],
         cwd=REPO,
         env=dict(
             os.environ,
             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {TOLERANCE_XLA_FLAGS} {FAST_COMPILE_XLA_FLAGS}",
+            **env,
         ),
         capture_output=True,
         text=True,
@@ -103,6 +104,33 @@ def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mes
     }
     assert regathered["auto"] < regathered["full"]
     assert auto["policy"].startswith("auto: ")  # the row names the plan it chose
+
+
+def test_json_rows_give_the_collectives_reissued_beyond_none_per_device(mesh_rows):
+    none, full = mesh_rows["none"], mesh_rows["full"]
+    assert none["reissued_beyond_none"] == {}
+    gathers = {p: r["collectives"]["kinds"]["all-gather"] for p, r in mesh_rows.items()}
+    extra = full["reissued_beyond_none"]["all-gather"]
+    assert extra == {
+        "count": gathers["full"]["count"] - gathers["none"]["count"],
+        "bytes": gathers["full"]["bytes"] - gathers["none"]["bytes"],
+    }
+    assert extra["count"] > 0 and extra["bytes"] > 0
+    assert mesh_rows["full:keep_gathered=true"]["reissued_beyond_none"].get("all-gather", {"count": 0})["count"] <= 0
+
+
+@pytest.mark.parametrize("remat3", ["0", "1"], ids=["classic", "remat3"])
+def test_auto_keep_gathered_true_keeps_and_false_regathers_on_a_mesh(remat3):
+    argv = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
+    argv += ["--policy", "none", "--policy", "auto:keep_gathered=true", "--policy", "auto:keep_gathered=false"]
+    proc = _run_memory([*argv, "--json"], JAX_REMAT3=remat3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kept, regathered = json.loads(proc.stdout)[1:]
+    assert "keep_gathered=true" in kept["policy"] and "keep_gathered" not in regathered["policy"]
+    assert kept["reissued_beyond_none"].get("all-gather", {"count": 0})["count"] <= 0
+    assert regathered["reissued_beyond_none"]["all-gather"]["count"] > 0
+    assert "; keeps gathered weights, as asked (keep_gathered=true)" in proc.stderr
+    assert "; re-gathers weights, as asked (keep_gathered=false)" in proc.stderr
 
 
 #: Per device, between full's train-step peak at batch 1 per data shard (190,724 B on XLA:CPU) and
