@@ -257,7 +257,10 @@ def check_advice() -> dict:
             return jnp.mean(jax.lax.scan(lambda h, w: (block(w, h), None), x, weights)[0] ** 2)
 
         report = jremat.compiled_collectives_report(_compile(loss, stacked, x))
-        out[f"scan prevent_cse={prevent_cse}"] = [report.count("all-reduce", "cotangent tie"), report.count("all-reduce")]
+        out[f"scan prevent_cse={prevent_cse}"] = [
+            report.count("all-reduce", "cotangent tie"),
+            report.count("all-reduce"),
+        ]
     return out
 
 
