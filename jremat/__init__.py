@@ -20,6 +20,7 @@ built-in policy's choice is in its module under :mod:`jremat.policies`.
 """
 
 import importlib as _importlib
+import threading as _threading
 from typing import TYPE_CHECKING
 
 from jremat._version import __version__ as __version__
@@ -202,10 +203,25 @@ _WHERE.update({module.rpartition(".")[2]: module for module in _EXPORTS if not m
 __all__ = sorted(_WHERE)
 
 
+_jax_import_lock = _threading.Lock()
+#: Modules behind public names that import no JAX (tests/jremat/test_threads.py checks it).
+_JAX_FREE = frozenset({"jremat._budget", "jremat._granularity", "jremat.registry"})
+
+
+def _import_jax_once() -> None:
+    # JAX's first import from several threads at once can fail (a partly initialized jax module
+    # is handed to a thread that Python's import deadlock check suspects); jremat's threads
+    # import it one at a time, holding no other lock.
+    with _jax_import_lock:
+        import jax  # noqa: F401
+
+
 def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'jremat' has no attribute {name!r}")
+    if module not in _JAX_FREE:
+        _import_jax_once()
     loaded = _importlib.import_module(module)
     value = loaded if module == f"jremat.{name}" else getattr(loaded, name)
     globals()[name] = value

@@ -328,3 +328,20 @@ def test_a_plugin_that_fails_after_registering_reports_its_own_error_again(monke
             jremat.available()
     monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: [])
     assert "full" in jremat.available()
+
+
+def test_the_modules_jremat_imports_without_serializing_jax_import_no_jax():
+    """``jremat.<name>`` imports JAX one thread at a time before the module behind the name,
+    except for the modules listed as JAX-free: each of those must import no JAX."""
+    script = (
+        "import importlib, json, sys\n"
+        "import jremat\n"
+        "found = {}\n"
+        "for module in sorted(jremat._JAX_FREE):\n"
+        "    importlib.import_module(module)\n"
+        "    found[module] = 'jax' in sys.modules\n"
+        "print(json.dumps(found))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found and not any(found.values()), found
