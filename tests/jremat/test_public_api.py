@@ -103,6 +103,7 @@ def test_the_namespaces_hold_the_top_level_objects():
     )
 
 
+@pytest.mark.slow  # one mypy run; .ci/run runs it beside `mypy jremat`
 def test_a_type_checker_resolves_every_public_name(tmp_path):
     """mypy sees each name of ``__all__`` (and of the namespaces) with its type: none is ``Any``."""
     api = pytest.importorskip("mypy.api")
