@@ -33,17 +33,34 @@ def _run_memory(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def mesh_rows():
-    argv = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
-    argv += ["--policy", "none", "--policy", "full", "--policy", "full:keep_gathered=true", "--json"]
-    argv += ["--policy", "auto", "--memory-budget", "0.5"]
-    proc = _run_memory(argv)
+MESH_ARGV = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
+#: The auto rows of the one run, in order: auto's own choice, keep_gathered=true, keep_gathered=false.
+AUTO_POLICIES = ("auto", "auto:keep_gathered=true", "auto:keep_gathered=false")
+
+
+def _mesh_run(remat3: str = "0") -> tuple[dict, str]:
+    """One ``train.memory --mesh fsdp=8 --json`` run: its rows by policy (the auto rows by
+    :data:`AUTO_POLICIES`), and its stderr."""
+    argv = [*MESH_ARGV, "--policy", "none", "--policy", "full", "--policy", "full:keep_gathered=true", "--json"]
+    for spec in AUTO_POLICIES:
+        argv += ["--policy", spec]
+    proc = _run_memory([*argv, "--memory-budget", "0.5"], JAX_REMAT3=remat3)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {
-        row["policy"].split(":")[0] if row["policy"].startswith("auto") else row["policy"]: row
-        for row in json.loads(proc.stdout)
-    }
+    rows = json.loads(proc.stdout)
+    auto_rows = [row for row in rows if row["policy"].startswith("auto")]
+    by_policy = {row["policy"]: row for row in rows if not row["policy"].startswith("auto")}
+    by_policy.update(zip(AUTO_POLICIES, auto_rows, strict=True))
+    return by_policy, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    return _mesh_run()
+
+
+@pytest.fixture(scope="module")
+def mesh_rows(mesh_run):
+    return mesh_run[0]
 
 
 def test_mesh_rows_are_per_device_with_collectives(mesh_rows):
@@ -119,20 +136,22 @@ def test_json_rows_give_the_collectives_reissued_beyond_none_per_device(mesh_row
     assert mesh_rows["full:keep_gathered=true"]["reissued_beyond_none"].get("all-gather", {"count": 0})["count"] <= 0
 
 
-# The planner's keep_gathered choice is engine-free (tests/jremat/test_planner.py); the CLI run
-# under remat3 is the slow variant.
-@pytest.mark.parametrize("remat3", ["0", pytest.param("1", marks=pytest.mark.slow)], ids=["classic", "remat3"])
-def test_auto_keep_gathered_true_keeps_and_false_regathers_on_a_mesh(remat3):
-    argv = ["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled"]
-    argv += ["--policy", "none", "--policy", "auto:keep_gathered=true", "--policy", "auto:keep_gathered=false"]
-    proc = _run_memory([*argv, "--json"], JAX_REMAT3=remat3)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    kept, regathered = json.loads(proc.stdout)[1:]
+def _check_auto_keep_gathered(rows: dict, stderr: str) -> None:
+    kept, regathered = rows["auto:keep_gathered=true"], rows["auto:keep_gathered=false"]
     assert "keep_gathered=true" in kept["policy"] and "keep_gathered" not in regathered["policy"]
     assert kept["reissued_beyond_none"].get("all-gather", {"count": 0})["count"] <= 0
     assert regathered["reissued_beyond_none"]["all-gather"]["count"] > 0
-    assert "; keeps gathered weights, as asked (keep_gathered=true)" in proc.stderr
-    assert "; re-gathers weights, as asked (keep_gathered=false)" in proc.stderr
+    assert "; keeps gathered weights, as asked (keep_gathered=true)" in stderr
+    assert "; re-gathers weights, as asked (keep_gathered=false)" in stderr
+
+
+def test_auto_keep_gathered_true_keeps_and_false_regathers_on_a_mesh(mesh_run):
+    _check_auto_keep_gathered(*mesh_run)
+
+
+@pytest.mark.slow  # the planner's keep_gathered choice is engine-free (tests/jremat/test_planner.py)
+def test_auto_keep_gathered_on_a_mesh_under_remat3():
+    _check_auto_keep_gathered(*_mesh_run(remat3="1"))
 
 
 #: Per device, between full's train-step peak at batch 1 per data shard (190,724 B on XLA:CPU) and
