@@ -61,7 +61,7 @@ def gradient_program(flat_fn: Callable, structs: list, with_value: bool = False)
         grads = vjp(
             jax.tree.map(
                 lambda o: (
-                    jnp.ones(o.shape, o.dtype)
+                    jnp.ones_like(o)  # keeps an explicit-axes output's sharding
                     if jnp.issubdtype(o.dtype, jnp.inexact)
                     else jnp.zeros(o.shape, jax.dtypes.float0)
                 ),

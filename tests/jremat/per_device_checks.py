@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,6 +72,14 @@ def check_explain() -> dict:
             "global_saved": [explanation.baseline_global_saved_bytes, explanation.global_saved_bytes],
             "text": explanation.text(),
         }
+    # Explicit axes, a block whose output keeps its input's row sharding: the gradient's
+    # cotangent must have that sharding too.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    w = jax.device_put(np.eye(16, dtype=np.float32), NamedSharding(mesh, P("fsdp", None)))
+    rows = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("fsdp", None)))
+    with jax.set_mesh(mesh):
+        explanation = jremat.explain(lambda w, x: x + jnp.tanh(x @ jax.sharding.reshard(w, P())), "full", w, rows)
+    out["explicit"] = {"saved": [explanation.baseline_saved_bytes, explanation.saved_bytes]}
     return out
 
 

@@ -53,6 +53,11 @@ def test_scanned_fsdp_and_tensor_parallel_residuals_are_their_shards(checks, eng
     assert tp[("argument:float32", (16, 16))] == [1024, 512]  # x: rows over data=2
 
 
+def test_explain_compiles_the_gradient_of_a_block_with_a_sharded_output_on_explicit_axes(checks):
+    # No remat: the gathered weight (1 KiB, whole) + tanh and its derivative (an eighth of 512 B each).
+    assert checks["explain"]["explicit"]["saved"] == [1024 + 64 + 64, 0]
+
+
 @pytest.mark.parametrize("engine", ["classic", "remat3"])
 def test_explain_gives_residuals_per_device_with_the_global_figure_beside(checks, engine):
     explained = checks["explain"][engine]
