@@ -67,10 +67,6 @@ EXIT_OK, EXIT_NONFINITE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 130, 143
 COMPILE_BARRIER_TIMEOUT_S = 3600
 
 
-class NonFiniteLoss(RuntimeError):
-    """The training loss became NaN or infinite."""
-
-
 # ----------------------------------------------------------------------------- command line
 
 
