@@ -30,6 +30,9 @@ def fit_json(capsys, *extra, budget="1MiB") -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+# A whole CLI search with timing (20-30 s on 2 cores). The search's fit, batch order and compile
+# bound are tested in-process in tests/jremat/test_fit.py; the CLI's mesh search is slow too.
+@pytest.mark.slow
 def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_path, monkeypatch):
     # The measured rates round to powers of two, which a loaded test machine can tip; fix them.
     monkeypatch.setattr(jremat_fit, "calibrate_time_model", lambda dtype="float32": FIXED_RATES)
