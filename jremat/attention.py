@@ -129,9 +129,9 @@ def reference_attention(
     v: jax.Array,
     *,
     causal: bool = True,
+    scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
-    scale: float | None = None,
 ) -> jax.Array:
     """Explicit softmax attention: full ``[batch, heads, seq, seq]`` scores, float32 softmax (float64
     for float64 inputs),
@@ -448,8 +448,8 @@ def pallas_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    causal: bool = True,
     block_size: int = 128,
+    causal: bool = True,
     scale: float | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -465,8 +465,8 @@ def pallas_attention(
       q: queries, ``[batch, seq, heads, head_dim]``.
       k: keys, the same shape as ``q``.
       v: values, the same shape as ``q`` (the kernel takes one head width).
-      causal: whether query ``i`` sees only keys ``j <= i``.
       block_size: the forward kernel's query and key block (:func:`pallas_block_sizes`).
+      causal: whether query ``i`` sees only keys ``j <= i``.
       scale: multiplier of ``q @ k``; ``1 / sqrt(head_dim)`` if ``None``.
       interpret: run the kernel in Pallas's interpreter; ``None`` (default): when JAX's default
         backend is not a GPU (compiled with Triton on a GPU).

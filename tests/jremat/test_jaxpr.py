@@ -2,6 +2,7 @@
 jaxprs with the loops around each equation, and liveness through calls and scans."""
 
 import ast
+import functools
 import gc
 import pathlib
 
@@ -148,6 +149,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECKED = ("jremat", "policies", "models", "train")
 
 
+@functools.cache  # a walk over every object the process holds: once
 def _vocabulary() -> frozenset[str]:
     """Every primitive name: JAX's primitives (those of the modules imported here) and _jaxpr's."""
     names = {o.name for o in gc.get_objects() if isinstance(o, Primitive)}

@@ -182,7 +182,7 @@ def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeyp
     else:
         fn = jremat.checkpoint(scaled_sin, "full", static_argnums=tuple(range(1, len(statics) + 1)))
     double_sin = lambda x: fn(x, *statics) / len(statics) * 2
-    threads, shapes, steps = 8, 6, 150
+    threads, shapes, steps = 8, 6, 60  # a cache that evicts without its lock fails here every time
     barrier = threading.Barrier(threads)
     errors, wrong = [], []
 

@@ -1,6 +1,8 @@
 """ModelConfig.attention: blockwise, xla and pallas attention give explicit's gradients under policies,
 fused forward passes per policy, config-time errors, and blockwise memory linear in the sequence."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -31,35 +33,46 @@ def _cfg(attention, policy, dropout):
     )
 
 
-@pytest.fixture(scope="module", params=[0.0, 0.1], ids=["no-dropout", "dropout"])
-def explicit_reference(request):
-    return request.param, loss_and_grads(_cfg("explicit", "none", request.param).replace(remat_granularity="none"))
+@functools.cache
+def _explicit_reference(dropout: float):
+    return loss_and_grads(_cfg("explicit", "none", dropout).replace(remat_granularity="none"))
 
 
 def test_every_built_in_policy_is_covered():
     assert set(SPECS) == set(jremat.available()) - {"test_fresh_key_on_recompute"}
 
 
-@pytest.mark.parametrize("name", SPECS)
-def test_blockwise_gives_explicit_gradients_under_every_policy(explicit_reference, name):
+#: Without dropout, the kernel under the policies that treat it differently: saved whole (none),
+#: run again (full), kept by its structure (selective) or by its tensor names (names); every
+#: policy runs with dropout, the kernel's other path, and all of them without it under ``-m slow``.
+_NO_DROPOUT_IN_CI = {"none", "full", "selective", "names"}
+
+
+@pytest.mark.parametrize(
+    "dropout, name",
+    [pytest.param(0.1, name, id=f"dropout-{name}") for name in SPECS]
+    + [
+        pytest.param(0.0, name, id=f"no-dropout-{name}", marks=() if name in _NO_DROPOUT_IN_CI else pytest.mark.slow)
+        for name in SPECS
+    ],
+)
+def test_blockwise_gives_explicit_gradients_under_every_policy(dropout, name):
     """Same dropout masks (regenerated from the layer key, never stored), float32."""
-    dropout, (ref_loss, ref_grads) = explicit_reference
+    ref_loss, ref_grads = _explicit_reference(dropout)
     loss, grads = loss_and_grads(_cfg("blockwise", SPECS[name], dropout))
     assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
 
 
-def test_blockwise_with_a_fresh_dropout_key_differs(explicit_reference):
+def test_blockwise_with_a_fresh_dropout_key_differs():
     """The comparison above has teeth: another dropout key gives other gradients."""
-    dropout, (_, ref_grads) = explicit_reference
-    if not dropout:
-        pytest.skip("needs dropout")
-    _, grads = loss_and_grads(_cfg("blockwise", "full", dropout), seed=7)
+    _, ref_grads = _explicit_reference(0.1)
+    _, grads = loss_and_grads(_cfg("blockwise", "full", 0.1), seed=7)
     assert max_relative_error(grads, ref_grads) > 100 * TOLERANCE
 
 
 def test_xla_attention_gives_explicit_gradients():
-    ref_loss, ref_grads = loss_and_grads(_cfg("explicit", "none", 0.0))
+    ref_loss, ref_grads = _explicit_reference(0.0)
     loss, grads = loss_and_grads(_cfg("xla", "selective", 0.0))
     assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
@@ -72,7 +85,7 @@ def test_xla_attention_gives_explicit_gradients():
 )
 def test_pallas_gives_explicit_gradients(spec, scan_layers):
     """JAX's Pallas flash attention (interpreted on a CPU), no dropout: explicit's loss and gradients."""
-    ref_loss, ref_grads = loss_and_grads(_cfg("explicit", "none", 0.0))
+    ref_loss, ref_grads = _explicit_reference(0.0)
     loss, grads = loss_and_grads(_cfg("pallas", spec, 0.0).replace(scan_layers=scan_layers))
     assert abs(float(loss) - float(ref_loss)) <= TOLERANCE * abs(float(ref_loss))
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
