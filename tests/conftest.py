@@ -10,6 +10,15 @@ from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 
 # XLA reads XLA_FLAGS once, at backend start, so this must run before anything imports jax.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_XLA_FLAGS).strip()
+# Many tests compile the same small programs (the no-remat baseline above all), here and in the
+# processes they start (CLIs, doc pages, 8-device checks): all share JAX's persistent cache in
+# pytest's cache folder, which JAX reads from the environment when it starts. XLA's compiled
+# memory figures are the same when an executable comes from the cache.
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".pytest_cache", "jax"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+)
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +36,6 @@ from jremat.models.programs import step_program
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
-# Many tests compile the same small programs (the no-remat baseline above all); XLA's compiled
-# memory figures are the same when an executable comes from JAX's persistent cache.
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 #: The repository root: the working directory of the tests that start a Python subprocess.
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

@@ -130,8 +130,10 @@ def _mesh_checks(*names: str, module: str = "tests.jremat.mesh_checks") -> dict:
 
 @pytest.fixture(scope="module")
 def checks():
-    """Collectives, gradients, the tie on every mesh and the advice about them (tests/jremat/mesh_checks.py)."""
-    return _mesh_checks("collectives", "tie", "advice")
+    """Every check of tests/jremat/mesh_checks.py this module asserts on, in one process: collectives,
+    gradients, the tie on every mesh and the advice about them; on the FSDP model, the keep_gathered
+    target, explain, the timeline, the price and the fit search."""
+    return _mesh_checks("collectives", "tie", "advice", "keep_gathered", "explain", "timeline", "price", "fit")
 
 
 def test_report_equals_a_direct_count_of_the_optimized_hlo(checks):
@@ -162,15 +164,9 @@ def test_gradients_under_every_policy_equal_no_remat_on_the_mesh(checks):
     assert checks["collectives"]["broken_grad_rel_error"] > 1e-4  # a wrong recomputation is caught
 
 
-@pytest.fixture(scope="module")
-def fsdp_checks():
-    """The keep_gathered target, explain, the timeline, the price and the fit search on the FSDP model."""
-    return _mesh_checks("keep_gathered", "explain", "timeline", "price", "fit")
-
-
 @pytest.mark.parametrize("engine", ["classic", "remat3"])
-def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_them(fsdp_checks, engine):
-    fit = fsdp_checks["fit"][engine]
+def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_them(checks, engine):
+    fit = checks["fit"][engine]
     # The first probe all-gathers, so full's keep_gathered variant joined the candidates by itself.
     assert "full:keep_gathered=true" in fit["rows"]
     probes = fit["probes"]
@@ -185,8 +181,8 @@ def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_th
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scanned"])
-def test_keep_gathered_issues_no_all_gather_more_than_none_at_full_s_temp(fsdp_checks, layout):
-    rows = {k.split("/", 1)[1]: v for k, v in fsdp_checks["keep_gathered"].items() if k.startswith(layout)}
+def test_keep_gathered_issues_no_all_gather_more_than_none_at_full_s_temp(checks, layout):
+    rows = {k.split("/", 1)[1]: v for k, v in checks["keep_gathered"].items() if k.startswith(layout)}
     none, full, kept = rows["none"], rows["full"], rows["full:keep_gathered=true"]
     assert full["all-gather"][0] == 2 * none["all-gather"][0]  # full re-gathers every weight
     assert kept["all-gather"] == none["all-gather"]  # 0 re-issued
@@ -195,8 +191,8 @@ def test_keep_gathered_issues_no_all_gather_more_than_none_at_full_s_temp(fsdp_c
     assert rows["dots"]["all-gather"][0] > none["all-gather"][0]
 
 
-def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fsdp_checks):
-    full = fsdp_checks["explain"]["full"]
+def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(checks):
+    full = checks["explain"]["full"]
     assert "re-issued collectives (full): re-issues 8 all-gathers, 32.00 KiB per step per device more than none" in full
     assert "'full:keep_gathered=true'" in full
     assert "collectives of the gradient, per device (8 devices):" in full
@@ -204,12 +200,12 @@ def test_explain_of_full_names_the_reissued_all_gathers_and_how_to_avoid_them(fs
     assert (
         "residuals for the backward pass per device: " in full and "compiled temp of the gradient per device: " in full
     )
-    kept = fsdp_checks["explain"]["full:keep_gathered=true"]
+    kept = checks["explain"]["full:keep_gathered=true"]
     assert "all-gather: 8 per step" in kept and "all-gathers" not in kept.split("re-issued", 1)[-1]
     assert "keeps 2 gathered weights (sharding constraint -> matmul)" in kept
     # jremat.testing.assert_no_reissued_collectives: fails on full, naming the re-gathers; holds when kept.
-    assert "re-issues 8 all-gathers" in fsdp_checks["explain"]["full assert"]
-    assert fsdp_checks["explain"]["full:keep_gathered=true assert"] is None
+    assert "re-issues 8 all-gathers" in checks["explain"]["full assert"]
+    assert checks["explain"]["full:keep_gathered=true assert"] is None
 
 
 def test_assert_no_reissued_collectives_rejects_unknown_kinds_and_holds_on_one_device():
@@ -300,15 +296,15 @@ def test_a_user_s_scan_over_the_default_checkpoint_is_tied_and_prevent_cse_false
     assert checks["advice"]["scan prevent_cse=False"] == [0, 4]
 
 
-def test_timeline_on_a_mesh_says_it_is_per_device(fsdp_checks):
-    timeline = fsdp_checks["timeline"]
+def test_timeline_on_a_mesh_says_it_is_per_device(checks):
+    timeline = checks["timeline"]
     assert any(
         n.startswith("per device: one device's share of the SPMD program on 8 devices") for n in timeline["notes"]
     )
 
 
-def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_per_device(fsdp_checks):
-    timeline = fsdp_checks["timeline"]
+def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_per_device(checks):
+    timeline = checks["timeline"]
     assert timeline["residuals_devices"] == 8
     assert timeline["residuals_table"].endswith(
         "bytes are per device (each device's shard on 8 devices); global bytes are the unsharded values, all "
@@ -354,8 +350,8 @@ def test_collective_flops_per_byte_needs_two_devices_and_a_known_kind():
         jremat.collective_flops_per_byte("all-gather", jax.devices()[:1])
 
 
-def test_collective_price_is_measured_once_and_shared_by_threads(fsdp_checks):
-    price = fsdp_checks["price"]
+def test_collective_price_is_measured_once_and_shared_by_threads(checks):
+    price = checks["price"]
     assert len(set(price["all-gather"])) == 1 and price["all-gather"][0] > 0  # one measurement, four threads
     assert price["again"] == price["all-gather"][0] and price["again_s"] < 0.01  # cached
     assert price["all-reduce"] > 0

@@ -81,12 +81,12 @@ def reference(model):
     return _REFERENCES[model]
 
 
-# CI runs every policy on a plain function with legacy uint32 keys and on call-time nnx.Rngs,
-# the other models under the policies that lower differently (full, names, offload, selective),
-# and the WMT re-type, the slowest to compile, under its own tensor name; the rest of the matrix
-# runs with ``-m slow``. (Every policy on an unrolled Linen stack, with a typed key and instance
-# decoration, also runs bitwise in tests/jremat/test_testing.py.)
-_EVERY_POLICY_IN_CI = {"plain", "nnx_call_time_rngs"}
+# CI runs every policy on a plain function with legacy uint32 keys, the other models under the
+# policies that lower differently (full, names, offload, selective), and the WMT re-type, the
+# slowest to compile, under its own tensor name; the rest of the matrix runs with ``-m slow``.
+# (Every policy on an unrolled Linen stack, with a typed key and instance decoration, and on an
+# NNX module with call-time nnx.Rngs also runs bitwise in tests/jremat/test_testing.py.)
+_EVERY_POLICY_IN_CI = {"plain"}
 _POLICIES_IN_CI = {"full", "names", "offload", "selective"}
 _WMT_POLICIES_IN_CI = {"names"}
 _NNX_ATTENTION_POLICIES_IN_CI = {"full", "selective"}

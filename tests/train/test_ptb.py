@@ -381,7 +381,8 @@ def _start_and_signal(args, signum, wait_for):
     proc = subprocess.Popen(
         [sys.executable, "-m", "train.ptb", *args],
         cwd=REPO,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),  # each line as printed
+        # Each line as printed; compiled afresh, not from the suite's cache: the signal lands while it compiles.
+        env={**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
