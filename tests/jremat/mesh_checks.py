@@ -168,7 +168,7 @@ def check_collectives() -> dict:
                     if engine == "remat3" and policy.startswith("dots"):
                         continue  # the engines' dots are compared on one device (tests/policies)
                     if mesh_name != "fsdp" and "keep_gathered" in policy:
-                        continue  # keep_gathered keeps FSDP's gathered weights: check_keep_gathered
+                        continue  # keep_gathered acts on FSDP weight gathers: on the FSDP mesh here and in check_keep_gathered
                     compiled = _compile(loss_fn(mesh, layout, policy), weights, x)
                     report = jremat.compiled_collectives_report(compiled)
                     grads = compiled(weights, x)
