@@ -37,7 +37,8 @@ class Part:
       run: ``(config, policies) -> rows``, each made by :meth:`row`.
       columns: the columns of its rows and of its CSV file, in order.
       targets: ``(its rows) -> [Target]``, the verdict lines its rows cover (none without rows).
-      tables: ``(its rows, plot file names, plot folder) -> markdown lines`` ([] without rows).
+      tables: ``(its rows, plot file names, plot folder) -> markdown lines``; called only for a part
+        with rows (:func:`train.bench.parts.part_of_rows` leaves out the others).
       row_parts: the values of its rows' ``part`` column (default: ``(name,)``).
     """
 

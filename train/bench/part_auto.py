@@ -95,8 +95,6 @@ def auto_targets(rows: list[dict]) -> list[Target]:
 
 def auto_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """Per budget: the plan, its peak and time, the fastest fitting built-in and its time, the planning time."""
-    if not rows:
-        return []
     r0 = rows[0]
     lines = [
         f"## auto at {len(rows)} budgets: {r0['model']}, batch {r0['batch_size']} x {r0['seq_len']}, Adam step",

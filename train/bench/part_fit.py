@@ -125,8 +125,6 @@ def fit_targets(rows: list[dict]) -> list[Target]:
 
 def fit_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """Per budget: the winner and every built-in at its largest fitting batch, predicted and measured tokens/s."""
-    if not rows:
-        return []
     r0 = rows[0]
     lines = [
         f"## Fit search: the policy and batch that train fastest in a budget ({r0['model']}, seq {r0['seq_len']}, "

@@ -76,8 +76,6 @@ def maxbatch_targets(rows: list[dict]) -> list[Target]:
 
 def maxbatch_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """Max batch per policy, whether verified, its ratio to ``none``'s and the peak there."""
-    if not rows:
-        return []
     r0 = rows[0]
     none = next((r["max_batch"] for r in rows if r["policy"] == "none"), 0)
     lines = [

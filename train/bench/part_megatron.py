@@ -127,8 +127,6 @@ def megatron_targets(rows: list[dict]) -> list[Target]:
 
 def megatron_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """Saved bytes per layer (and per s*b*h, next to Megatron's), compiled and analytic peak per policy."""
-    if not rows:
-        return []
     r0 = rows[0]
     attention = r0.get("attention") or "explicit"
     dropout = "dropout 0.1" if r0.get("attn_dropout", 0.1) else "residual dropout 0.1, attention dropout 0"

@@ -86,8 +86,6 @@ def peers_targets(rows: list[dict]) -> list[Target]:
 
 def peers_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """Every program beside its jremat counterpart: peak, temp, time ratio, compile time, compiled HLO hash."""
-    if not rows:
-        return []
     r0 = rows[0]
     lines = [
         f"## Peers: block-dominated model, batch {r0['batch_size']} x {r0['seq_len']}, {precision(r0)}, "

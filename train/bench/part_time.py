@@ -61,8 +61,6 @@ def time_targets(rows: list[dict]) -> list[Target]:
 
 def time_tables(rows: list[dict], plots: Sequence[str], plot_dir: str) -> list[str]:
     """One table per model: time ratio, FLOPs bound, peak, its reduction, compile time, absolute figures."""
-    if not rows:
-        return []
     lines = [
         "## Step time against the FLOPs bound",
         "",
