@@ -70,10 +70,10 @@ def _iterations(scopes: Sequence[tuple[str, int]]) -> int:
     return n
 
 
-def tags(jaxpr, scopes=()) -> list[tuple[str, int, int]]:
+def tags(jaxpr) -> list[tuple[str, int, int]]:
     """``(name, bytes, iterations)`` of every ``checkpoint_name`` tag anywhere in ``jaxpr``."""
     return [
-        (tag, _jaxpr.aval_bytes(eqn.outvars[0].aval), _iterations(scopes) * _jaxpr.trip_count(enclosing))
+        (tag, _jaxpr.aval_bytes(eqn.outvars[0].aval), _jaxpr.trip_count(enclosing))
         for eqn, enclosing in _jaxpr.walk(jaxpr)
         if (tag := _jaxpr.name_tag(eqn)) is not None
     ]
@@ -99,10 +99,9 @@ def _body_decisions(body, callback, scopes, excluded, acc, visit) -> None:
     producer = {v: e for e in body.eqns for v in e.outvars}
     user_name: dict = {}
     for e in body.eqns:  # a value's tag, looked up through identity ops in both directions
-        if e.primitive.name == _jaxpr.NAME and not _tags.is_internal(e.params["name"]):
-            v = e.invars[0]
-            user_name.setdefault(v, e.params["name"])
-            user_name.setdefault(e.outvars[0], e.params["name"])
+        if (tag := _jaxpr.name_tag(e)) is not None and not _tags.is_internal(tag):
+            user_name.setdefault(e.invars[0], tag)
+            user_name.setdefault(e.outvars[0], tag)
 
     def canonical(v):
         while not isinstance(v, jcore.Literal) and v in producer and producer[v].primitive.name in _IDENTITY:

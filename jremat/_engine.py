@@ -295,16 +295,11 @@ def _remat3_callback(fn, callback, args, kwargs):
     save, offload = callback_decisions(closed, callback)
     # A kept name tag is saved under its own name (the value keeps its name in reports), unless
     # the callback decided differently for two tags of the same name.
+    tag_of = {i: tag for i, eqn in enumerate(eqns) if (tag := _jaxpr.name_tag(eqn)) is not None}
     by_name: dict = {}
-    for i, eqn in enumerate(eqns):
-        if eqn.primitive.name == _jaxpr.NAME:
-            decision = "save" if i in save else offload.get(i)
-            by_name.setdefault(eqn.params["name"], set()).add(decision)
-    own_name = {
-        i: eqns[i].params["name"]
-        for i in save | set(offload)
-        if eqns[i].primitive.name == _jaxpr.NAME and len(by_name[eqns[i].params["name"]]) == 1
-    }
+    for i, tag in tag_of.items():
+        by_name.setdefault(tag, set()).add("save" if i in save else offload.get(i))
+    own_name = {i: tag_of[i] for i in save | set(offload) if i in tag_of and len(by_name[tag_of[i]]) == 1}
     flat = checkpoint_chosen(closed, save, offload, own_names=own_name)
     return out_tree, flat, closed.consts
 

@@ -58,8 +58,8 @@ def bind_translated(eqn, invals) -> list:
     Returns:
       The equation's outputs, as a list.
     """
-    if eqn.primitive.name == _jaxpr.NAME:
-        return [name_tag(invals[0], eqn.params["name"])]
+    if (tag := _jaxpr.name_tag(eqn)) is not None:
+        return [name_tag(invals[0], tag)]
     body = eqn.params["jaxpr"]
     consts = body.consts if hasattr(body, "consts") else ()
     body = body.jaxpr if hasattr(body, "jaxpr") else body
@@ -76,9 +76,9 @@ def evaluate_reemitted(jaxpr, consts, args, offload: Mapping[str, tuple[str, str
     with nothing to re-emit stay calls."""
 
     def offload_named(eqn, outs):
-        if eqn.primitive.name == _jaxpr.NAME and eqn.params["name"] in offload:
+        if (tag := _jaxpr.name_tag(eqn)) is not None and tag in offload:
             with source_of(eqn):
-                return [offload_function(*offload[eqn.params["name"]])(outs[0])]
+                return [offload_function(*offload[tag])(outs[0])]
         return outs
 
     return evaluate_inlined(jaxpr, consts, args, offload_named, keep_calls=keep_calls)

@@ -463,9 +463,7 @@ def plan_layers(
         full_peak_bytes=full_peak,
         step_flops=step_flops,
         devices=devices,
-        gathered_choice=_gathered_choice(
-            solution.candidate, keep_gathered, regather_flops, budget_bytes, kept_peak, keeping
-        ),
+        gathered_choice=_gathered_choice(solution.candidate, keep_gathered, regather_flops, budget_bytes, kept_peak),
     )
 
 
@@ -475,7 +473,6 @@ def _gathered_choice(
     regather_flops: float,
     budget_bytes: int,
     kept_peak_bytes: int,
-    keeping: tuple[bool, ...],
 ) -> str:
     """:attr:`LayerPlan.gathered_choice` of ``chosen``."""
     if chosen.remat_layers == 0 or (regather_flops <= 0 and keep_gathered is None):
@@ -488,7 +485,7 @@ def _gathered_choice(
             f"keeps gathered weights: cheaper than re-gathering them ({regather_flops:,.0f} FLOP-equivalents "
             "per layer) within the budget"
         )
-    if True in keeping and kept_peak_bytes > budget_bytes:
+    if kept_peak_bytes > budget_bytes:
         return (
             f"re-gathers weights: keeping them does not fit the budget of {budget_bytes:,} B "
             f"(full remat keeping them peaks at {kept_peak_bytes:,} B)"

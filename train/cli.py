@@ -152,18 +152,16 @@ BUILTIN_POLICY_KEYS_ALL = frozenset(key for keys in BUILTIN_POLICY_KEYS.values()
 STACK_POLICIES = frozenset({"nested"})
 
 
-def with_universal_keys(name: str, params: dict[str, registry.Param]) -> dict[str, registry.Param]:
-    """``params`` of policy ``name`` with ``keep_gathered``, the key every policy of one function takes
-    (:data:`jremat.registry.KEEP_GATHERED`); a layer-stack policy (:data:`STACK_POLICIES`, or an entry
-    registered with ``stack=True``) takes it not."""
-    entry = registry.entries().get(name) if name not in BUILTIN_POLICY_KEYS else None
-    stack = name in STACK_POLICIES or (entry is not None and entry.stack)
+def with_universal_keys(params: dict[str, registry.Param], stack: bool) -> dict[str, registry.Param]:
+    """A policy's ``params`` with ``keep_gathered``, the key every policy of one function takes
+    (:data:`jremat.registry.KEEP_GATHERED`); a layer-stack policy (``stack``: registered with
+    ``stack=True``, as the built-ins in :data:`STACK_POLICIES`) takes it not."""
     return params if stack else params | {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
 
 
 def registered_policy_params() -> dict[str, dict[str, registry.Param]]:
     """Every registered policy's keys, ``keep_gathered`` included where the policy takes it."""
-    return {name: with_universal_keys(name, entry.params) for name, entry in registry.entries().items()}
+    return {name: with_universal_keys(entry.params, entry.stack) for name, entry in registry.entries().items()}
 
 
 #: The policy-key flag that is a switch: ``--keep-gathered`` is ``keep_gathered=true`` in every ``--policy``
@@ -347,7 +345,8 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
     # A spec-valued key is written back as given: resolving it would load the policies (and JAX).
     params = {
         name: with_universal_keys(
-            name, {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()}
+            {key: dataclasses.replace(p, parse=None) if p.kind == "spec" else p for key, p in table.items()},
+            name in STACK_POLICIES,
         )
         for name, table in BUILTIN_PARAMS.items()
     }

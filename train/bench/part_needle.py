@@ -168,12 +168,12 @@ NEEDLE = Part(
 
 def run_needle_time(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Needle figure 3: step time of ``every_k:k=K`` vs ``none`` (K = 0), whole step."""
-    configs = {}
+    configs, extra = {}, {}
     for k in sorted({0, *config.needle_ks}):
         spec = "none" if k == 0 else f"every_k:k={k}"
         configs[spec] = config.whole_step(needle_config(config, config.needle_d_ff, spec), spec)
+        extra[spec] = {"k": k}
     log(f"[needle_time] timing {len(configs)} steps at batch {config.needle_time_batch}")
-    extra = {spec: {"k": 0 if spec == "none" else int(spec.split("=")[1])} for spec in configs}
     return timed_rows(NEEDLE_TIME, "needle", configs, config.needle_time_batch, config, **extra)
 
 
