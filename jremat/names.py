@@ -53,6 +53,28 @@ ALL_NAMES: tuple[str, ...] = (
     BLOCK_OUTPUT,
 )
 
+#: A mixture-of-experts FFN's tensors (the MoE option of the reference model), in program order:
+#: the router's logits ``[tokens, experts]``; the tokens sorted by expert (the grouped matmuls'
+#: input); each expert's hidden layer before and after its activation; the experts' outputs
+#: (still sorted by expert); and the combined output, back in token order and weighted by the
+#: router.
+MOE_ROUTER_LOGITS = "moe_router_logits"
+MOE_DISPATCHED = "moe_dispatched"
+MOE_HIDDEN_PRE_ACT = "moe_hidden_pre_act"
+MOE_HIDDEN = "moe_hidden"
+MOE_EXPERT_OUT = "moe_expert_out"
+MOE_COMBINED = "moe_combined"
+
+#: Every name an MoE FFN may tag, in program order.
+MOE_NAMES: tuple[str, ...] = (
+    MOE_ROUTER_LOGITS,
+    MOE_DISPATCHED,
+    MOE_HIDDEN_PRE_ACT,
+    MOE_HIDDEN,
+    MOE_EXPERT_OUT,
+    MOE_COMBINED,
+)
+
 #: The attention core that Megatron-style selective recomputation recomputes:
 #: scores, softmax, attention dropout and probabilities-times-V.
 ATTENTION_CORE: tuple[str, ...] = (ATTN_SCORES, ATTN_PROBS)
