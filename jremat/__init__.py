@@ -13,9 +13,9 @@ tools). Every other module is private (``jremat._...``).
 The names are loaded on first use (PEP 562), so ``import jremat`` and the pytest plugin import
 no JAX until something is used.
 
-What a policy saves is decided in :mod:`jremat._policy` (the kinds of :class:`Policy`: a
+What a policy saves is decided in :mod:`jremat._apply.policy` (the kinds of :class:`Policy`: a
 :class:`PlanPolicy`'s :meth:`~PlanPolicy.plan` of the whole program, or a JAX callback asked
-per equation), a callback's answer read by :func:`jremat._tags.callback_decision`; each
+per equation), a callback's answer read by :func:`jremat._engine.tags.callback_decision`; each
 built-in policy's choice is in its module under :mod:`jremat.policies`.
 """
 
@@ -35,9 +35,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Kernels the library did not write (Pallas, FFI, custom_vjp): recognised, kept, priced.
     "jremat.kernels": (),
     # Memory budgets: sizes and fractions such as "6GiB" or 0.5.
-    "jremat._budget": ("Budget", "parse_budget"),
+    "jremat._spec.budget": ("Budget", "parse_budget"),
     # Collectives of a compiled program on a mesh, and what a policy re-issues.
-    "jremat._collectives": (
+    "jremat._measure.collectives": (
         "Collective",
         "CollectivesReport",
         "collective_flops_per_byte",
@@ -46,31 +46,37 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "compiled_collectives_report",
     ),
     # Compiling: jit with the XLA options under which remat's savings survive.
-    "jremat._compile": ("compiler_options", "jit"),
+    "jremat._measure.compile": ("compiler_options", "jit"),
     # Decorators: a policy applied to a function or module, and custom policies.
-    "jremat._decorator": ("checkpoint", "custom_policy", "filter_checkpoint", "policy"),
+    "jremat._apply.decorator": ("checkpoint", "custom_policy", "filter_checkpoint", "policy"),
     # The diagnosis tools (explain, the memory, residuals, collectives and timeline reports, counts) in one namespace.
     "jremat.diagnosis": (),
     # What a policy did to a function: each decision, the names it matched, whether memory fell.
-    "jremat._explain": ("Explanation", "explain", "explain_applied"),
+    "jremat._explain.explain": ("Explanation", "explain", "explain_applied"),
     # Throughput at a memory budget: the (policy, batch) that trains fastest, measured.
     # (All of it, with the batch search and budgets, is the namespace jremat.fit.)
     "jremat.fit": (),
-    "jremat._fit": ("fit_search", "fit_search_budgets", "keep_gathered_variants", "measure_throughput"),
-    "jremat._fit_time": ("calibrate_time_model", "with_collective_rates"),
-    "jremat._fit_types": ("FitError", "FitProbe", "FitResult", "FitRow", "FitStep", "TimeModel"),
+    "jremat._plan.fit": ("fit_search", "fit_search_budgets", "keep_gathered_variants", "measure_throughput"),
+    "jremat._plan.time_model": ("calibrate_time_model", "with_collective_rates"),
+    "jremat._plan.fit_types": ("FitError", "FitProbe", "FitResult", "FitRow", "FitStep", "TimeModel"),
     # FLOPs of traced programs (scan bodies times their length).
-    "jremat._flops": ("jaxpr_flops", "program_flops"),
+    "jremat._program.flops": ("jaxpr_flops", "program_flops"),
     # Kernels (pallas_call, FFI calls): their price for every policy and analysis, and declaring one.
-    "jremat._kernel_cost": ("KernelCost", "kernel_cost", "register_kernel", "unregister_kernel"),
+    "jremat._program.kernel_cost": ("KernelCost", "kernel_cost", "register_kernel", "unregister_kernel"),
     # Host offload: whether the backend has host memory, and its cost in FLOPs per byte.
-    "jremat._host_offload": ("host_offload_available", "offload_flops_per_byte"),
+    "jremat._measure.host_offload": ("host_offload_available", "offload_flops_per_byte"),
     # The allocator's live peak of a real run.
-    "jremat._live": ("LiveMemory", "allocator_stats_missing", "live_memory"),
+    "jremat._measure.live": ("LiveMemory", "allocator_stats_missing", "live_memory"),
     # Memory: compiled reports and the remat diagnosis.
-    "jremat._memory": ("MemoryReport", "compiled_memory_report", "diagnose_remat", "format_bytes", "memory_report"),
+    "jremat._measure.memory": (
+        "MemoryReport",
+        "compiled_memory_report",
+        "diagnose_remat",
+        "format_bytes",
+        "memory_report",
+    ),
     # The budget planner: per-layer and per-name choices under a memory budget.
-    "jremat._planner": (
+    "jremat._plan.planner": (
         "Candidate",
         "LayerPlan",
         "NameCost",
@@ -80,7 +86,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "plan_layers",
     ),
     # Policies: the base classes, the plan a plan policy returns, and the offload precondition.
-    "jremat._policy": (
+    "jremat._apply.policy": (
         "CallbackPolicy",
         "NoRemat",
         "Plan",
@@ -90,16 +96,16 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "require_host_memory",
     ),
     # Programs: the traced equations a plan policy chooses from.
-    "jremat._program": ("Op", "Program", "trace_program"),
+    "jremat._program.program": ("Op", "Program", "trace_program"),
     # Layer stacks: where remat applies, scanned or unrolled layers, chunked recomputation.
-    "jremat._granularity": ("GRANULARITIES",),
-    "jremat._remat": ("RematConfig", "remat_at", "rematerialized_chunks", "run_layers"),
+    "jremat._spec.granularity": ("GRANULARITIES",),
+    "jremat._apply.layers": ("RematConfig", "remat_at", "rematerialized_chunks", "run_layers"),
     # What a policy keeps: saved residuals.
-    "jremat._residuals": ("ResidualsReport", "saved_residuals_report"),
+    "jremat._explain.residuals": ("ResidualsReport", "saved_residuals_report"),
     # Randomness that recomputes identically.
-    "jremat._rng": ("dropout", "layer_keys", "site_key"),
+    "jremat._apply.rng": ("dropout", "layer_keys", "site_key"),
     # The memory timeline: live bytes over the compiled schedule.
-    "jremat._timeline": ("MemoryTimeline", "TimelineBuffer", "build_timeline", "memory_timeline"),
+    "jremat._measure.timeline": ("MemoryTimeline", "TimelineBuffer", "build_timeline", "memory_timeline"),
     # The policy registry (a public submodule): specs, parameters, registration and lookup.
     "jremat.registry": ("Param", "available", "describe", "load_module", "register", "resolve"),
 }
@@ -112,82 +118,82 @@ if TYPE_CHECKING:
     from jremat import names as names
     from jremat import ops as ops
     from jremat import registry as registry
-    from jremat._budget import Budget as Budget
-    from jremat._budget import parse_budget as parse_budget
-    from jremat._collectives import Collective as Collective
-    from jremat._collectives import CollectivesReport as CollectivesReport
-    from jremat._collectives import collective_flops_per_byte as collective_flops_per_byte
-    from jremat._collectives import collective_s_per_byte as collective_s_per_byte
-    from jremat._collectives import collectives_report as collectives_report
-    from jremat._collectives import compiled_collectives_report as compiled_collectives_report
-    from jremat._compile import compiler_options as compiler_options
-    from jremat._compile import jit as jit
-    from jremat._decorator import checkpoint as checkpoint
-    from jremat._decorator import custom_policy as custom_policy
-    from jremat._decorator import filter_checkpoint as filter_checkpoint
-    from jremat._decorator import policy as policy
-    from jremat._explain import Explanation as Explanation
-    from jremat._explain import explain as explain
-    from jremat._explain import explain_applied as explain_applied
-    from jremat._fit import fit_search as fit_search
-    from jremat._fit import fit_search_budgets as fit_search_budgets
-    from jremat._fit import keep_gathered_variants as keep_gathered_variants
-    from jremat._fit import measure_throughput as measure_throughput
-    from jremat._fit_time import calibrate_time_model as calibrate_time_model
-    from jremat._fit_time import with_collective_rates as with_collective_rates
-    from jremat._fit_types import FitError as FitError
-    from jremat._fit_types import FitProbe as FitProbe
-    from jremat._fit_types import FitResult as FitResult
-    from jremat._fit_types import FitRow as FitRow
-    from jremat._fit_types import FitStep as FitStep
-    from jremat._fit_types import TimeModel as TimeModel
-    from jremat._flops import jaxpr_flops as jaxpr_flops
-    from jremat._flops import program_flops as program_flops
-    from jremat._granularity import GRANULARITIES as GRANULARITIES
-    from jremat._host_offload import host_offload_available as host_offload_available
-    from jremat._host_offload import offload_flops_per_byte as offload_flops_per_byte
-    from jremat._kernel_cost import KernelCost as KernelCost
-    from jremat._kernel_cost import kernel_cost as kernel_cost
-    from jremat._kernel_cost import register_kernel as register_kernel
-    from jremat._kernel_cost import unregister_kernel as unregister_kernel
-    from jremat._live import LiveMemory as LiveMemory
-    from jremat._live import allocator_stats_missing as allocator_stats_missing
-    from jremat._live import live_memory as live_memory
-    from jremat._memory import MemoryReport as MemoryReport
-    from jremat._memory import compiled_memory_report as compiled_memory_report
-    from jremat._memory import diagnose_remat as diagnose_remat
-    from jremat._memory import format_bytes as format_bytes
-    from jremat._memory import memory_report as memory_report
-    from jremat._planner import Candidate as Candidate
-    from jremat._planner import LayerPlan as LayerPlan
-    from jremat._planner import NameCost as NameCost
-    from jremat._planner import name_costs as name_costs
-    from jremat._planner import ops_to_keep_within_budget as ops_to_keep_within_budget
-    from jremat._planner import plan_function as plan_function
-    from jremat._planner import plan_layers as plan_layers
-    from jremat._policy import CallbackPolicy as CallbackPolicy
-    from jremat._policy import NoRemat as NoRemat
-    from jremat._policy import Plan as Plan
-    from jremat._policy import PlanPolicy as PlanPolicy
-    from jremat._policy import Policy as Policy
-    from jremat._policy import PolicyDoesNotApply as PolicyDoesNotApply
-    from jremat._policy import require_host_memory as require_host_memory
-    from jremat._program import Op as Op
-    from jremat._program import Program as Program
-    from jremat._program import trace_program as trace_program
-    from jremat._remat import RematConfig as RematConfig
-    from jremat._remat import remat_at as remat_at
-    from jremat._remat import rematerialized_chunks as rematerialized_chunks
-    from jremat._remat import run_layers as run_layers
-    from jremat._residuals import ResidualsReport as ResidualsReport
-    from jremat._residuals import saved_residuals_report as saved_residuals_report
-    from jremat._rng import dropout as dropout
-    from jremat._rng import layer_keys as layer_keys
-    from jremat._rng import site_key as site_key
-    from jremat._timeline import MemoryTimeline as MemoryTimeline
-    from jremat._timeline import TimelineBuffer as TimelineBuffer
-    from jremat._timeline import build_timeline as build_timeline
-    from jremat._timeline import memory_timeline as memory_timeline
+    from jremat._apply.decorator import checkpoint as checkpoint
+    from jremat._apply.decorator import custom_policy as custom_policy
+    from jremat._apply.decorator import filter_checkpoint as filter_checkpoint
+    from jremat._apply.decorator import policy as policy
+    from jremat._apply.layers import RematConfig as RematConfig
+    from jremat._apply.layers import remat_at as remat_at
+    from jremat._apply.layers import rematerialized_chunks as rematerialized_chunks
+    from jremat._apply.layers import run_layers as run_layers
+    from jremat._apply.policy import CallbackPolicy as CallbackPolicy
+    from jremat._apply.policy import NoRemat as NoRemat
+    from jremat._apply.policy import Plan as Plan
+    from jremat._apply.policy import PlanPolicy as PlanPolicy
+    from jremat._apply.policy import Policy as Policy
+    from jremat._apply.policy import PolicyDoesNotApply as PolicyDoesNotApply
+    from jremat._apply.policy import require_host_memory as require_host_memory
+    from jremat._apply.rng import dropout as dropout
+    from jremat._apply.rng import layer_keys as layer_keys
+    from jremat._apply.rng import site_key as site_key
+    from jremat._explain.explain import Explanation as Explanation
+    from jremat._explain.explain import explain as explain
+    from jremat._explain.explain import explain_applied as explain_applied
+    from jremat._explain.residuals import ResidualsReport as ResidualsReport
+    from jremat._explain.residuals import saved_residuals_report as saved_residuals_report
+    from jremat._measure.collectives import Collective as Collective
+    from jremat._measure.collectives import CollectivesReport as CollectivesReport
+    from jremat._measure.collectives import collective_flops_per_byte as collective_flops_per_byte
+    from jremat._measure.collectives import collective_s_per_byte as collective_s_per_byte
+    from jremat._measure.collectives import collectives_report as collectives_report
+    from jremat._measure.collectives import compiled_collectives_report as compiled_collectives_report
+    from jremat._measure.compile import compiler_options as compiler_options
+    from jremat._measure.compile import jit as jit
+    from jremat._measure.host_offload import host_offload_available as host_offload_available
+    from jremat._measure.host_offload import offload_flops_per_byte as offload_flops_per_byte
+    from jremat._measure.live import LiveMemory as LiveMemory
+    from jremat._measure.live import allocator_stats_missing as allocator_stats_missing
+    from jremat._measure.live import live_memory as live_memory
+    from jremat._measure.memory import MemoryReport as MemoryReport
+    from jremat._measure.memory import compiled_memory_report as compiled_memory_report
+    from jremat._measure.memory import diagnose_remat as diagnose_remat
+    from jremat._measure.memory import format_bytes as format_bytes
+    from jremat._measure.memory import memory_report as memory_report
+    from jremat._measure.timeline import MemoryTimeline as MemoryTimeline
+    from jremat._measure.timeline import TimelineBuffer as TimelineBuffer
+    from jremat._measure.timeline import build_timeline as build_timeline
+    from jremat._measure.timeline import memory_timeline as memory_timeline
+    from jremat._plan.fit import fit_search as fit_search
+    from jremat._plan.fit import fit_search_budgets as fit_search_budgets
+    from jremat._plan.fit import keep_gathered_variants as keep_gathered_variants
+    from jremat._plan.fit import measure_throughput as measure_throughput
+    from jremat._plan.fit_types import FitError as FitError
+    from jremat._plan.fit_types import FitProbe as FitProbe
+    from jremat._plan.fit_types import FitResult as FitResult
+    from jremat._plan.fit_types import FitRow as FitRow
+    from jremat._plan.fit_types import FitStep as FitStep
+    from jremat._plan.fit_types import TimeModel as TimeModel
+    from jremat._plan.planner import Candidate as Candidate
+    from jremat._plan.planner import LayerPlan as LayerPlan
+    from jremat._plan.planner import NameCost as NameCost
+    from jremat._plan.planner import name_costs as name_costs
+    from jremat._plan.planner import ops_to_keep_within_budget as ops_to_keep_within_budget
+    from jremat._plan.planner import plan_function as plan_function
+    from jremat._plan.planner import plan_layers as plan_layers
+    from jremat._plan.time_model import calibrate_time_model as calibrate_time_model
+    from jremat._plan.time_model import with_collective_rates as with_collective_rates
+    from jremat._program.flops import jaxpr_flops as jaxpr_flops
+    from jremat._program.flops import program_flops as program_flops
+    from jremat._program.kernel_cost import KernelCost as KernelCost
+    from jremat._program.kernel_cost import kernel_cost as kernel_cost
+    from jremat._program.kernel_cost import register_kernel as register_kernel
+    from jremat._program.kernel_cost import unregister_kernel as unregister_kernel
+    from jremat._program.program import Op as Op
+    from jremat._program.program import Program as Program
+    from jremat._program.program import trace_program as trace_program
+    from jremat._spec.budget import Budget as Budget
+    from jremat._spec.budget import parse_budget as parse_budget
+    from jremat._spec.granularity import GRANULARITIES as GRANULARITIES
     from jremat.attention import blockwise_attention as blockwise_attention
     from jremat.attention import count_forward_passes as count_forward_passes
     from jremat.registry import Param as Param
@@ -205,7 +211,7 @@ __all__ = sorted(_WHERE)
 
 _jax_import_lock = _threading.Lock()
 #: Modules behind public names that import no JAX (tests/jremat/test_threads.py checks it).
-_JAX_FREE = frozenset({"jremat._budget", "jremat._granularity", "jremat.registry"})
+_JAX_FREE = frozenset({"jremat._spec.budget", "jremat._spec.granularity", "jremat.registry"})
 
 
 def _import_jax_once() -> None:

@@ -17,7 +17,9 @@ Those of its names that are also at the top level are the same objects
 (``jremat.explain is jremat.diagnosis.explain``). See ``docs/memory.md`` and ``docs/timeline.md``.
 """
 
-from jremat._collectives import (
+from jremat._explain.explain import Explanation, explain, explain_applied
+from jremat._explain.residuals import ResidualsReport, saved_residuals_report
+from jremat._measure.collectives import (
     Collective,
     CollectivesReport,
     collective_flops_per_byte,
@@ -25,11 +27,9 @@ from jremat._collectives import (
     collectives_report,
     compiled_collectives_report,
 )
-from jremat._compile import cost_analysis, hlo_fingerprint
-from jremat._explain import Explanation, explain, explain_applied
-from jremat._flops import jaxpr_flops, program_flops
-from jremat._live import LiveMemory, allocator_stats_missing, live_memory
-from jremat._memory import (
+from jremat._measure.compile import cost_analysis, hlo_fingerprint
+from jremat._measure.live import LiveMemory, allocator_stats_missing, live_memory
+from jremat._measure.memory import (
     PEAK_FROM_BACKEND,
     PEAK_FROM_SUM,
     PEAK_UNAVAILABLE,
@@ -39,8 +39,8 @@ from jremat._memory import (
     format_bytes,
     memory_report,
 )
-from jremat._residuals import ResidualsReport, saved_residuals_report
-from jremat._timeline import MemoryTimeline, TimelineBuffer, build_timeline, memory_timeline
+from jremat._measure.timeline import MemoryTimeline, TimelineBuffer, build_timeline, memory_timeline
+from jremat._program.flops import jaxpr_flops, program_flops
 from jremat.attention import count_forward_passes
 
 __all__ = [

@@ -9,7 +9,7 @@ use): no stability promise for other users. Imports no JAX.
 - :data:`BUILTIN_PARAMS`: the keys of the built-in policies, checked before JAX is imported.
 """
 
-from jremat._builtin_keys import BUILTIN_PARAMS
+from jremat._apply.keys import BUILTIN_PARAMS
 from jremat._checkout import alias_installed
 from jremat._extras import missing_modules, train_extra_message
 

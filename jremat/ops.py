@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jremat import _engine
+from jremat._engine import lowering as _engine
 
 
 @_engine.lower_checkpoint

@@ -1,4 +1,4 @@
-"""The one registry of rematerialization policies (the spec strings it reads: :mod:`jremat._spec_text`).
+"""The one registry of rematerialization policies (the spec strings it reads: :mod:`jremat._spec.text`).
 
 A spec is ``NAME`` or ``NAME:key=value,key=value``; list values are joined by ``+``
 (``names:save=q+k+v``). Every policy name and key accepted anywhere (CLI ``--help``, errors,
@@ -23,356 +23,54 @@ core imports it at import time. Third-party packages add policies through the
 :func:`load_module`.
 """
 
-from __future__ import annotations
-
-import contextlib
-import dataclasses
-import importlib
-import importlib.metadata
-import sys
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-from jremat._spec_text import NAME_RE, REQUIRED, Param, canonical_spec, convert_values, parse_spec, value_as_text
-
-if TYPE_CHECKING:  # imported where used, so that parsing a spec imports no JAX (the CLIs check flags first)
-    from jremat._policy import Policy
-
-ENTRY_POINT_GROUP = "jremat.policies"
-BUILTIN_MODULE = "jremat.policies"
-
-
-#: The key every policy of one function takes: also keep the gathered weights (jremat._gathered).
-KEEP_GATHERED = "keep_gathered"
-KEEP_GATHERED_PARAM = Param(
-    "bool",
-    False,
-    "also keep each checkpoint's gathered weights (a sharding constraint on an input feeding a matmul), so "
-    "that the backward pass does not all-gather them again; costs their gathered bytes per device",
-)
-
-
-class AlreadyRegisteredError(ValueError):
-    """A policy name given to :func:`register` is taken."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyEntry:
-    """A registered policy: its name, documentation, accepted keys and factory.
-
-    Attributes:
-      stack: ``True`` for an option of a whole layer stack (``nested``): the factory returns a
-        dict of :class:`jremat.RematConfig` fields instead of a :class:`Policy`.
-    """
-
-    name: str
-    doc: str
-    params: dict[str, Param]
-    factory: Callable[..., Any]
-    stack: bool = False
-
-
-_REGISTRY: dict[str, PolicyEntry] = {}
-# Guards every read and write of _REGISTRY and _FAILED_LOADS; held only for the dict operation
-# itself, never across an import: a module being imported may register or look a policy up from
-# any thread without waiting on a thread that is itself waiting for that import.
-_REGISTRY_LOCK = threading.Lock()
-_builtins_loaded = False
-# Per thread: whether a loading pass runs (a lookup from a module it imports returns at once).
-_LOADING = threading.local()
-# The error of an entry point's last failed load, by entry point.
-_FAILED_LOADS: dict = {}
-
-
-def register(name: str, *, doc: str, params: dict[str, Param] | None = None, stack: bool = False):
-    """Decorator registering a policy factory under ``name``.
-
-    The factory receives the parsed keys as keyword arguments and returns a :class:`Policy`
-    (with ``stack=True``: a dict of :class:`jremat.RematConfig` fields).
-
-    Args:
-      name: the policy name used in specs (letters, digits, underscores).
-      doc: what the policy saves, in one or two sentences.
-      params: the keys the spec accepts.
-      stack: the entry sets how a layer stack is checkpointed rather than building a policy
-        of one function (see :func:`stack_fields`).
-
-    Raises:
-      ValueError: if the name is malformed or already registered.
-    """
-    if not NAME_RE.match(name):
-        raise ValueError(f"policy name {name!r} must be letters, digits and underscores")
-
-    def decorator(factory):
-        entry = PolicyEntry(name=name, doc=doc, params=dict(params or {}), factory=factory, stack=stack)
-        with _REGISTRY_LOCK:
-            if name in _REGISTRY:
-                raise AlreadyRegisteredError(f"policy {name!r} is already registered")
-            _REGISTRY[name] = entry
-        return factory
-
-    return decorator
-
-
-def unregister(name: str) -> None:
-    """Remove a registered policy (for interactive use; tests use :func:`scoped`)."""
-    with _REGISTRY_LOCK:
-        _REGISTRY.pop(name, None)
-
-
-@contextlib.contextmanager
-def scoped():
-    """Context manager: policies registered or removed inside it are undone on exit.
-
-    The registry holds exactly the entries it held on entry again when the block exits
-    (normally or by an exception); built-ins are loaded first, so they stay. For tests, benches
-    and notebooks that add policies without leaving them behind for whatever runs next::
-
-        with jremat.registry.scoped():
-            jremat.register("baseline", doc="...")(Baseline)
-            run_bench(["none", "baseline"])
-    """
-    saved = entries()
-    try:
-        yield
-    finally:
-        with _REGISTRY_LOCK:
-            _REGISTRY.clear()
-            _REGISTRY.update(saved)
-
-
-def _load_builtins() -> None:
-    """Import the built-in policies and the entry points' modules before a thread's first lookup.
-
-    No lock of this module is held across an import. Each thread that looks up before loading has
-    finished imports them itself; Python's import locks run each module once, and make a thread
-    wait for a module another thread is importing, so a first lookup sees every policy. A lookup
-    made while a module is being imported by the same thread (a plugin that looks a policy up at
-    import) proceeds with the entries registered so far. The loaded flag is set once a pass has
-    found every module imported in full, so an import that fails is tried again (and raises
-    again) on the next lookup.
-    """
-    global _builtins_loaded
-    if _builtins_loaded or getattr(_LOADING, "active", False):
-        return
-    _LOADING.active = True
-    try:
-        importlib.import_module(BUILTIN_MODULE)
-        complete = not _initializing(BUILTIN_MODULE)
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            _load_entry_point(ep)
-            complete = complete and not _initializing(getattr(ep, "module", None))
-        if complete:  # not while this thread is still importing one of them
-            _builtins_loaded = True
-    finally:
-        _LOADING.active = False
-
-
-def _initializing(module_name: str | None) -> bool:
-    """Whether the module is being imported (its body has not finished), by any thread."""
-    module = sys.modules.get(module_name) if module_name else None
-    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False)
-
-
-def _load_entry_point(ep) -> None:
-    """``ep.load()``; after a failed load, a retry that fails only on the names the failed one
-    registered raises the plugin's own error again."""
-    try:
-        ep.load()
-    except AlreadyRegisteredError:
-        with _REGISTRY_LOCK:
-            failed = _FAILED_LOADS.get(ep)
-        if failed is None:
-            raise
-        raise failed from None
-    except Exception as err:
-        with _REGISTRY_LOCK:
-            _FAILED_LOADS[ep] = err
-        raise
-    with _REGISTRY_LOCK:
-        _FAILED_LOADS.pop(ep, None)
-
-
-def load_module(module_name: str) -> None:
-    """Import ``module_name`` so that the policies it registers become available by name.
-
-    Raises:
-      ValueError: if the module cannot be imported.
-    """
-    try:
-        importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import policy module {module_name!r}: {err}") from err
-
-
-def entries() -> dict[str, PolicyEntry]:
-    """All registered policies by name, built-ins included."""
-    _load_builtins()
-    with _REGISTRY_LOCK:
-        return dict(_REGISTRY)
-
-
-def available() -> list[str]:
-    """Sorted names of all registered policies."""
-    return sorted(entries())
-
-
-def describe(name: str | None = None) -> str:
-    """Help text: every policy (no argument), or one policy in full.
-
-    Args:
-      name: a registered policy's name (``"every_k"``); ``None`` lists every policy, its keys
-        and what it saves, one entry each.
-
-    Returns:
-      For one policy: what it saves, each key with its type, default and meaning, and an example
-      spec (every key at its default; a required key as ``<kind>``, to fill in).
-
-    Raises:
-      TypeError: if ``name`` is not a string.
-      ValueError: if ``name`` is a spec with keys, or names no registered policy; the message
-        lists the valid names.
-    """
-    registered = entries()
-    if name is None:
-        lines = []
-        for entry_name, entry in sorted(registered.items()):
-            keys = ", ".join(
-                f"{k}=<{p.kind}>" + ("" if p.default is REQUIRED else f" (default {p.default})")
-                for k, p in entry.params.items()
-            )
-            lines.append(f"  {entry_name}{':' + keys if keys else ''}\n      {entry.doc}")
-        return "\n".join(lines)
-    if not isinstance(name, str):
-        raise TypeError(f"describe takes a policy name (a string such as 'every_k'), got {type(name).__name__}")
-    stripped = name.strip()
-    bare = stripped.partition(":")[0]
-    if bare != stripped and bare in registered:
-        raise ValueError(f"describe takes a policy name, not a spec: describe({bare!r}) for {name!r}")
-    if stripped not in registered:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registered))}")
-    return _describe_one(registered[stripped])
-
-
-def _describe_one(entry: PolicyEntry) -> str:
-    """The full help of one policy (see :func:`describe`)."""
-    lines = [f"{entry.name}: {entry.doc}"]
-    if entry.stack:
-        lines.append(
-            "  a layer stack's option: give it to jremat.RematConfig / run_layers or the train CLIs' --policy, "
-            "not to a single function"
-        )
-    example = []
-    lines.append("  keys:" if entry.params else "  keys: none (the spec is the name alone)")
-    for key, param in entry.params.items():
-        bound = f", >= {param.min:g}" if param.min is not None else ""
-        if param.default is REQUIRED:
-            lines.append(f"    {key}=<{param.kind}>  required{bound}: {param.help}")
-            example.append(f"{key}=<{param.kind}>")
-            continue
-        try:
-            default = value_as_text(entry.name, key, param, param.default)
-        except ValueError:  # a default no spec could give
-            default = repr(param.default)
-        lines.append(f"    {key}=<{param.kind}>  default {default or '(none)'}{bound}: {param.help}")
-        if default:
-            example.append(f"{key}={default}")
-    spec = entry.name + (":" + ",".join(example) if example else "")
-    lines.append(f"  example: {spec}" + ("  (fill in each <...>)" if "<" in spec else ""))
-    return "\n".join(lines)
-
-
-def resolve(spec: str | Policy, **overrides: Any) -> Policy:
-    """Build the policy a spec names.
-
-    Args:
-      spec: a spec string (``"every_k:k=4"``) or a :class:`Policy` (returned as is).
-      **overrides: keys given separately (e.g. from ``--k 4``); they override the string's.
-        Values may be strings (parsed like the spec) or already-typed values.
-
-    Returns:
-      The :class:`Policy`, with :attr:`Policy.spec` set to the canonical spec.
-
-    Raises:
-      ValueError: unknown policy, unknown key, malformed string, or a bad value; the message
-        names the bad part and lists the valid choices. Also for a layer-stack entry
-        (``nested``), which is no policy of a single function.
-    """
-    from jremat._policy import Policy
-
-    if isinstance(spec, Policy):
-        if overrides:
-            raise ValueError(f"cannot apply keys {sorted(overrides)} to an already-built policy {spec!r}")
-        return spec
-    entry, policy, canonical = _build(spec, overrides)
-    if entry.stack:
-        raise ValueError(stack_error(entry.name))
-    policy.spec = canonical
-    return policy
-
-
-def stack_error(name: str) -> str:
-    """The message for a layer-stack entry (``nested``) used as the policy of one function."""
-    return (
-        f"policy {name!r} checkpoints a stack of layers; use it as a layer stack's policy "
-        "(jremat.RematConfig / run_layers, or --policy of the train CLIs), not on a single function"
-    )
-
-
-def stack_fields(spec: Any) -> dict[str, Any] | None:
-    """The :class:`jremat.RematConfig` fields a layer-stack spec (``nested:block=2``) stands for.
-
-    Args:
-      spec: anything given as a policy: a spec string or a :class:`Policy`.
-
-    Returns:
-      The fields (e.g. ``{"policy": "none", "nest": 2}``) for a spec naming a layer-stack
-      entry; ``None`` for a :class:`Policy` or a spec of a per-function policy.
-
-    Raises:
-      ValueError: as :func:`resolve`, for a malformed or unknown spec string.
-    """
-    if not isinstance(spec, str):
-        return None
-    entry, fields, _ = _build(spec, {})
-    return dict(fields) if entry.stack else None
-
-
-def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
-    """The canonical spec string of ``spec`` with ``overrides`` applied, for any entry.
-
-    The same string as ``resolve(spec, **overrides).spec`` for a per-function policy; layer-stack
-    entries (``nested``) are checked and written back the same way.
-
-    Raises:
-      ValueError: as :func:`resolve` (except for layer-stack entries, which are accepted).
-    """
-    from jremat._policy import Policy
-
-    if isinstance(spec, Policy):
-        return resolve(spec, **overrides).spec
-    _, _, canonical = _build(spec, overrides)
-    return canonical
-
-
-def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]:
-    """``(entry, factory result, canonical spec)`` for a spec string."""
-    name, raw_values = parse_spec(spec)
-    registry = entries()
-    if name not in registry:
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
-    entry = registry[name]
-    raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    # keep_gathered (jremat._gathered) is a key of every policy of one function.
-    universal = {} if entry.stack or KEEP_GATHERED in entry.params else {KEEP_GATHERED: KEEP_GATHERED_PARAM}
-    kwargs = convert_values(name, {**entry.params, **universal}, raw_values)
-    keep = kwargs.pop(KEEP_GATHERED) if universal else False
-    built = entry.factory(**kwargs)
-    given = {k: v for k, v in kwargs.items() if k in raw_values}
-    if universal and KEEP_GATHERED in raw_values:
-        from jremat._gathered import with_keep_gathered
-
-        built = with_keep_gathered(built, keep)
-        given[KEEP_GATHERED] = keep
-    return entry, built, canonical_spec(name, given, entry.params)
+from jremat._apply.registry import BUILTIN_MODULE as BUILTIN_MODULE
+from jremat._apply.registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from jremat._apply.registry import KEEP_GATHERED as KEEP_GATHERED
+from jremat._apply.registry import KEEP_GATHERED_PARAM as KEEP_GATHERED_PARAM
+from jremat._apply.registry import NAME_RE as NAME_RE
+from jremat._apply.registry import REQUIRED as REQUIRED
+from jremat._apply.registry import AlreadyRegisteredError as AlreadyRegisteredError
+from jremat._apply.registry import Param as Param
+from jremat._apply.registry import PolicyEntry as PolicyEntry
+from jremat._apply.registry import available as available
+from jremat._apply.registry import canonical_spec as canonical_spec
+from jremat._apply.registry import convert_values as convert_values
+from jremat._apply.registry import describe as describe
+from jremat._apply.registry import entries as entries
+from jremat._apply.registry import load_module as load_module
+from jremat._apply.registry import normalize_spec as normalize_spec
+from jremat._apply.registry import parse_spec as parse_spec
+from jremat._apply.registry import register as register
+from jremat._apply.registry import resolve as resolve
+from jremat._apply.registry import scoped as scoped
+from jremat._apply.registry import stack_error as stack_error
+from jremat._apply.registry import stack_fields as stack_fields
+from jremat._apply.registry import unregister as unregister
+from jremat._apply.registry import value_as_text as value_as_text
+
+__all__ = [
+    "AlreadyRegisteredError",
+    "available",
+    "BUILTIN_MODULE",
+    "canonical_spec",
+    "convert_values",
+    "describe",
+    "entries",
+    "ENTRY_POINT_GROUP",
+    "KEEP_GATHERED",
+    "KEEP_GATHERED_PARAM",
+    "load_module",
+    "NAME_RE",
+    "normalize_spec",
+    "Param",
+    "parse_spec",
+    "PolicyEntry",
+    "register",
+    "REQUIRED",
+    "resolve",
+    "scoped",
+    "stack_error",
+    "stack_fields",
+    "unregister",
+    "value_as_text",
+]

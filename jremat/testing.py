@@ -25,11 +25,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jremat import _exactness, registry
-from jremat._decorator import policy as _decorate_with
-from jremat._exactness import CAUSE_RANDOM, CAUSE_STATE, CAUSE_VALUE
-from jremat._explain import explain
-from jremat._policy import Policy
+from jremat import registry
+from jremat._apply.decorator import policy as _decorate_with
+from jremat._apply.policy import Policy
+from jremat._explain import exactness as _exactness
+from jremat._explain.exactness import CAUSE_RANDOM, CAUSE_STATE, CAUSE_VALUE
+from jremat._explain.explain import explain
 
 # ---------------------------------------------------------------------------------------------
 # Policies to test
@@ -469,7 +470,7 @@ def assert_no_reissued_collectives(
       remat_fn: the function with remat applied.
       baseline_fn: the same function without remat.
       *args: arrays or :class:`jax.ShapeDtypeStruct` (with their ``sharding``).
-      kinds: the collective kinds checked (:data:`jremat._collectives.KINDS`).
+      kinds: the collective kinds checked (:data:`jremat._measure.collectives.KINDS`).
       **kwargs: keyword arguments of both.
 
     Raises:
@@ -477,7 +478,7 @@ def assert_no_reissued_collectives(
         baseline's, and how to avoid it.
       ValueError: on an unknown kind.
     """
-    from jremat import _collectives
+    from jremat._measure import collectives as _collectives
 
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in _collectives.KINDS]

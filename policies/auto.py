@@ -1,4 +1,4 @@
-"""``auto``: fit a memory budget, with the planner of :mod:`jremat._planner`.
+"""``auto``: fit a memory budget, with the planner of :mod:`jremat._plan.planner`.
 
 On one checkpointed function, ``auto:budget=B`` keeps the compute ops that save the most
 recompute FLOPs while their outputs fit in ``B`` bytes (or the fraction ``B`` of what the
@@ -10,8 +10,8 @@ function keeps without remat): :func:`jremat.ops_to_keep_within_budget`. In the 
 from __future__ import annotations
 
 from jremat import Budget, Plan, PlanPolicy, Program, ops_to_keep_within_budget, register
-from jremat._builtin_keys import BUILTIN_PARAMS
-from jremat._planner import as_budget
+from jremat._apply.keys import BUILTIN_PARAMS
+from jremat._plan.planner import as_budget
 
 
 class BudgetPolicy(PlanPolicy):

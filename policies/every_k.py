@@ -2,7 +2,7 @@
 
 This is the Needle study's "keep one node every segment_len nodes". The compute ops of the
 checkpointed function are numbered from 0 in program order (its jaxpr, with nested ``jit``
-calls inlined; see :mod:`jremat._program` for what counts: shape-only ops, name tags and values
+calls inlined; see :mod:`jremat._program.program` for what counts: shape-only ops, name tags and values
 derived only from PRNG keys or constants do not). The outputs of ops 0, k, 2k, ... are saved.
 ``k=1`` saves every compute op (about ``none``); ``k`` above the op count saves only op 0
 (about ``full``). With ``skip_cheap=true`` only non-cheap ops are numbered (see
@@ -15,7 +15,7 @@ choice is made from the traced program, so it is the same however often JAX call
 from __future__ import annotations
 
 from jremat import Plan, PlanPolicy, Program, kernels, register
-from jremat._builtin_keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat._apply.keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
 from jremat.policies.skip_cheap import is_cheap
 
 

@@ -37,14 +37,14 @@ from jremat import (
     Plan,
     PlanPolicy,
     Program,
-    _jaxpr,
     kernels,
     register,
     require_host_memory,
 )
-from jremat import _engine as engine
-from jremat._builtin_keys import BUILTIN_PARAMS
-from jremat._program import ProgramCache, evaluate_tagged
+from jremat._apply.keys import BUILTIN_PARAMS
+from jremat._engine import jaxpr as _jaxpr
+from jremat._engine import lowering as engine
+from jremat._program.program import ProgramCache, evaluate_tagged
 from jremat.names import check_found
 
 

@@ -1,6 +1,6 @@
 """``skip_cheap``: keep only values that are expensive to recompute per byte kept.
 
-Cost model (from :func:`jremat._flops.equation_flops`): the FLOPs to recompute an op's output
+Cost model (from :func:`jremat._program.flops.equation_flops`): the FLOPs to recompute an op's output
 from its inputs divided by the bytes its output takes. Elementwise ops (about one FLOP per
 element, i.e. 0.25-0.5 FLOP/byte) and shape-only ops are always cheap; a ``dot_general`` costs
 ``2 x contracted`` FLOPs per output element, so a matmul over 64 features in bf16 is
@@ -17,7 +17,7 @@ kept kernel runs once.
 from __future__ import annotations
 
 from jremat import Op, Plan, PlanPolicy, Program, kernels, register
-from jremat._builtin_keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat._apply.keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
 
 
 def is_cheap(op: Op, min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE) -> bool:

@@ -27,9 +27,9 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat import _compile
-from jremat._jax_compat import saved_residuals as _jax_saved_residuals
-from jremat._memory import PEAK_FROM_SUM
+from jremat._engine.jax_compat import saved_residuals as _jax_saved_residuals
+from jremat._measure import compile as _compile
+from jremat._measure.memory import PEAK_FROM_SUM
 from jremat.models import GPT, cross_entropy_loss, preset, programs
 from jremat.models.programs import step_program
 
@@ -149,7 +149,7 @@ TOLERANCE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TOLERANCE_C
 #: is but for one small constant scratch buffer (docs/xla-notes.md);
 #: tests/jremat/test_memory.py checks that against XLA's defaults.
 ANALYSIS_CPU_OPTIONS = TOLERANCE_CPU_OPTIONS
-#: The library's own ``jremat._compile.analysis_options`` (what users get), before the suite's below.
+#: The library's own ``jremat._measure.compile.analysis_options`` (what users get), before the suite's below.
 library_analysis_options = _compile.analysis_options
 
 

@@ -1,5 +1,6 @@
-"""The checkout's layout rules: no module over 550 lines, ``train/`` on the public API only, and
-no import cycle among the library's modules."""
+"""The checkout's layout rules: no module over 550 lines, ``train/``, ``policies/`` and ``models/``
+on the public API only, the library's rooms importing one way, and no import cycle among the
+library's modules."""
 
 import ast
 import pathlib
@@ -50,12 +51,12 @@ def test_train_imports_no_private_jremat_module():
     }
     assert not found, found
     # The scan sees each form of a private import.
-    assert _private_jremat_imports("from jremat._fit import largest_fitting") == [
-        "jremat._fit",
-        "jremat._fit.largest_fitting",
+    assert _private_jremat_imports("from jremat._plan.fit import largest_fitting") == [
+        "jremat._plan.fit",
+        "jremat._plan.fit.largest_fitting",
     ]
     assert _private_jremat_imports("from jremat import _memory") == ["jremat._memory"]
-    assert _private_jremat_imports("def f():\n    import jremat._compile") == ["jremat._compile"]
+    assert _private_jremat_imports("def f():\n    import jremat._measure.compile") == ["jremat._measure.compile"]
     assert _private_jremat_imports("from jremat.fit import largest_fitting\nimport jremat.diagnosis") == []
 
 
@@ -119,7 +120,7 @@ def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _layered_import_graph() -> dict[str, set[str]]:
     files = {
-        package if path.stem == "__init__" else f"{package}.{path.stem}": path
+        ".".join([package, *path.relative_to(ROOT / folder).with_suffix("").parts]).removesuffix(".__init__"): path
         for folder, package in LAYERED_PACKAGES.items()
         for path in _python_files(folder)
     }
@@ -128,7 +129,7 @@ def _layered_import_graph() -> dict[str, set[str]]:
 
 def test_no_import_cycle_among_library_modules():
     graph = _layered_import_graph()
-    assert len(graph) > 40 and graph["jremat._program"], "the scan sees the library's modules and their imports"
+    assert len(graph) > 40 and graph["jremat._program.program"], "the scan sees the library's modules and their imports"
     assert _import_cycles(graph) == []
     # The scan sees each form of a module-level import, and no import in a function or a TYPE_CHECKING block.
     source = (
@@ -141,3 +142,82 @@ def test_no_import_cycle_among_library_modules():
     assert not {"jremat._e", "jremat._h"} & imported
     assert _import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: The library's rooms (``jremat/_<room>/``), lowest first: a room's modules import only modules of
+#: its own room and the rooms before it, never a top-level module (the public namespaces import the
+#: rooms, not the other way). The map: docs/architecture.md.
+ROOMS = ("_spec", "_engine", "_program", "_attention", "_measure", "_apply", "_explain", "_plan")
+
+
+def _all_imports(source: str) -> list[str]:
+    """Every module ``source`` imports, at module level or in a function body (not in an
+    ``if TYPE_CHECKING:`` block), as ``module`` and ``module.name`` for each ``from module import name``."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def _room_of(module: str) -> str | None:
+    """The room of ``jremat._<room>[.x]`` (``None`` for any other module)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "jremat" and len(parts) > 1 and parts[1] in ROOMS else None
+
+
+def _wrong_way_imports(room: str, imports: list[str]) -> list[str]:
+    """The imports in ``imports`` that a module of ``room`` may not make: a later room, or a
+    top-level ``jremat`` module."""
+    allowed = set(ROOMS[: ROOMS.index(room) + 1])
+    wrong = []
+    for module in imports:
+        if module.split(".")[0] != "jremat" or module == "jremat":
+            continue
+        target = _room_of(module)
+        if target is None and module.count(".") == 1 and module.split(".")[1] not in ROOMS:
+            wrong.append(module)  # a top-level module: jremat.names, jremat._version, ...
+        elif target is not None and target not in allowed:
+            wrong.append(module)
+    return wrong
+
+
+def test_the_rooms_import_one_way():
+    rooms = sorted(p.name for p in (ROOT / "jremat").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == sorted(ROOMS), "every room is in ROOMS, in its order"
+    found = {}
+    for room in ROOMS:
+        for path in _python_files(f"jremat/{room}"):
+            if wrong := _wrong_way_imports(room, _all_imports(path.read_text())):
+                found[str(path.relative_to(ROOT))] = wrong
+    assert not found, f"imports against the rooms' order {ROOMS}: {found}"
+    # Only the top-level modules of the library sit beside the rooms: no flat private module.
+    flat = sorted(p.name for p in (ROOT / "jremat").glob("_*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert flat == ["_checkout.py", "_extras.py", "_version.py"], flat
+    # The scan sees each way of going the wrong way, and lets the right ways through.
+    source = "from jremat import names\ndef f():\n    from jremat._plan import fit\nimport jremat._engine.jaxpr\n"
+    assert _wrong_way_imports("_measure", _all_imports(source)) == ["jremat.names", "jremat._plan", "jremat._plan.fit"]
+    assert _wrong_way_imports("_plan", _all_imports("from jremat._spec.text import parse_spec")) == []
+    assert _all_imports("if TYPE_CHECKING:\n    import jremat._plan\n") == []
+
+
+@pytest.mark.parametrize("folder", ["policies", "models"])
+def test_policies_and_models_import_no_private_jremat_module(folder):
+    found = {
+        str(p.relative_to(ROOT)): imports
+        for p in _python_files(folder)
+        if (imports := _private_jremat_imports(p.read_text()))
+    }
+    assert not found, found

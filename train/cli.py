@@ -325,7 +325,7 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
 
     Checks what the parser checks (unknown flags, malformed numbers, invalid choices); each
     ``--policy``'s spec syntax, name, keys and values against the built-in policies
-    (:data:`jremat._builtin_keys.BUILTIN_PARAMS`), with the policy-key flags applied; and the
+    (:data:`jremat._apply.keys.BUILTIN_PARAMS`), with the policy-key flags applied; and the
     config's own value checks that need no JAX (its ``check_arguments``, when it has one), with
     the messages :func:`parse` gives. A spec given as a key's value (``nested``'s ``layer=``)
     is left to :func:`parse`. Nothing is checked for ``--help``, or when more than the

@@ -3,7 +3,7 @@
 One curve per policy on shared axes (schedule position, MiB), each policy's peak marked and its
 compiled peak drawn as a dashed line; the spans of the top-level layer loops are shaded (a loop
 body is scheduled once, so positions inside a span show one iteration; see
-:mod:`jremat._timeline`). Below the curves, one table per policy lists the ten largest buffers
+:mod:`jremat._measure.timeline`). Below the curves, one table per policy lists the ten largest buffers
 live at its peak. The same tables are printed as text by :func:`format_timelines`.
 """
 

@@ -113,7 +113,7 @@ def loss_fn(mesh, layout: str, policy: str, *, tie: bool = True, block=None):
 
 def direct_count(hlo: str) -> dict:
     """``{kind: [count, bytes]}`` by regular expressions over the HLO text, independent of
-    jremat._collectives: each collective line (``-start`` halves skipped) counted with its result
+    jremat._measure.collectives: each collective line (``-start`` halves skipped) counted with its result
     bytes, the lines of a ``while`` body times the loop's ``known_trip_count``."""
     bodies = {}
     for m in re.finditer(r"while\(.*?body=%?([\w.\-]+).*?\"known_trip_count\":\{\"n\":\"(\d+)\"", hlo):

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jremat
-from jremat import _timeline_buffers
+from jremat._measure import timeline_buffers as _timeline_buffers
 from tests.device_checks import run_checks
 from tests.jremat import mesh_checks as mc  # sets the 8-device XLA flag before JAX's backend starts
 

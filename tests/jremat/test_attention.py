@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat import _attention_inputs, attention, names
+from jremat import attention, names
+from jremat._attention import inputs as _attention_inputs
 from tests.conftest import saved_residuals
 
 B, H, D = 2, 2, 8

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import _collectives
+from jremat._measure import collectives as _collectives
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
 # A hand-written module: an async all-gather pair (counted once), a reduce-scatter (operand
@@ -241,7 +241,7 @@ def test_keep_gathered_saves_only_a_constrained_input_feeding_a_matmul():
         act = jax.lax.with_sharding_constraint(jnp.tanh(x), replicated)  # not kept: an activation
         return act @ gathered
 
-    from jremat import _gathered
+    from jremat._apply import gathered as _gathered
 
     program = jremat.trace_program(block, jnp.ones((4, 4)), jnp.ones((2, 4)))
     found = _gathered.gathered_weights(program)
@@ -313,7 +313,7 @@ def test_saved_residuals_report_on_a_mesh_says_its_bytes_are_per_device(checks):
 
 
 def test_plan_layers_prices_regathering_and_keeps_gathered_weights_where_they_fit():
-    from jremat._planner import Candidate, NameCost, plan_layers
+    from jremat._plan.planner import Candidate, NameCost, plan_layers
 
     costs = (NameCost("a", 100, 1e6),)
 

@@ -1,11 +1,11 @@
-"""jremat._compile: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
+"""jremat._measure.compile: the compiler options under which remat's savings survive XLA:CPU (compile-only)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import _compile as jcompile
+from jremat._measure import compile as jcompile
 from tests.conftest import library_analysis_options
 
 _ROWS, _WIDTH = 256, 512

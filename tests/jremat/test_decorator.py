@@ -15,7 +15,7 @@ import jremat
 from jremat import registry
 from tests.conftest import saved_residuals
 
-#: Names jremat._engine gives the values a callback keeps under jax_remat3 (equation index in group 1).
+#: Names jremat._engine.lowering gives the values a callback keeps under jax_remat3 (equation index in group 1).
 CALLBACK_TAG_RE = re.compile(r"^named 'jremat\d+/(\d+)'")
 
 

@@ -16,7 +16,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jremat
-from jremat import _jaxpr
+from jremat._engine import jaxpr as _jaxpr
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 W = jnp.linspace(0.5, -0.5, 16).reshape(4, 4)

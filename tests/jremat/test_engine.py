@@ -1,4 +1,4 @@
-"""jremat._engine: each policy keeps the same values under JAX's classic engine and jax_remat3."""
+"""jremat._engine.lowering: each policy keeps the same values under JAX's classic engine and jax_remat3."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import pytest
 from jax.ad_checkpoint import Offloadable, checkpoint_name
 
 import jremat
-from jremat import _active_engine
-from jremat import _engine as engine
+from jremat._engine import active as _active_engine
+from jremat._engine import lowering as engine
 from tests.conftest import saved_residuals
 
 

@@ -9,7 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jremat
 from jremat import explain_applied
-from jremat._explain import EXCLUDE, RECOMPUTE, SAVE
+from jremat._explain.explain import EXCLUDE, RECOMPUTE, SAVE
 
 
 def mlp(w1, w2, x):

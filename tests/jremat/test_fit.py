@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import _fit, fit
+from jremat import fit
+from jremat._plan import fit as _fit
 
 D, LAYERS, SEQ = 32, 3, 16
 MODEL = jremat.TimeModel(flops_per_s=2.0**33, bytes_per_s=2.0**33)

@@ -1,4 +1,4 @@
-"""jremat._flops: cost-model FLOPs of a traced program, loop iterations and recomputation counted."""
+"""jremat._program.flops: cost-model FLOPs of a traced program, loop iterations and recomputation counted."""
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ def test_a_while_loop_over_a_static_range_counts_every_trip():
     """``i = 0; while i < 7: i += 1`` counts its body 7 times; a loop with a traced bound, once."""
     from jax import lax
 
-    from jremat import _flops
+    from jremat._program import flops as _flops
 
     x = jnp.ones((4, 4))
     body_flops = _flops.jaxpr_flops(jax.make_jaxpr(lambda x: jnp.sin(x) @ x)(x))

@@ -12,7 +12,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec
 
 import jremat
-from jremat import _engine, _gathered, _jax_compat, kernels
+from jremat import kernels
+from jremat._apply import gathered as _gathered
+from jremat._engine import jax_compat as _jax_compat
+from jremat._engine import lowering as _engine
 from tests.jremat import kernel_models as km
 
 
@@ -60,8 +63,8 @@ def test_a_gathered_weight_is_found_on_auto_and_explicit_axes(axis_type):
     through ``reshard``, where a sharding constraint changes no type and gathers nothing."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from jremat._gathered import gathered_weights
-    from jremat._program import trace_program
+    from jremat._apply.gathered import gathered_weights
+    from jremat._program.program import trace_program
 
     explicit = axis_type == "explicit"
     mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Explicit if explicit else AxisType.Auto,))

@@ -1,4 +1,4 @@
-"""jremat._jaxpr: the one home of primitive names (no literal elsewhere), the walk over nested
+"""jremat._engine.jaxpr: the one home of primitive names (no literal elsewhere), the walk over nested
 jaxprs with the loops around each equation, and liveness through calls and scans."""
 
 import ast
@@ -13,7 +13,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 
-from jremat import _jaxpr
+from jremat._engine import jaxpr as _jaxpr
 
 
 @jax.custom_jvp
@@ -142,7 +142,7 @@ def test_walk_visits_an_equation_before_its_body_and_enter_stops_the_descent(cla
 
 
 # ---------------------------------------------------------------------------------------------
-# No primitive-name literal outside jremat/_jaxpr.py
+# No primitive-name literal outside jremat/_engine/jaxpr.py
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Where the rule holds.
@@ -224,10 +224,10 @@ def test_no_primitive_name_literal_outside_the_jaxpr_module():
         f"{path.relative_to(ROOT)}:{line}: {literal!r}"
         for root in CHECKED
         for path in sorted((ROOT / root).rglob("*.py"))
-        if path != ROOT / "jremat" / "_jaxpr.py"
+        if path != ROOT / "jremat" / "_engine" / "jaxpr.py"
         for line, literal in primitive_literals(path.read_text(), vocabulary)
     ]
-    assert found == [], "name these primitives in jremat/_jaxpr.py and use its constants:\n" + "\n".join(found)
+    assert found == [], "name these primitives in jremat/_engine/jaxpr.py and use its constants:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(

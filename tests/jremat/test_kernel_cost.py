@@ -17,9 +17,9 @@ import pytest
 from jax.experimental import pallas as pl
 
 import jremat
-from jremat import _kernel_cost
-from jremat._flops import jaxpr_flops
-from jremat._jaxpr import nested_jaxprs
+from jremat._engine.jaxpr import nested_jaxprs
+from jremat._program import kernel_cost as _kernel_cost
+from jremat._program.flops import jaxpr_flops
 from jremat.attention import count_forward_passes, pallas_attention
 from jremat.policies.every_k import EveryK
 from jremat.policies.skip_cheap import SkipCheap
@@ -418,7 +418,7 @@ def test_skip_cheap_without_the_split_runs_the_ffi_kernel_again(remat_engine, do
 def test_the_budget_planner_keeps_the_kernel_its_price_makes_costliest(double_ffi_target):
     """Every op's output is 512 bytes; a budget of one keeps the costliest to recompute: the
     undeclared FFI call (64 FLOPs per byte in and out), or, declared cheap, a matmul."""
-    from jremat._planner import ops_to_keep_within_budget
+    from jremat._plan.planner import ops_to_keep_within_budget
 
     fn = _with_ffi(double_ffi_target)
     program = jremat.trace_program(fn, *X_W)
@@ -431,7 +431,7 @@ def test_the_budget_planner_keeps_the_kernel_its_price_makes_costliest(double_ff
 
 def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
     """fit_search's time model reads the traced step's FLOPs, the kernel's declared price included."""
-    from jremat._fit_probe import _compile
+    from jremat._plan.probe import _compile
 
     jremat.register_kernel(double_ffi_target, flops=1e6)
     step = jax.jit(_with_ffi(double_ffi_target))

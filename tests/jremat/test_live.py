@@ -1,4 +1,4 @@
-"""jremat._live: the allocator's peak after one run, or why the device cannot report it."""
+"""jremat._measure.live: the allocator's peak after one run, or why the device cannot report it."""
 
 import jax
 import pytest

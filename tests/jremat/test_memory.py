@@ -1,12 +1,12 @@
-"""jremat._memory: the compiled memory report (compile-only, tiny) and the remat diagnosis."""
+"""jremat._measure.memory: the compiled memory report (compile-only, tiny) and the remat diagnosis."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat import _compile
-from jremat import _memory as jmem
+from jremat._measure import compile as _compile
+from jremat._measure import memory as jmem
 from jremat.models import preset
 from jremat.models.programs import step_program
 from tests.conftest import ANALYSIS_CPU_OPTIONS

@@ -120,7 +120,7 @@ def test_live_memory_on_a_mesh_counts_its_devices_and_reads_one_per_device(check
 
 
 def test_plan_layers_table_on_a_mesh_says_per_device():
-    from jremat._planner import NameCost, plan_layers
+    from jremat._plan.planner import NameCost, plan_layers
 
     def plan(devices):
         return plan_layers(

@@ -1,4 +1,4 @@
-"""jremat._planner: budgets, candidate sets, the frontier walk and the layer planner, on fake measurements."""
+"""jremat._plan.planner: budgets, candidate sets, the frontier walk and the layer planner, on fake measurements."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import pytest
 
 import jremat
 from jremat import Budget, Candidate, NameCost, parse_budget, plan_layers
-from jremat._planner import save_sets, solve
+from jremat._plan.planner import save_sets, solve
 
 N_LAYERS = 4
 COSTS = (NameCost("q", 100, 50.0), NameCost("k", 100, 10.0), NameCost("mlp_act", 400, 400.0))
@@ -240,9 +240,9 @@ def test_regathering_that_costs_less_than_keeping_says_so():
 
 
 def test_regather_price_is_rounded_as_the_fit_search_rounds_its_rates(monkeypatch):
-    from jremat import _collectives
-    from jremat._fit_time import with_collective_rates
-    from jremat._fit_types import TimeModel
+    from jremat._measure import collectives as _collectives
+    from jremat._plan.fit_types import TimeModel
+    from jremat._plan.time_model import with_collective_rates
 
     # Two measurements of one machine, 20% apart (within one power of two): one price.
     draws = iter([2.0**-30 * 1.1, 2.0**-30 * 1.3])

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 import jremat
-from jremat._policy import CallbackPolicy, PlanPolicy
+from jremat._apply.policy import CallbackPolicy, PlanPolicy
 
 
 class SavesNothing(PlanPolicy):

@@ -1,4 +1,4 @@
-"""jremat._program: which traced ops count as elementwise."""
+"""jremat._program.program: which traced ops count as elementwise."""
 
 import jax
 import jax.numpy as jnp

@@ -84,7 +84,7 @@ def test_the_static_reexports_are_the_export_table():
     assert static == _export_table_imports(jremat._EXPORTS)
     assert {name for _, name in static} == set(jremat.__all__)
     # The comparison catches a name added to one side only.
-    missing = source.replace("    from jremat._rng import dropout as dropout\n", "")
+    missing = source.replace("    from jremat._apply.rng import dropout as dropout\n", "")
     assert missing != source
     assert _type_checking_imports(missing) != _export_table_imports(jremat._EXPORTS)
 

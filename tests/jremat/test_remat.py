@@ -1,11 +1,11 @@
-"""jremat._remat and jremat._tie: the remat entry points and the cotangent tie."""
+"""jremat._apply.layers and jremat._engine.tie: the remat entry points and the cotangent tie."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat._tie import tie_to_cotangent
+from jremat._engine.tie import tie_to_cotangent
 
 BATCH, WIDTH, LAYERS = 512, 256, 8
 
@@ -70,7 +70,7 @@ def test_remat_at_only_wraps_the_configured_level():
 
 
 def test_tie_rule():
-    from jremat._tie import needs_tie
+    from jremat._engine.tie import needs_tie
 
     assert needs_tie(None) and needs_tie(1)  # straight-line code
     assert not needs_tie(2) and not needs_tie(48)

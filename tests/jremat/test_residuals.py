@@ -1,4 +1,4 @@
-"""jremat._residuals: the saved-residual breakdown of a block and of a scanned stack (traced, tiny)."""
+"""jremat._explain.residuals: the saved-residual breakdown of a block and of a scanned stack (traced, tiny)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat import _residuals as jres
 from jremat import attention
+from jremat._explain import residuals as jres
 from jremat.models import preset
 from jremat.models.gpt import Block, make_block_fn
 from tests.conftest import run_under_engine

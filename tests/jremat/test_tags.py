@@ -1,4 +1,4 @@
-"""jremat's tag protocol and the one reader of a policy callback's answer (``jremat._tags``)."""
+"""jremat's tag protocol and the one reader of a policy callback's answer (``jremat._engine.tags``)."""
 
 import dataclasses
 import threading
@@ -10,8 +10,8 @@ import pytest
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 import jremat
-from jremat import _tags
-from jremat._policy import CallbackPolicy
+from jremat._apply.policy import CallbackPolicy
+from jremat._engine import tags as _tags
 from tests.conftest import saved_residuals
 
 

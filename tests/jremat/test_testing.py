@@ -261,7 +261,7 @@ def test_every_policy_exact_on_nnx_call_time_rngs(policy):
 
 def test_equal_linen_modules_share_one_reference_compile():
     """A parametrized test builds its Linen model anew per policy; the reference compiles once."""
-    from jremat import _exactness
+    from jremat._explain import exactness as _exactness
 
     x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
     variables = UnrolledLinen(n_layers=3).init(jax.random.key(0), x, True)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat._cache import BoundedCache
+from jremat._engine.cache import BoundedCache
 from tests.conftest import REPO
 
 #: One process: ``THREADS`` threads whose first act is a lookup, each reporting what it saw.
@@ -170,7 +170,7 @@ def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
 def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeypatch):
     """More shapes than a decorated function keeps traces for, from several threads at once:
     evictions race one another and lookups, yet every call succeeds with its own result."""
-    from jremat import _decorated_call
+    from jremat._apply import decorated_call as _decorated_call
 
     monkeypatch.setattr(_decorated_call, "_MAX_TRACES", 2)  # every new shape evicts
     # Many static values, each hashed by Python code: an eviction's lookup of its key is long

@@ -7,8 +7,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.compilation_cache import compilation_cache
 
 import jremat
-from jremat import _compile
-from jremat import _timeline as jtl
+from jremat._measure import compile as _compile
+from jremat._measure import timeline as jtl
 
 LAYERS, BATCH, WIDTH = 3, 64, 128
 

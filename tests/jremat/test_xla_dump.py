@@ -1,8 +1,8 @@
-"""jremat._xla_dump: readers of XLA's buffer-assignment, live-range and scheduled-HLO text."""
+"""jremat._measure.xla_dump: readers of XLA's buffer-assignment, live-range and scheduled-HLO text."""
 
 import pytest
 
-from jremat import _xla_dump as xla_dump
+from jremat._measure import xla_dump
 from tests.jremat.test_timeline import BUFFERS, HLO, LIVE
 
 LOOP_HLO = """HloModule m, is_scheduled=true

@@ -51,7 +51,7 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
     "policy, max_fraction_of_none", [("full", 0.6), pytest.param("every_k:k=4", 0.75, marks=pytest.mark.slow)]
 )
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
-    """Unrolled stacks save memory too, thanks to the cotangent tie (jremat._tie)."""
+    """Unrolled stacks save memory too, thanks to the cotangent tie (jremat._engine.tie)."""
     cfg = small(n_layers=3, scan_layers=False)
     none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_bytes
     temp = train_step_memory(cfg.replace(remat_policy=policy), BATCH).temp_bytes
@@ -77,8 +77,8 @@ def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
 def test_cotangent_tie_only_where_xla_could_merge_recomputation(
     monkeypatch, n_layers, scan, policy, layer_policies, head_chunks, ties
 ):
-    """Ties per layout: jremat._tie.needs_tie is asked by every layout jremat builds."""
-    from jremat import _tie as tie
+    """Ties per layout: jremat._engine.tie.needs_tie is asked by every layout jremat builds."""
+    from jremat._engine import tie
 
     made = []
     real = tie.tie_to_cotangent

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jremat
-from jremat._remat import parse_layer_policies
+from jremat._apply.layers import parse_layer_policies
 from jremat.models import preset
 from tests.conftest import loss_and_grads, max_relative_error
 

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat._program import trace_program
-from jremat._residuals import ACTIVATION
+from jremat._explain.residuals import ACTIVATION
+from jremat._program.program import trace_program
 from jremat.policies.selective import BY_STRUCTURE, find_attention_core
 from jremat.testing import assert_remat_exact
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jremat import registry
-from jremat._builtin_keys import BUILTIN_PARAMS
+from jremat._apply.keys import BUILTIN_PARAMS
 from jremat.train import cli, ptb, value_checks
 from jremat.train import memory as train_memory
 from jremat.train.bench.config import BenchConfig

@@ -12,8 +12,8 @@ import re
 import pytest
 
 import jremat
-from jremat import _fit as jremat_fit
-from jremat import _fit_probe
+from jremat._plan import fit as jremat_fit
+from jremat._plan import probe as _fit_probe
 from jremat.train import fit as fit_lib
 from jremat.train import memory, ptb
 from jremat.train.memory import MemoryConfig

@@ -68,7 +68,7 @@ READING_GUIDE = """\
 * **Peers that recompute nothing.** A peer row whose FLOPs bound is 1.000 recomputes nothing and keeps `none`'s
   peak: its checkpoint did not survive into the compiled step. A row with a FLOPs bound above 1 and `none`'s peak
   recomputes but saves no memory: XLA scheduled the recomputation where it frees nothing. Either way the
-  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat._tie`, keeps the
+  jremat row next to it is what the same request gives with jremat (the cotangent tie, `jremat._engine.tie`, keeps the
   recomputation in the backward pass).
 """
 

@@ -21,7 +21,7 @@ def needle_config(config: BenchConfig, d_ff: int, policy: str, head_chunks: int 
 
     Unrolled, not under ``lax.scan``: XLA turns a scan of length 1 into straight-line code and
     merges the recomputation with the forward pass; unrolled layers get the cotangent tie
-    (:mod:`jremat._tie`), which keeps the recomputation in the backward pass.
+    (:mod:`jremat._engine.tie`), which keeps the recomputation in the backward pass.
     """
     return config.model(PRESETS["needle"]).replace(
         d_ff=d_ff,

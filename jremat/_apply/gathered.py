@@ -1,0 +1,191 @@
+"""Keep or re-gather: the ``keep_gathered`` key every built-in single-function policy takes.
+
+Under FSDP each weight is stored sharded and gathered where a matmul uses it. A checkpoint that
+recomputes its forward in the backward pass gathers every weight again (the all-gather is part of
+what it recomputes), and keeping matmul outputs (``dots``) does not keep the gathered weight that
+the backward's ``dY @ Wᵀ`` reads. ``keep_gathered=true`` adds those gathered weights to what the
+policy saves, found by structure on the checkpoint's jaxpr: the output of a
+``sharding_constraint`` (on a mesh of explicit axes, a ``reshard``) whose operand comes from the
+checkpoint's inputs alone (through shape-only ops: no activation feeds it) and that feeds a
+``dot_general`` (through shape-only ops).
+
+Memory: each checkpoint then keeps its gathered weights (per device, the whole weight where FSDP
+stored ``1 / fsdp`` of it) from its forward pass to its backward pass; without remat they are
+kept the same way, so the backward's all-gathers return to the count without remat. A weight
+XLA gathers implicitly (no sharding constraint in the model) is not a value of the jaxpr and
+cannot be kept: constrain it to its gathered placement in the block
+(``jax.lax.with_sharding_constraint(w, gathered_sharding)``; ``jax.sharding.reshard`` on a mesh of
+explicit axes, where a sharding constraint does not gather), as the reference model does with
+``GPT(..., weight_sharding=...)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+from jax.extend import core as jcore
+
+from jremat._apply.policy import CallbackPolicy, NoRemat, PlanPolicy, Policy
+from jremat._engine import jaxpr as _jaxpr
+from jremat._engine import lowering as _engine
+from jremat._program import program as _program
+from jremat._program.program import Program
+
+#: The spec key that keeps gathered weights.
+KEY = "keep_gathered"
+#: Primitives that pass a value through without computing (followed both ways from a gather).
+#: What places a value on the mesh: a sharding constraint (auto axes) or a reshard (explicit axes).
+
+
+def gathered_weights(program: Program) -> frozenset[int]:
+    """Equation indices of ``program`` whose outputs are gathered weights (module docstring).
+
+    Args:
+      program: a checkpointed function's traced :class:`jremat.Program`.
+
+    Returns:
+      The indices of the ``sharding_constraint`` equations found.
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    from_inputs = {v: True for v in jaxpr.invars}
+    consumers: dict = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        for v in ins:
+            consumers.setdefault(v, []).append(i)
+        passes = eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES | _jaxpr.PLACEMENT_PRIMITIVES
+        for v in eqn.outvars:
+            from_inputs[v] = passes and bool(ins) and all(from_inputs.get(u, False) for u in ins)
+
+    def feeds_matmul(var, depth: int = 0) -> bool:
+        for j in consumers.get(var, ()):
+            eqn = jaxpr.eqns[j]
+            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
+                return True
+            if (
+                eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
+                and depth < 8
+                and any(feeds_matmul(o, depth + 1) for o in eqn.outvars)
+            ):
+                return True
+        return False
+
+    found = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name not in _jaxpr.PLACEMENT_PRIMITIVES:
+            continue
+        operand = eqn.invars[0]
+        if from_inputs.get(operand, False) and feeds_matmul(eqn.outvars[0]):
+            found.add(i)
+    return frozenset(found)
+
+
+#: The checkpoint name a gathered weight gets, so that the inner policy saves it wherever it is.
+GATHERED_TAG = "jremat_gathered_weight"
+
+
+def tag_gathered_weights(fn: Callable) -> Callable:
+    """``fn`` with the output of each of its gathered weights (:func:`gathered_weights`) tagged
+    :data:`GATHERED_TAG`; values and gradients unchanged.
+
+    ``fn`` is traced once per input signature and its program evaluated with the tags (not called
+    again: a second call would draw a Linen module's random values anew).
+    """
+    cache = _program.ProgramCache()
+
+    def build(prog: Program):
+        tags = dict.fromkeys(gathered_weights(prog), GATHERED_TAG)
+        return prog.out_tree, lambda *leaves: _program.evaluate_tagged(prog, tags, leaves)
+
+    @functools.wraps(fn)
+    def tagged(*args, **kwargs):
+        out_tree, run = cache.traced(fn, args, kwargs, build)
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((args, kwargs))))
+
+    return tagged
+
+
+def _saving_gathered(callback: Callable | None) -> Callable:
+    """A checkpoint-policy callback that saves what ``callback`` saves and every value tagged
+    :data:`GATHERED_TAG`. JAX's own policies (name lists, the dots policies) stay JAX policies,
+    which remat3 applies inside ``scan`` bodies too; another callback is combined with the tag in
+    a function, which remat3 applies at the checkpoint's top level only."""
+    policies = jax.checkpoint_policies
+    if callback is None or callback is policies.nothing_saveable:
+        return policies.save_only_these_names(GATHERED_TAG)
+    if type(callback) in (_engine.DotsSaveable, _engine.DotsAndNames):
+        dots = cast(Any, callback)
+        dot_names: frozenset[str] = frozenset(getattr(dots, "saveable_names", ()))
+        return _engine.DotsAndNames(
+            saveable_names=dot_names | {GATHERED_TAG}, only_if_no_batch_dims=dots.only_if_no_batch_dims
+        )
+    if type(callback) is _engine.SaveOnlyTheseNames:
+        return policies.save_only_these_names(*cast(Any, callback).saveable_names, GATHERED_TAG)
+
+    def either(prim, *avals, **params):
+        if prim.name == _jaxpr.NAME and params.get("name") == GATHERED_TAG:
+            return True
+        return callback(prim, *avals, **params)
+
+    return either
+
+
+class KeepGathered(Policy):
+    """``inner`` plus the gathered weights of every checkpoint (:func:`gathered_weights`).
+
+    The gathered weights are tagged :data:`GATHERED_TAG` and ``inner`` checkpoints the tagged
+    function with that tag added to what it saves, so ``inner`` keeps everything else it does:
+    its kernel split, its checks of the names it needs, its saves inside ``scan`` bodies.
+
+    Args:
+      inner: a :class:`jremat.CallbackPolicy` or :class:`jremat.PlanPolicy`.
+
+    Raises:
+      ValueError: for another kind of policy (a layer-stack policy, ``none``).
+    """
+
+    def __init__(self, inner: Policy):
+        if not isinstance(inner, (CallbackPolicy, PlanPolicy)):
+            raise ValueError(
+                f"{KEY}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
+            )
+        self.inner = inner
+        saving = copy.copy(inner)
+        if isinstance(saving, PlanPolicy):
+            saving.saved_tags = (*saving.saved_tags, GATHERED_TAG)
+        else:
+            saving.callback = _saving_gathered(saving.callback)
+        self._saving = saving
+
+    @property
+    def offload_src(self) -> str:
+        return getattr(self.inner, "offload_src", "device")
+
+    @property
+    def offload_dst(self) -> str:
+        return getattr(self.inner, "offload_dst", "pinned_host")
+
+    def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
+        return self._saving.checkpoint_untied(tag_gathered_weights(fn), prevent_cse=prevent_cse)
+
+    def describe_match(self, program: Program) -> list[str]:
+        n = len(gathered_weights(program))
+        lines = self.inner.describe_match(program)
+        if not n:
+            return [*lines, "no gathered weight (no sharding constraint on an input that feeds a matmul) to keep"]
+        return [*lines, f"keeps {n} gathered weight{'s' if n != 1 else ''} (sharding constraint -> matmul)"]
+
+
+def with_keep_gathered(policy: Policy, keep: bool) -> Policy:
+    """``policy`` wrapped in :class:`KeepGathered` when ``keep``; ``none`` keeps everything already.
+
+    Raises:
+      ValueError: as :class:`KeepGathered`.
+    """
+    if not keep or isinstance(policy, NoRemat):
+        return policy
+    return KeepGathered(policy)
