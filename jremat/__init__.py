@@ -35,7 +35,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Kernels the library did not write (Pallas, FFI, custom_vjp): recognised, kept, priced.
     "jremat.kernels": (),
     # Memory budgets: sizes and fractions such as "6GiB" or 0.5.
-    "jremat._spec.budget": ("Budget", "parse_budget"),
+    "jremat._spec.budget": ("Budget", "format_bytes", "parse_budget"),
     # Collectives of a compiled program on a mesh, and what a policy re-issues.
     "jremat._measure.collectives": (
         "Collective",
@@ -72,7 +72,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "MemoryReport",
         "compiled_memory_report",
         "diagnose_remat",
-        "format_bytes",
         "memory_report",
     ),
     # The budget planner: per-layer and per-name choices under a memory budget.
@@ -157,7 +156,6 @@ if TYPE_CHECKING:
     from jremat._measure.memory import MemoryReport as MemoryReport
     from jremat._measure.memory import compiled_memory_report as compiled_memory_report
     from jremat._measure.memory import diagnose_remat as diagnose_remat
-    from jremat._measure.memory import format_bytes as format_bytes
     from jremat._measure.memory import memory_report as memory_report
     from jremat._measure.timeline import MemoryTimeline as MemoryTimeline
     from jremat._measure.timeline import TimelineBuffer as TimelineBuffer
@@ -192,6 +190,7 @@ if TYPE_CHECKING:
     from jremat._program.program import Program as Program
     from jremat._program.program import trace_program as trace_program
     from jremat._spec.budget import Budget as Budget
+    from jremat._spec.budget import format_bytes as format_bytes
     from jremat._spec.budget import parse_budget as parse_budget
     from jremat._spec.granularity import GRANULARITIES as GRANULARITIES
     from jremat.attention import blockwise_attention as blockwise_attention

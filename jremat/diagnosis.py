@@ -36,11 +36,11 @@ from jremat._measure.memory import (
     MemoryReport,
     compiled_memory_report,
     diagnose_remat,
-    format_bytes,
     memory_report,
 )
 from jremat._measure.timeline import MemoryTimeline, TimelineBuffer, build_timeline, memory_timeline
 from jremat._program.flops import jaxpr_flops, program_flops
+from jremat._spec.budget import format_bytes
 from jremat.attention import count_forward_passes
 
 __all__ = [

@@ -4,7 +4,7 @@
 read the presets and check their flags before JAX and Flax are imported.
 """
 
-from jremat._extras import missing_modules, train_extra_message
+from jremat.internal import missing_modules, train_extra_message
 
 if _missing := missing_modules(("flax", "optax")):
     raise ImportError(train_extra_message("jremat.models", _missing))

@@ -55,7 +55,7 @@ class ModelConfig:
       remat_layer_policies: different policies for contiguous groups of layers, in layer order,
         ``"COUNT:SPEC,...[,rest:SPEC]"``: ``"2:full,rest:none"`` rematerializes layers 0-1 fully
         and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
-        (default): every layer uses ``remat_policy``. See :func:`jremat._apply.layers.parse_layer_policies`.
+        (default): every layer uses ``remat_policy``. See :func:`jremat.internal.parse_layer_policies`.
     """
 
     vocab_size: int = 10000

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 import jremat
 from jremat import Budget, Candidate, LayerPlan, registry
-from jremat._spec.text import convert_values
+from jremat.internal import convert_values
 from jremat.models.config import ModelConfig
 from jremat.models.programs import block_program, step_flops, step_memory_report
 

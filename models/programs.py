@@ -24,7 +24,7 @@ from flax import nnx
 
 import jremat
 from jremat import ResidualsReport
-from jremat._apply.layers import parse_layer_policies
+from jremat.internal import parse_layer_policies
 from jremat.models.config import FUSED_ATTENTIONS, ModelConfig
 from jremat.models.gpt import GPT, Block, cross_entropy_loss, make_block_fn
 

@@ -10,8 +10,7 @@ function keeps without remat): :func:`jremat.ops_to_keep_within_budget`. In the 
 from __future__ import annotations
 
 from jremat import Budget, Plan, PlanPolicy, Program, ops_to_keep_within_budget, register
-from jremat._apply.keys import BUILTIN_PARAMS
-from jremat._plan.planner import as_budget
+from jremat.internal import BUILTIN_PARAMS, as_budget
 
 
 class BudgetPolicy(PlanPolicy):

@@ -15,7 +15,7 @@ choice is made from the traced program, so it is the same however often JAX call
 from __future__ import annotations
 
 from jremat import Plan, PlanPolicy, Program, kernels, register
-from jremat._apply.keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat.internal import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
 from jremat.policies.skip_cheap import is_cheap
 
 

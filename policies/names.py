@@ -41,10 +41,8 @@ from jremat import (
     register,
     require_host_memory,
 )
-from jremat._apply.keys import BUILTIN_PARAMS
-from jremat._engine import jaxpr as _jaxpr
-from jremat._engine import lowering as engine
-from jremat._program.program import ProgramCache, evaluate_tagged
+from jremat.internal import BUILTIN_PARAMS, ProgramCache, evaluate_tagged, lower_checkpoint
+from jremat.internal import jaxpr as _jaxpr
 from jremat.names import check_found
 
 
@@ -59,7 +57,7 @@ def _checked(fn: Callable, policy: CallbackPolicy, requirements, prevent_cse: bo
     cache = ProgramCache()
 
     def build(program: Program):
-        checkpointed = engine.lower_checkpoint(
+        checkpointed = lower_checkpoint(
             lambda *leaves: evaluate_tagged(program, {}, leaves), callback=policy.callback, prevent_cse=prevent_cse
         )
         return program, checkpointed

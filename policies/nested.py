@@ -18,7 +18,7 @@ It is a layer-stack entry (``stack=True``), not a policy of one function: it sta
 from __future__ import annotations
 
 from jremat import register
-from jremat._apply.keys import BUILTIN_PARAMS
+from jremat.internal import BUILTIN_PARAMS
 
 
 @register(

@@ -44,7 +44,7 @@ import dataclasses
 from jax.extend import core as jcore
 
 from jremat import Plan, PlanPolicy, Program, attention, kernels, names, register
-from jremat._engine import jaxpr as _jaxpr
+from jremat.internal import jaxpr as _jaxpr
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
 CORE_INPUTS = (names.QUERY, names.KEY, names.VALUE)

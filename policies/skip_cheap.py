@@ -17,7 +17,7 @@ kept kernel runs once.
 from __future__ import annotations
 
 from jremat import Op, Plan, PlanPolicy, Program, kernels, register
-from jremat._apply.keys import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat.internal import BUILTIN_PARAMS, DEFAULT_MIN_FLOPS_PER_BYTE
 
 
 def is_cheap(op: Op, min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE) -> bool:

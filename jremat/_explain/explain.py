@@ -52,6 +52,7 @@ from jremat._explain.explanation import Explanation, KernelRuns, NameMatch
 from jremat._explain.memory import STACK_DEPTH
 from jremat._measure import collectives as _collectives
 from jremat._measure import memory as _memory
+from jremat._measure.mesh import mesh_devices
 from jremat._program import kernels
 from jremat._program import program as _program
 
@@ -322,7 +323,7 @@ def explain_applied(
         None if _stack is None else _stack[2],
         collectives,
         baseline_collectives,
-        _collectives.mesh_devices(structs),
+        mesh_devices(structs),
         kernel_runs=runs,
         global_saved_bytes=global_saved[0],
         baseline_global_saved_bytes=global_saved[1],

@@ -10,7 +10,7 @@ import dataclasses
 
 from jremat._explain.decisions import DECISIONS, Decision
 from jremat._measure import collectives as _collectives
-from jremat._measure import memory as _memory
+from jremat._spec.budget import format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,13 +140,11 @@ class Explanation:
             )
         ]
         for d in self.decisions:
-            per = f" per iteration, x{d.iterations} = {_memory.format_bytes(d.total_bytes)}" if d.iterations > 1 else ""
+            per = f" per iteration, x{d.iterations} = {format_bytes(d.total_bytes)}" if d.iterations > 1 else ""
             tagged = f"  [names: {', '.join(d.names)}]" if d.names else ""
-            lines.append(
-                f"  {d.decision:<9} {d.count:>5} values {_memory.format_bytes(d.bytes):>11}{per}  {d.where}{tagged}"
-            )
+            lines.append(f"  {d.decision:<9} {d.count:>5} values {format_bytes(d.bytes):>11}{per}  {d.where}{tagged}")
         for m in self.names:
-            lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {_memory.format_bytes(m.bytes)}")
+            lines.append(f"  name {m.role} {m.name!r}: {m.count} values, {format_bytes(m.bytes)}")
         lines.extend(f"  matched: {line}" for line in self.matched)
         mesh = self.devices > 1
         if mesh:
@@ -157,11 +155,11 @@ class Explanation:
         if self.saved_bytes is not None:
             lines.append(
                 f"  residuals for the backward pass{' per device' if mesh else ''}: "
-                f"{_memory.format_bytes(self.baseline_saved_bytes)} without remat, "
-                f"{_memory.format_bytes(self.saved_bytes)} with the policy"
+                f"{format_bytes(self.baseline_saved_bytes)} without remat, "
+                f"{format_bytes(self.saved_bytes)} with the policy"
                 + (
-                    f" (global {_memory.format_bytes(self.baseline_global_saved_bytes)} and "
-                    f"{_memory.format_bytes(self.global_saved_bytes)})"
+                    f" (global {format_bytes(self.baseline_global_saved_bytes)} and "
+                    f"{format_bytes(self.global_saved_bytes)})"
                     if mesh and self.global_saved_bytes is not None
                     else ""
                 )
@@ -179,14 +177,14 @@ class Explanation:
         if self.temp_bytes is not None:
             lines.append(
                 f"  compiled temp of the gradient{' per device' if mesh else ''}: "
-                f"{_memory.format_bytes(self.baseline_temp_bytes)} without remat, "
-                f"{_memory.format_bytes(self.temp_bytes)} with the policy"
+                f"{format_bytes(self.baseline_temp_bytes)} without remat, "
+                f"{format_bytes(self.temp_bytes)} with the policy"
             )
         if self.stack_temp_bytes is not None:
             lines.append(
                 f"  compiled temp of the gradient of {self.stack_depth} in sequence (output fed back as argument "
-                f"{self.stack_argnum}): {_memory.format_bytes(self.baseline_stack_temp_bytes)} without remat, "
-                f"{_memory.format_bytes(self.stack_temp_bytes)} with the policy on each"
+                f"{self.stack_argnum}): {format_bytes(self.baseline_stack_temp_bytes)} without remat, "
+                f"{format_bytes(self.stack_temp_bytes)} with the policy on each"
             )
         if self.collectives is not None and self.collectives.collectives:
             lines.append(f"  collectives of the gradient, per device ({self.collectives.devices} devices):")

@@ -25,8 +25,8 @@ from jremat._engine import active as _active_engine
 from jremat._engine import jax_compat as _jax_compat
 from jremat._engine import jaxpr as _jaxpr
 from jremat._engine import tags as _tags
-from jremat._measure import collectives as _collectives
 from jremat._measure import shards as _shards
+from jremat._measure.mesh import mesh_devices
 from jremat._program import program as _program
 
 #: Residual kinds (see :class:`SavedResidual`).
@@ -525,7 +525,7 @@ def saved_residuals_report(
                 round(nbytes * fraction),
             )
         )
-    return ResidualsReport(tuple(residuals), n_layers, _collectives.mesh_devices((args, kwargs)))
+    return ResidualsReport(tuple(residuals), n_layers, mesh_devices((args, kwargs)))
 
 
 __all__ = [

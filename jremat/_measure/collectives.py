@@ -47,6 +47,8 @@ import numpy as np
 from jremat._engine import tie as _tie
 from jremat._measure import memory as _memory
 from jremat._measure import xla_dump as _xla_dump
+from jremat._measure.mesh import mesh_devices
+from jremat._spec.budget import format_bytes
 
 #: Collective kinds, in report order.
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -188,10 +190,10 @@ class CollectivesReport:
             more = ""
             if baseline is not None:
                 dc, db = extra.get(kind, (0, 0))
-                more = f"; {dc:+d} ({'+' if db >= 0 else '-'}{_memory.format_bytes(abs(db))}) vs without remat"
+                more = f"; {dc:+d} ({'+' if db >= 0 else '-'}{format_bytes(abs(db))}) vs without remat"
                 if self.count(kind, TIE):
                     more += f", the cotangent tie's {self.count(kind, TIE)} apart"
-            lines.append(f"{kind}: {count} per step, {_memory.format_bytes(total)} per device ({phases}){more}")
+            lines.append(f"{kind}: {count} per step, {format_bytes(total)} per device ({phases}){more}")
         return "\n".join(lines + list(self.notes))
 
     def to_json(self) -> dict:
@@ -409,7 +411,7 @@ def reissued_lines(
             how = KEPT_YET_REGATHERED
         lines.append(
             f"re-issued collectives ({label}): re-issues {count} {kind}{'s' if count != 1 else ''}, "
-            f"{_memory.format_bytes(size)} per step per device more than none; {how}"
+            f"{format_bytes(size)} per step per device more than none; {how}"
         )
     return lines
 
@@ -423,19 +425,10 @@ def tie_lines(label: str, report: CollectivesReport) -> list[str]:
     size = report.bytes("all-reduce", TIE)
     return [
         f"cotangent tie ({label}): the cotangent tie adds {count} all-reduce{'s' if count != 1 else ''} of "
-        f"{_memory.format_bytes(size // count)} ({_memory.format_bytes(size)} per step per device), one per tied "
+        f"{format_bytes(size // count)} ({format_bytes(size)} per step per device), one per tied "
         "checkpoint's backward step; they keep each recomputation in that step, which straight-line code needs; "
         "inside a lax.scan of more than one step, pass prevent_cse=False (as to jax.checkpoint there) to drop them"
     ]
-
-
-def mesh_devices(tree) -> int:
-    """How many devices the shardings of a pytree of arrays or shape structs span (1: no mesh)."""
-    devices = set()
-    for leaf in jax.tree.leaves(tree):
-        sharding = leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
-        devices |= set(getattr(sharding, "device_set", ()))
-    return max(len(devices), 1)
 
 
 def compiled_collectives_report(compiled) -> CollectivesReport:
@@ -493,7 +486,6 @@ __all__ = [
     "collective_s_per_byte",
     "collective_flops_per_byte",
     # Helpers other reports use.
-    "mesh_devices",
     "reissued_lines",
     "tie_lines",
     "shape_bytes",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import jax
 
-from jremat._measure import collectives as _collectives
+from jremat._measure.mesh import mesh_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def live_memory(fn: Callable, *args, device=None, **kwargs) -> LiveMemory:
       A :class:`LiveMemory`.
     """
     device = device or jax.devices()[0]
-    devices = _collectives.mesh_devices((args, kwargs))
+    devices = mesh_devices((args, kwargs))
     missing = allocator_stats_missing(device)
     if missing is not None:
         reason = f"{missing}: live measurement needs a GPU or TPU"

@@ -68,16 +68,6 @@ class MemoryReport:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes  # type: ignore[operator]
 
 
-def format_bytes(n) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``); ``"n/a"`` for ``None`` or ``""``."""
-    if n is None or n == "":
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def _stat(stats, name: str) -> int | None:
     value = getattr(stats, name, None)
     if value is None:
@@ -273,6 +263,5 @@ __all__ = [
     "PEAK_UNAVAILABLE",
     "compiled_memory_report",
     "diagnose_remat",
-    "format_bytes",
     "memory_report",
 ]

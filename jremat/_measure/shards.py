@@ -12,8 +12,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jremat._measure import collectives as _collectives
 from jremat._measure import memory as _memory
+from jremat._measure.mesh import mesh_devices
 
 
 def device_fractions(fn: Callable, leaves: list, outputs: list) -> list[float]:
@@ -25,7 +25,7 @@ def device_fractions(fn: Callable, leaves: list, outputs: list) -> list[float]:
       leaves: its arguments, arrays or :class:`jax.ShapeDtypeStruct`, sharded on a mesh or not.
       outputs: the avals (or shape structs) of those last outputs.
     """
-    if _collectives.mesh_devices(leaves) <= 1:
+    if mesh_devices(leaves) <= 1:
         return [1.0] * len(outputs)
     shardings = [getattr(r, "sharding", None) for r in outputs]
     explicit = all(

@@ -64,10 +64,10 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from jremat._engine import jaxpr as _jaxpr
-from jremat._measure import collectives as _collectives
 from jremat._measure import compile as _compile
 from jremat._measure import memory as _memory
 from jremat._measure import timeline_buffers as _timeline_buffers
+from jremat._measure.mesh import mesh_devices
 from jremat._measure.timeline_data import (
     ARGUMENT,
     BUFFER_KINDS,
@@ -89,6 +89,7 @@ from jremat._measure.xla_dump import (
     parse_hlo,
     parse_live_range,
 )
+from jremat._spec.budget import format_bytes
 
 
 def _reachable(comp: str, called: dict) -> set:
@@ -190,15 +191,15 @@ def build_timeline(
         ),
     ]
     if unmodelled:
-        notes.append(f"not modelled: {_memory.format_bytes(unmodelled)} of constants and thread-local scratch")
+        notes.append(f"not modelled: {format_bytes(unmodelled)} of constants and thread-local scratch")
     if missing_ranges:
         notes.append(f"{missing_ranges} values of the buffer assignment had no live range in the dump and are left out")
     if compiled_peak:
         gap = compiled_peak - peak_bytes
         if abs(gap) > 0.02 * compiled_peak:
             notes.append(
-                f"timeline maximum {_memory.format_bytes(peak_bytes)} is {100 * gap / compiled_peak:+.1f}% off the compiled peak "
-                f"{_memory.format_bytes(compiled_peak)}: the compiled temp size is the heap's high-water mark, which includes "
+                f"timeline maximum {format_bytes(peak_bytes)} is {100 * gap / compiled_peak:+.1f}% off the compiled peak "
+                f"{format_bytes(compiled_peak)}: the compiled temp size is the heap's high-water mark, which includes "
                 "fragmentation between live temp values"
             )
     return MemoryTimeline(
@@ -406,7 +407,7 @@ def memory_timeline(
             report=report,
             top=top,
         )
-        devices = _collectives.mesh_devices(compiled.input_shardings)
+        devices = mesh_devices(compiled.input_shardings)
         if devices > 1:
             note = (
                 f"per device: one device's share of the SPMD program on {devices} devices (buffers are "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jremat._measure import memory as _memory
+from jremat._spec.budget import format_bytes
 
 #: Buffer kinds (see :mod:`jremat._measure.timeline`).
 ARGUMENT = "argument"
@@ -129,8 +130,8 @@ class MemoryTimeline:
             where += f" (inside loop {loop.instruction}, positions {loop.start_position}-{loop.end_position})"
         per = f" per device ({self.devices} devices)" if self.devices > 1 else ""
         lines = [
-            f"peak {_memory.format_bytes(self.peak_bytes)}{per} at {where}; "
-            f"compiled peak {_memory.format_bytes(self.compiled_peak_bytes)}"
+            f"peak {format_bytes(self.peak_bytes)}{per} at {where}; "
+            f"compiled peak {format_bytes(self.compiled_peak_bytes)}"
             + (f" (timeline/compiled {self.agreement:.3f})" if self.agreement is not None else "")
         ]
         header = f"  {'bytes':>10}  {'kind':<16} {'name':<30} {'shape':<24} {'live':>11}  source"
@@ -138,7 +139,7 @@ class MemoryTimeline:
         for b in self.top_buffers[:top]:
             shape = b.shape.split("{")[0]
             lines.append(
-                f"  {_memory.format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
+                f"  {format_bytes(b.size_bytes):>10}  {b.kind:<16} {b.name[:30]:<30} {shape[:24]:<24} "
                 f"{b.start_position:>5}-{b.end_position:<5}  {b.source}"
             )
         return "\n".join(lines)

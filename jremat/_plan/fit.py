@@ -40,11 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from jremat._apply import registry
-from jremat._measure.memory import format_bytes
 from jremat._plan.fit_types import FitError, FitProbe, FitResult, FitRow, StepBuilder, TimeModel
 from jremat._plan.probe import _Search
 from jremat._plan.time_model import calibrate_time_model, with_collective_rates
-from jremat._spec.budget import Budget, as_budget
+from jremat._spec.budget import Budget, as_budget, format_bytes
 
 
 def keep_gathered_variants(policies: Sequence[str]) -> list[str]:

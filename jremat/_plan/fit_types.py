@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jremat._measure.memory import format_bytes
+from jremat._spec.budget import format_bytes
 
 #: ``build(policy, batch_size, micro_batches)`` -> a :class:`FitStep`, a ``(step, args)`` pair,
 #: or ``None`` when ``policy`` has no program at that batch.

@@ -39,10 +39,9 @@ from typing import Any, Generic, TypeVar
 
 from jremat._engine import jaxpr as _jaxpr
 from jremat._engine import tags as _tags
-from jremat._measure.memory import format_bytes
 from jremat._program.program import Program
 from jremat._spec import names as tensor_names
-from jremat._spec.budget import Budget, as_budget, parse_budget
+from jremat._spec.budget import Budget, as_budget, format_bytes, parse_budget
 
 #: Tagged tensors a layer plan never chooses: the checkpoint's input (kept anyway) and the block's output.
 ALWAYS_KEPT = (tensor_names.BLOCK_INPUT, tensor_names.BLOCK_OUTPUT)

@@ -7,11 +7,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from jremat._measure.collectives import KINDS, compiled_collectives_report
 from jremat._measure.compile import cost_analysis, fast_analysis_compile, hlo_fingerprint
 from jremat._measure.memory import compiled_memory_report
+from jremat._measure.mesh import mesh_device_set
 from jremat._plan.fit_types import FitError, FitProbe, FitStep, StepBuilder
 from jremat._plan.time_model import _time_round
 from jremat._program.flops import jaxpr_flops
@@ -28,14 +27,6 @@ def _as_fit_step(built, key) -> FitStep | None:
             "a (jitted step, args) pair, or None"
         ) from None
     return FitStep(step, tuple(args))
-
-
-def _devices(tree) -> tuple:
-    """The devices the shardings of ``tree``'s leaves span, by id (``()``: none sharded)."""
-    found = set()
-    for leaf in jax.tree.leaves(tree):
-        found |= set(getattr(getattr(leaf, "sharding", None), "device_set", ()))
-    return tuple(sorted(found, key=lambda d: d.id))
 
 
 def _collectives(compiled) -> tuple[tuple[str, int, int], ...]:
@@ -62,7 +53,7 @@ def _compile(fit_step: FitStep):
         raise FitError(f"this backend reports no compiled memory figures: {'; '.join(report.notes)}")
     assert report.peak_bytes is not None  # an available report has a peak
     cost = cost_analysis(compiled)
-    devices = max(len(_devices(fit_step.args)), 1)
+    devices = max(len(mesh_device_set(fit_step.args)), 1)
     xla_flops = float(cost.get("flops", 0.0))  # one device's share on a mesh
     xla_bytes = float(cost.get("bytes accessed", 0.0))
     if flops and xla_flops:
@@ -211,7 +202,7 @@ class _Search:
                 )
                 self.steps[key] = fit_step
                 if devices > 1 and not self.devices:
-                    self.devices = _devices(fit_step.args)
+                    self.devices = mesh_device_set(fit_step.args)
         if key not in self.order:
             self.order.append(key)
         return self.probes[key]

@@ -89,4 +89,14 @@ def as_budget(budget: str | Budget) -> Budget:
     return budget if isinstance(budget, Budget) else parse_budget(budget)
 
 
-__all__ = ["Budget", "as_budget", "parse_budget"]
+def format_bytes(n) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``); ``"n/a"`` for ``None`` or ``""``."""
+    if n is None or n == "":
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = ["Budget", "as_budget", "format_bytes", "parse_budget"]

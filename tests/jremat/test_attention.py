@@ -11,6 +11,7 @@ import pytest
 
 import jremat
 from jremat import attention, names
+from jremat._attention import functions as _attention_functions
 from jremat._attention import inputs as _attention_inputs
 from tests.conftest import saved_residuals
 
@@ -160,12 +161,12 @@ def test_a_backward_pass_with_another_mask_is_caught():
     """The gradient check fails for a kernel whose backward pass draws its mask from a fresh key."""
     q, k, v = qkv(48)
     key, rate = jax.random.key(4), 0.1
-    cfg = attention._Config(causal=True, block=16, seq=48, scale=1 / np.sqrt(D), dropout_rate=rate)
-    out, lse = jax.jit(attention._forward, static_argnums=0)(cfg, q, k, v, jax.random.key_data(key))
+    cfg = _attention_functions._Config(causal=True, block=16, seq=48, scale=1 / np.sqrt(D), dropout_rate=rate)
+    out, lse = jax.jit(_attention_functions._forward, static_argnums=0)(cfg, q, k, v, jax.random.key_data(key))
     d_out = jax.random.normal(jax.random.key(9), out.shape, jnp.float32)
     reference = lambda q, k, v: attention.reference_attention(q, k, v, dropout_rate=rate, dropout_key=key)
     expected = jax.jit(lambda *args: jax.vjp(reference, *args)[1](d_out))(q, k, v)
-    backward = jax.jit(attention._backward_blocks, static_argnums=0)
+    backward = jax.jit(_attention_functions._backward_blocks, static_argnums=0)
     for backward_key, matches in ((key, True), (jax.random.key(5), False)):
         grads = backward(cfg, q, k, v, out, lse, jax.random.key_data(backward_key), d_out)
         errors = [rel_err(g, r) for g, r in zip(grads, expected)]

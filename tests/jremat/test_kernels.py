@@ -11,6 +11,7 @@ import pytest
 import jremat
 import jremat.testing
 from jremat import kernels
+from jremat._program import kernels as _kernels_impl
 from tests.jremat import kernel_models as km
 
 
@@ -116,7 +117,7 @@ def test_a_kernel_inside_a_checkpointed_scan_is_kept(remat_engine, spec):
 def test_the_split_disabled_is_caught(monkeypatch):
     """Without the split, selective cannot keep the kernel's log-sum-exp: the kernel runs again,
     and the counts, explain and jremat.testing all say so."""
-    monkeypatch.setattr(kernels, "_split_call", lambda eqn, invals: None)
+    monkeypatch.setattr(_kernels_impl, "_split_call", lambda eqn, invals: None)
     assert forward_runs("jax", "flash", "selective", False) == 2 * km.LAYERS
     layer, (w, x) = km.jax_layer(km.flash), km.inputs()
     with pytest.raises(jremat.testing.KernelRerun, match="kernel flash: 2 runs, none: 1") as caught:

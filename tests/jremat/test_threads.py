@@ -150,7 +150,7 @@ def test_bounded_cache_one_value_per_key_under_threads():
 
 def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
     """The loaded flag is set only once loading succeeded: a failing entry point raises on each lookup."""
-    from jremat import registry
+    from jremat._apply import registry
 
     class BrokenEntryPoint:
         def load(self):
@@ -224,7 +224,7 @@ import builtins, importlib, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import jremat
 import jremat.policies  # the built-ins imported already: A goes straight to the entry point
-from jremat import registry
+from jremat._apply import registry
 
 
 class PlugEntryPoint:
@@ -312,7 +312,7 @@ def test_a_plugin_that_looks_up_at_import_does_not_deadlock_a_first_lookup(tmp_p
 def test_a_plugin_that_fails_after_registering_reports_its_own_error_again(monkeypatch, tmp_path):
     """An entry point whose module registers a policy and then raises: every lookup raises the
     plugin's error, not the retry's 'already registered'."""
-    from jremat import registry
+    from jremat._apply import registry
 
     (tmp_path / "half_plug.py").write_text(
         'import jremat\njremat.register("half", doc="half")(lambda: None)\nraise RuntimeError("half_plug is broken")\n'
