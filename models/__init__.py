@@ -6,7 +6,7 @@ read the presets and check their flags before JAX and Flax are imported.
 
 from jremat.internal import missing_modules, train_extra_message
 
-if _missing := missing_modules(("flax", "optax")):
+if _missing := missing_modules(("flax",)):
     raise ImportError(train_extra_message("jremat.models", _missing))
 
 from jremat.models.config import PRESETS, ModelConfig, preset

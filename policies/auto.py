@@ -4,7 +4,7 @@ On one checkpointed function, ``auto:budget=B`` keeps the compute ops that save 
 recompute FLOPs while their outputs fit in ``B`` bytes (or the fraction ``B`` of what the
 function keeps without remat): :func:`jremat.ops_to_keep_within_budget`. In the CLIs,
 ``--policy auto --memory-budget B`` plans the whole step with the same algorithm
-(:func:`jremat.plan_layers`, wired to the reference model by ``models.planning``).
+(:func:`jremat.plan_layers`, wired to the reference model by ``train.planning``).
 """
 
 from __future__ import annotations

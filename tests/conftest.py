@@ -30,8 +30,9 @@ import jremat
 from jremat._engine.jax_compat import saved_residuals as _jax_saved_residuals
 from jremat._measure import compile as _compile
 from jremat._measure.memory import PEAK_FROM_SUM
-from jremat.models import GPT, cross_entropy_loss, preset, programs
-from jremat.models.programs import step_program
+from jremat.models import GPT, cross_entropy_loss, preset
+from jremat.train import programs
+from jremat.train.programs import step_program
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -199,7 +200,7 @@ def max_relative_error(grads, reference):
 
 
 def train_step_memory(cfg, batch_size=8) -> jremat.MemoryReport:
-    """Compile-only memory report of the gradient step of ``GPT(cfg)`` (:func:`models.programs.step_program`)."""
+    """Compile-only memory report of the gradient step of ``GPT(cfg)`` (:func:`train.programs.step_program`)."""
     grad_fn, args = step_program(cfg, batch_size)
     return jremat.memory_report(grad_fn, *args)
 

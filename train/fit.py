@@ -3,7 +3,7 @@
 :class:`GPTStepBuilder` gives :func:`jremat.fit_search` the train step that ``train.ptb`` runs
 (AdamW with clipping under ``optax.MultiSteps``, parameters and optimizer state donated) for a
 policy label, a micro-batch size and a micro-batch count. Labels are policy specs, and
-``auto:budget=N`` for the budget planner's plan at that batch (:mod:`models.planning`), so what
+``auto:budget=N`` for the budget planner's plan at that batch (:mod:`train.planning`), so what
 the search measured is exactly what trains. ``train.memory --fit`` prints and plots the search;
 ``train.ptb --batch-size auto`` trains with its winner.
 
@@ -26,8 +26,8 @@ import jremat
 from jremat import registry
 from jremat.fit import compile_figures
 from jremat.models import ModelConfig
-from jremat.models.planning import keep_gathered_of, plan_for_budget
-from jremat.models.programs import adam_train_step
+from jremat.train.planning import keep_gathered_of, plan_for_budget
+from jremat.train.programs import adam_train_step
 from jremat.train import sharded_steps, sharding
 from jremat.train.step import OptimizerConfig, make_train_step
 

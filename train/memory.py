@@ -6,8 +6,8 @@ the GPT model for each policy (nothing is executed: parameters and tokens are sh
 prints peak and temp bytes, saved activation bytes per layer, ratios to ``none`` and the
 policy's recompute FLOPs as a fraction of the step's FLOPs.
 
-The measurement is :func:`models.policy_memory.compare_policies` (its fields are documented on
-:class:`models.policy_memory.PolicyMemory`); this module holds the command line: its
+The measurement is :func:`train.policy_memory.compare_policies` (its fields are documented on
+:class:`train.policy_memory.PolicyMemory`); this module holds the command line: its
 configuration and what it runs; the table is :mod:`train.memory_table`, ``--live`` :mod:`train.memory_live`,
 ``--mesh`` :mod:`train.memory_mesh`.
 """
@@ -290,7 +290,7 @@ if __name__ == "__main__":  # argument mistakes are reported before JAX is impor
     cli.exit_on_argument_error(MemoryConfig, "train.memory")
 
 from jremat import format_bytes
-from jremat.models.policy_memory import PolicyMemory, compare_policies
+from jremat.train.policy_memory import PolicyMemory, compare_policies
 from jremat.train import fit as fit_lib
 from jremat.train import memory_live, memory_mesh, timeline_plot
 from jremat.train.memory_table import format_explanations, format_table, write_plot

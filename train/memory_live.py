@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from jremat import allocator_stats_missing
-from jremat.models.policy_memory import PolicyMemory, config_for_spec, live_step_memory
+from jremat.train.policy_memory import PolicyMemory, config_for_spec, live_step_memory
 from jremat.train import interrupts
 
 

@@ -139,7 +139,7 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     Raises:
       ValueError: on a bad budget, or when no plan fits.
     """
-    from jremat.models.planning import keep_gathered_of, plan_for_budget
+    from jremat.train.planning import keep_gathered_of, plan_for_budget
     from jremat.train import sharded_steps
 
     base = config.model_config("none")

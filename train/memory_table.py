@@ -1,6 +1,6 @@
 """``python -m train.memory``'s output on one device: the table of policies, the explain section, the bar chart.
 
-Rows are :class:`models.policy_memory.PolicyMemory`; the columns and the notes under the table
+Rows are :class:`train.policy_memory.PolicyMemory`; the columns and the notes under the table
 are defined there (``none``, recompute) and in ``docs/memory.md``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jremat import format_bytes
-from jremat.models.policy_memory import (
+from jremat.train.policy_memory import (
     NONE_DEFINITION,
     RECOMPUTE_DEFINITION,
     PolicyMemory,

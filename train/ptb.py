@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 import jremat
 from jremat import parse_budget, registry
-from jremat.models import PRESETS, policy_memory
+from jremat.models import PRESETS
+from jremat.train import policy_memory
 from jremat.models.config import ModelConfig, whole_step_head_chunks
 from jremat.train import cli, interrupts, model_flags, sharded_steps
 from jremat.train import data as data_lib
@@ -98,7 +99,7 @@ def parse_config(argv: Sequence[str] | None) -> TrainConfig:
 def memory_report(model_cfg, batch_size: int, seq_len: int, mesh=None) -> str:
     """The start-up memory report: peak estimate, saved bytes per layer and recompute, this policy vs ``none``.
 
-    Compile-only (:func:`models.policy_memory.summary_vs_none`): nothing runs on the device. The
+    Compile-only (:func:`train.policy_memory.summary_vs_none`): nothing runs on the device. The
     figures are those of ``python -m train.memory``'s row for the same model, batch, sequence
     length, policy and head chunks, against the same ``none`` (no remat anywhere, head whole).
     With a ``mesh`` they are still those of the unsharded step of the whole (global) batch on one
@@ -112,7 +113,7 @@ def memory_report(model_cfg, batch_size: int, seq_len: int, mesh=None) -> str:
 
 def resolve_auto_policy(cfg: TrainConfig, model_cfg):
     """Replace an ``auto`` policy by the budget planner's layer plan that fits the budget (see
-    :mod:`models.planning`).
+    :mod:`train.planning`).
 
     Returns:
       ``(model_cfg, plan_table)``; the config unchanged and ``None`` for any other policy.

@@ -5,8 +5,8 @@ jitted functions of ``(params, opt_state, batch, key)``. Gradient accumulation i
 ``optax.MultiSteps``: each call of the train step consumes one micro-batch and the parameters
 change on every ``accum``-th call.
 
-The step functions themselves are the model's programs (:func:`models.programs.train_step_fn`,
-:func:`models.programs.eval_step_fn`); this module builds the optimizer and jits them.
+The step functions themselves are the model's programs (:func:`train.programs.train_step_fn`,
+:func:`train.programs.eval_step_fn`); this module builds the optimizer and jits them.
 
 Dropout keys are a pure function of the seed and the position in training,
 ``fold_in(fold_in(key(seed), step), micro_step)``, so a resumed run draws the same masks.
@@ -24,7 +24,7 @@ from flax import nnx
 
 import jremat
 from jremat.models import GPT, ModelConfig
-from jremat.models.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
+from jremat.train.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:

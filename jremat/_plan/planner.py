@@ -18,7 +18,7 @@ Words: the candidate chosen for a layered model, with its numbers, is a *layer p
   (:func:`name_costs`), a candidate also says how many layers, from the first, are
   rematerialized (the rest keep everything), the prediction is calibrated on two compiles
   (no remat and full remat) and the measurement is a compile of the whole step, supplied by the
-  caller (``models.planning`` does it for the reference GPT).
+  caller (``train.planning`` does it for the reference GPT).
 
 Where the backend has separate host memory (``pinned_host`` on GPU, TPU), a unit that is not
 kept on the device is offloaded instead of recomputed when moving its bytes to the host and back

@@ -443,7 +443,7 @@ def test_fit_search_times_a_step_with_the_kernel_priced(double_ffi_target):
 def test_skip_cheap_runs_the_reference_models_pallas_kernel_once_per_layer(remat_engine, scan_layers):
     """The reference GPT (Flax NNX) under ``--attention pallas``: as ``none``, not as ``full``."""
     from jremat.models import preset
-    from jremat.models.programs import attention_forward_passes
+    from jremat.train.programs import attention_forward_passes
 
     cfg = lambda spec: preset(
         "tiny",

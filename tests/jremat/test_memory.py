@@ -8,7 +8,7 @@ import jremat
 from jremat._measure import compile as _compile
 from jremat._measure import memory as jmem
 from jremat.models import preset
-from jremat.models.programs import step_program
+from jremat.train.programs import step_program
 from tests.conftest import ANALYSIS_CPU_OPTIONS
 
 

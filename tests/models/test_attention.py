@@ -11,7 +11,7 @@ import jremat
 from jremat.attention import pallas_attention, pallas_block_sizes, reference_attention
 from jremat.models import preset
 from jremat.models.config import check_attention_backend
-from jremat.models.programs import attention_forward_passes, step_program
+from jremat.train.programs import attention_forward_passes, step_program
 from tests.conftest import loss_and_grads, max_relative_error
 from tests.policies.test_policy_gradients import EXAMPLE_SPECS
 

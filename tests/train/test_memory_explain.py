@@ -4,7 +4,7 @@ import json
 
 import jremat.train.memory as tm
 from jremat.models import preset
-from jremat.models.policy_memory import compare_policies
+from jremat.train.policy_memory import compare_policies
 
 
 def test_explain_section_reports_decisions_and_names_per_policy():

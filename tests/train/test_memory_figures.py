@@ -4,7 +4,7 @@ import jax
 
 from jremat import format_bytes
 from jremat.models import PRESETS, preset
-from jremat.models.policy_memory import compare_policies, config_for_spec, format_recompute, summary_line
+from jremat.train.policy_memory import compare_policies, config_for_spec, format_recompute, summary_line
 from jremat.train import memory as tm
 from jremat.train import ptb
 

@@ -11,7 +11,7 @@ date. Parts (``--parts``; :data:`~train.bench.parts.BENCH_PARTS`, one
     ``d_ff`` (blocks only, chunked head only, whole step), and step time against k.
 ``megatron``
     Per-layer saved activations next to Megatron-LM's formulas, and the analytic peak estimate
-    (:func:`models.programs.analytic_peak_bytes`) against the compiled peak.
+    (:func:`train.programs.analytic_peak_bytes`) against the compiled peak.
 ``maxbatch``
     The largest batch whose compiled Adam-step peak fits a budget.
 ``time``

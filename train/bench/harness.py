@@ -29,7 +29,7 @@ from flax import nnx
 from jremat import MemoryReport, compiled_memory_report, jaxpr_flops
 from jremat.diagnosis import PEAK_FROM_SUM, cost_analysis, hlo_fingerprint
 from jremat.models import GPT, ModelConfig
-from jremat.models.programs import adam_train_step
+from jremat.train.programs import adam_train_step
 from jremat.train.step import make_train_step
 
 GIB = 2**30
@@ -63,7 +63,7 @@ class Program:
 
 
 def gpt_program(label: str, cfg: ModelConfig, batch_size: int, seq_len: int | None = None) -> Program:
-    """The :class:`Program` of ``GPT(cfg)``'s Adam step (:func:`models.programs.adam_train_step`)."""
+    """The :class:`Program` of ``GPT(cfg)``'s Adam step (:func:`train.programs.adam_train_step`)."""
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
 
     def build():

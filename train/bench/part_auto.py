@@ -29,7 +29,7 @@ def run_auto(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     plans are timed in one interleaved run, and each budget's row names the fastest built-in that
     fits it. ``compile_s`` of an ``auto`` row is the planning time (solve + verification compiles).
     """
-    from jremat.models.planning import plan_for_budget
+    from jremat.train.planning import plan_for_budget
 
     cfg, batch = config.time_model(), config.time_batch
 

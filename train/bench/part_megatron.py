@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from jremat import format_bytes
 from jremat.models.config import FUSED_ATTENTIONS
-from jremat.models.policy_memory import policy_memory
+from jremat.train.policy_memory import policy_memory
 from jremat.train.bench.config import MEGATRON_POLICIES, BenchConfig
 from jremat.train.bench.harness import GIB, log
 from jremat.train.bench.markdown import table
@@ -36,7 +36,7 @@ def megatron_formulas(s: int, b: int, h: int, a: int, attention: str = "explicit
 def run_megatron(config: BenchConfig, policies: Sequence[str]) -> list[dict]:
     """Per-layer saved activations vs Megatron-LM's formulas, and the analytic peak vs the compiled one.
 
-    The step is the gradient step of :func:`models.policy_memory.policy_memory` (what ``train.memory``
+    The step is the gradient step of :func:`train.policy_memory.policy_memory` (what ``train.memory``
     reports and its analytic estimate models), blocks only.
     """
     b, s = config.megatron_batch, config.megatron_seq
@@ -84,7 +84,7 @@ FORMULA_NOTE = (
     "gives the bytes per layer."
 )
 ANALYTIC_NOTE = (
-    "The estimate (`models.programs.analytic_peak_bytes`) adds a shallow copy's compiled working set to the "
+    "The estimate (`train.programs.analytic_peak_bytes`) adds a shallow copy's compiled working set to the "
     "traced bytes at full depth; a miss means, e.g., that the layers do not each keep what their traced residuals "
     "say, or that the compiler schedules the deep stack differently from the shallow copy."
 )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 
 from jremat.models import ModelConfig
-from jremat.models.programs import loss_program
+from jremat.train.programs import loss_program
 from jremat.train.bench.config import BenchConfig
 from jremat.train.bench.part import Part
 from jremat.train.bench.part_auto import AUTO, auto_part_specs

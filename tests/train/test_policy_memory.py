@@ -1,9 +1,9 @@
-"""models.policy_memory: the per-policy memory report of the GPT's gradient step (compile-only)."""
+"""train.policy_memory: the per-policy memory report of the GPT's gradient step (compile-only)."""
 
 import pytest
 
 from jremat.models import preset
-from jremat.models.policy_memory import compare_policies, config_for_spec, policy_memory, summary_vs_none
+from jremat.train.policy_memory import compare_policies, config_for_spec, policy_memory, summary_vs_none
 
 
 def test_summary_vs_none_for_trainers():

@@ -4,7 +4,7 @@ A layer plan (the candidate the budget planner chooses, :class:`jremat.LayerPlan
 ordinary config (:func:`apply_candidate`): ``remat_policy="names:save=..."``
 (``full`` for the empty set; ``offload:names=...,save=...`` when some names go to host memory)
 and, for a partial stack, ``layer_policies="G:<spec>"`` with the remaining layers on ``none``.
-The step measured is the gradient step (:func:`models.programs.step_program`) unless the caller
+The step measured is the gradient step (:func:`train.programs.step_program`) unless the caller
 passes its own measurement (the benchmark measures its Adam step).
 """
 
@@ -18,7 +18,7 @@ import jremat
 from jremat import Budget, Candidate, LayerPlan, registry
 from jremat.internal import convert_values
 from jremat.models.config import ModelConfig
-from jremat.models.programs import block_program, step_flops, step_memory_report
+from jremat.train.programs import block_program, step_flops, step_memory_report
 
 
 def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
@@ -35,7 +35,7 @@ def apply_candidate(candidate: Candidate, cfg: ModelConfig) -> ModelConfig:
 
 
 def compiled_peak_bytes(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
-    """Compiled peak of the gradient step of ``cfg`` (:func:`models.programs.step_memory_report`).
+    """Compiled peak of the gradient step of ``cfg`` (:func:`train.programs.step_memory_report`).
 
     Raises:
       ValueError: if the backend reports no memory figures.

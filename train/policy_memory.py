@@ -2,7 +2,7 @@
 
 :func:`policy_memory` measures one policy (XLA's buffer assignment through
 :func:`jremat.memory_report`, the residuals of one block and of the whole step, the FLOPs the
-policy adds and :func:`models.programs.analytic_peak_bytes`); :func:`compare_policies` measures
+policy adds and :func:`train.programs.analytic_peak_bytes`); :func:`compare_policies` measures
 several against ``none``; :func:`summary_vs_none` is the trainer's start-up line. Nothing runs:
 parameters and tokens are shapes. ``auto`` specs are planned first (:func:`config_for_spec`).
 
@@ -33,8 +33,8 @@ from jremat import (
 )
 from jremat.models.config import ModelConfig, whole_step_head_chunks
 from jremat.models.gpt import GPT
-from jremat.models.planning import keep_gathered_of, plan_for_budget
-from jremat.models.programs import (
+from jremat.train.planning import keep_gathered_of, plan_for_budget
+from jremat.train.programs import (
     attention_forward_passes,
     block_program,
     loss_program,
@@ -101,17 +101,17 @@ class PolicyMemory:
       recompute_flops: FLOPs added by recomputation over the step of :func:`baseline_config`
         (``none``: no remat anywhere, head whole).
       recompute_flops_fraction: :attr:`recompute_flops` / FLOPs of that baseline step.
-      analytic_peak_bytes: :func:`models.programs.analytic_peak_bytes` (traced bytes at full
+      analytic_peak_bytes: :func:`train.programs.analytic_peak_bytes` (traced bytes at full
         depth + :attr:`working_set_bytes`), or ``None`` when not compiled.
-      working_set_bytes: :func:`models.programs.working_set_bytes`: the transient working set of
+      working_set_bytes: :func:`train.programs.working_set_bytes`: the transient working set of
         the backward pass at its peak (the head's or one block's), measured on
-        :func:`models.programs.shallow_config` (at most two layers per layer group; nested and
+        :func:`train.programs.shallow_config` (at most two layers per layer group; nested and
         unrolled stacks whole); ``None`` when not compiled.
       head_chunks: sequence chunks the final LayerNorm, head and loss are recomputed over
         (``remat_head_chunks``; 0: whole, as in ``none``).
       notes: caveats (backend, truthfulness checks).
       attention_forward_passes: fused attention forward kernels per layer in the training step,
-        averaged over the layers (:func:`models.programs.attention_forward_passes`): 1 = the
+        averaged over the layers (:func:`train.programs.attention_forward_passes`): 1 = the
         kernel is not recomputed, 2 = every layer's backward pass runs it again; 0 = no fused
         kernel (``explicit``, ``xla``).
       live_peak_bytes: the device allocator's peak over one executed step (``--live``), or ``None``.

@@ -1,11 +1,11 @@
-"""models.planning: ``auto`` on the tiny GPT against real compiles (the planner's own guarantees: tests/jremat/test_planner.py)."""
+"""train.planning: ``auto`` on the tiny GPT against real compiles (the planner's own guarantees: tests/jremat/test_planner.py)."""
 
 import pytest
 
 import jremat
 from jremat import Candidate, registry
 from jremat.models import preset
-from jremat.models.planning import apply_candidate, compiled_peak_bytes, keep_gathered_of, plan_for_budget
+from jremat.train.planning import apply_candidate, compiled_peak_bytes, keep_gathered_of, plan_for_budget
 
 BATCH = 8
 

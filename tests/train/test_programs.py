@@ -1,11 +1,12 @@
-"""models.programs: the GPT's programs on shape structs (traced and compiled, nothing allocated)."""
+"""train.programs: the GPT's programs on shape structs (traced and compiled, nothing allocated)."""
 
 import jax
 import pytest
 
 import jremat
-from jremat.models import preset, programs
-from jremat.models.programs import (
+from jremat.models import preset
+from jremat.train import programs
+from jremat.train.programs import (
     TRAIN_STEP_DONATE,
     adam_step_memory,
     adam_train_step,
