@@ -32,6 +32,7 @@ from jremat._apply.registry import REQUIRED as REQUIRED
 from jremat._apply.registry import AlreadyRegisteredError as AlreadyRegisteredError
 from jremat._apply.registry import Param as Param
 from jremat._apply.registry import PolicyEntry as PolicyEntry
+from jremat._apply.registry import ResolvedSpec as ResolvedSpec
 from jremat._apply.registry import available as available
 from jremat._apply.registry import canonical_spec as canonical_spec
 from jremat._apply.registry import convert_values as convert_values
@@ -42,6 +43,7 @@ from jremat._apply.registry import normalize_spec as normalize_spec
 from jremat._apply.registry import parse_spec as parse_spec
 from jremat._apply.registry import register as register
 from jremat._apply.registry import resolve as resolve
+from jremat._apply.registry import resolve_spec as resolve_spec
 from jremat._apply.registry import scoped as scoped
 from jremat._apply.registry import stack_error as stack_error
 from jremat._apply.registry import stack_fields as stack_fields
@@ -68,6 +70,8 @@ __all__ = [
     "register",
     "REQUIRED",
     "resolve",
+    "resolve_spec",
+    "ResolvedSpec",
     "scoped",
     "stack_error",
     "stack_fields",

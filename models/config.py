@@ -35,7 +35,12 @@ class ModelConfig:
       dtype: compute dtype name (``float32`` or ``bfloat16``).
       param_dtype: parameter dtype name (``float32`` keeps master weights in f32).
       remat_policy: a policy spec (see ``jremat.describe()``); ``nested:block=M,layer=SPEC``
-        checkpoints the layer stack in nested groups (:attr:`jremat.RematConfig.nest`).
+        checkpoints the layer stack in nested groups (:attr:`jremat.RematConfig.nest`). Or a
+        :class:`jremat.Policy`: one the registry built (its ``spec`` set, as
+        ``jremat.registry.resolve`` returns it) is kept for the remat config and the field holds
+        its spec, so the config prints, saves and compares as text and the spec is not parsed
+        again; one without a spec (a hand-made policy) stays an object. The spec is resolved
+        once per config (:meth:`remat_config`).
       remat_granularity: ``none``, ``block`` or ``sublayer``.
       scan_layers: run the blocks under ``lax.scan`` (default) rather than unrolled.
       remat_head_chunks: 0 (default) keeps the final LayerNorm, vocabulary head and loss as they
@@ -78,6 +83,10 @@ class ModelConfig:
     attention_block_size: int = 128
 
     def __post_init__(self):
+        if isinstance(self.remat_policy, jremat.Policy) and self.remat_policy.spec:
+            resolved = self.remat_policy
+            object.__setattr__(self, "remat_policy", resolved.spec)
+            self._remat_config_of(resolved)
         if (
             not isinstance(self.remat_head_chunks, int)
             or isinstance(self.remat_head_chunks, bool)
@@ -146,13 +155,20 @@ class ModelConfig:
         return self.parameter_count() * (2 if self.param_dtype == "bfloat16" else 4)
 
     def remat_config(self) -> jremat.RematConfig:
-        """The :class:`jremat.RematConfig` these fields describe."""
-        return jremat.RematConfig(
-            policy=self.remat_policy,
+        """The :class:`jremat.RematConfig` these fields describe (built, and its policy resolved,
+        once per config)."""
+        return self.__dict__.get("_remat_config") or self._remat_config_of(self.remat_policy)
+
+    def _remat_config_of(self, policy) -> jremat.RematConfig:
+        made = jremat.RematConfig(
+            policy=policy,
             granularity=self.remat_granularity,
             scan_layers=self.scan_layers,
             layer_policies=self.remat_layer_policies,
         )
+        # A cache of a frozen config: not a field (equality, hashing and asdict see the fields only).
+        object.__setattr__(self, "_remat_config", made)
+        return made
 
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (validated)."""

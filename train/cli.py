@@ -202,6 +202,9 @@ def require_keys_taken(specs: Sequence[str], keys: Iterable[str], params: dict[s
     Raises:
       UsageError: ``--keep-gathered is a key of dots, full, ..., not of the given policies (none)``.
     """
+    keys = list(keys)
+    if not keys:
+        return
     names = [registry.parse_spec(spec)[0] for spec in specs]
     unused = sorted({key for key in keys if not any(takes_key(name, key, params) for name in names)})
     if unused:
@@ -351,18 +354,22 @@ def check_before_imports(config_cls: type, argv: Sequence[str], *, prog: str) ->
         for name, table in BUILTIN_PARAMS.items()
     }
     specs = _given_specs(values)
+    parsed: dict[str, tuple[str, dict[str, str]]] = {}  # each spec parsed once here
     for spec in specs:
         try:
-            name = registry.parse_spec(spec)[0]
+            parsed[spec] = registry.parse_spec(spec)
+            name = parsed[spec][0]
             if name not in params:
                 raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(params))}")
         except ValueError as err:
             raise UsageError(f"bad policy {spec!r}: {err}") from None
-    require_keys_given_once(specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS)), params)
+    require_keys_given_once(
+        specs, keys, key_flags(config_cls, BUILTIN_POLICY_KEYS_ALL | set(SWITCH_KEYS)), params, parsed=parsed
+    )
     if specs:  # no --policy: the CLI's default policies, checked when parse fills them in
         require_keys_taken(specs, [key for key, _ in keys if key in SWITCH_KEYS], params)
     for spec in specs:
-        name, written = registry.parse_spec(spec)
+        name, written = parsed[spec]
         try:
             registry.convert_values(name, params[name], {**dict(k for k in keys if k[0] in params[name]), **written})
         except ValueError as err:
@@ -408,6 +415,8 @@ def require_keys_given_once(
     keys: Sequence[tuple[str, str]],
     flags: dict[str, str],
     params: dict[str, dict[str, registry.Param]],
+    *,
+    parsed: dict[str, tuple[str, dict[str, str]]] | None = None,
 ) -> None:
     """Each policy-key flag's value must be valid for every spec that takes the key, and a key
     written in a ``--policy`` spec and given as a flag must have one value in both.
@@ -422,6 +431,7 @@ def require_keys_given_once(
       keys: the policy-key flags given, as ``(key, raw value)`` pairs.
       flags: each key's flag (``{"k": "--k"}``), for the message.
       params: each policy's keys, by policy name.
+      parsed: the specs already parsed (``registry.parse_spec``), by spec; the others are parsed here.
 
     Raises:
       UsageError: a flag's value that the key refuses, with the flag and the key's own message;
@@ -429,7 +439,7 @@ def require_keys_given_once(
     """
     for spec in specs:
         try:
-            name, written = registry.parse_spec(spec)
+            name, written = parsed[spec] if parsed and spec in parsed else registry.parse_spec(spec)
         except ValueError:
             continue
         table = params.get(name, {})

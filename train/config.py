@@ -161,7 +161,7 @@ class TrainConfig(model_flags.ModelFlags):
             check_mesh_flag(self.mesh, None if self.batch_size == AUTO_BATCH else self.batch_size, self.seq_len)
         if self.memory_budget is not None:
             require(
-                registry.parse_spec(spec)[0] == "auto" or self.batch_size == AUTO_BATCH,
+                self.resolved_policy().name == "auto" or self.batch_size == AUTO_BATCH,
                 f"--memory-budget applies only to --policy auto or --batch-size auto, not to --policy {spec!r}",
             )
             require_one_budget(
@@ -181,19 +181,33 @@ class TrainConfig(model_flags.ModelFlags):
         """The canonical policy spec of ``--policy`` with the per-key flags applied.
 
         Raises:
+          UsageError: as :meth:`resolved_policy`.
+        """
+        return self.resolved_policy().spec
+
+    def resolved_policy(self) -> registry.ResolvedSpec:
+        """``--policy`` with the per-key flags applied, parsed and resolved once per config (the
+        edge: what flows inward is this, not the text).
+
+        Raises:
           UsageError: unknown policy or module, unknown key, or a bad value (message from the registry);
             a switch flag (``--keep-gathered``) the policy does not take (``none`` leaves it as it is).
         """
+        if (cached := self.__dict__.get("_resolved_policy")) is not None:
+            return cached
         try:
             for module in self.policy_module:
                 registry.load_module(module)
             switches = [key for key, _ in self.policy_keys if key in SWITCH_KEYS]
             require_keys_taken([self.policy], switches, registered_policy_params())
-            return registry.normalize_spec(self.policy, **dict(self.policy_keys))
+            resolved = registry.resolve_spec(self.policy, **dict(self.policy_keys))
         except UsageError:
             raise
         except ValueError as err:
             raise UsageError(f"bad policy {self.policy!r}: {err}") from None
+        # A cache of a frozen config: not a field (equality, hashing and asdict see the fields only).
+        object.__setattr__(self, "_resolved_policy", resolved)
+        return resolved
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The model preset with this run's vocabulary, policy, granularity, dtype and dropout.
@@ -203,7 +217,8 @@ class TrainConfig(model_flags.ModelFlags):
         """
         changes: dict[str, Any] = dict(
             vocab_size=vocab_size,
-            remat_policy=self.policy_spec(),
+            # The resolved policy itself where there is one: the model config does not parse it again.
+            remat_policy=self.resolved_policy().policy or self.policy_spec(),
             remat_granularity=self.granularity,
             scan_layers=not self.unrolled,
             remat_head_chunks=self.remat_head_chunks,

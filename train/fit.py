@@ -26,9 +26,9 @@ import jremat
 from jremat import registry
 from jremat.fit import compile_figures
 from jremat.models import ModelConfig
+from jremat.train import sharded_steps, sharding
 from jremat.train.planning import keep_gathered_of, plan_for_budget
 from jremat.train.programs import adam_train_step
-from jremat.train import sharded_steps, sharding
 from jremat.train.step import OptimizerConfig, make_train_step
 
 #: The built-in policies searched by default, in tie order.

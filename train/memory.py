@@ -290,10 +290,10 @@ if __name__ == "__main__":  # argument mistakes are reported before JAX is impor
     cli.exit_on_argument_error(MemoryConfig, "train.memory")
 
 from jremat import format_bytes
-from jremat.train.policy_memory import PolicyMemory, compare_policies
 from jremat.train import fit as fit_lib
 from jremat.train import memory_live, memory_mesh, timeline_plot
 from jremat.train.memory_table import format_explanations, format_table, write_plot
+from jremat.train.policy_memory import PolicyMemory, compare_policies
 
 # ---------------------------------------------------------------------------------------------
 # CLI

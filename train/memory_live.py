@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from jremat import allocator_stats_missing
-from jremat.train.policy_memory import PolicyMemory, config_for_spec, live_step_memory
 from jremat.train import interrupts
+from jremat.train.policy_memory import PolicyMemory, config_for_spec, live_step_memory
 
 
 def _allocator_stats_note() -> str | None:

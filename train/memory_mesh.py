@@ -139,8 +139,8 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     Raises:
       ValueError: on a bad budget, or when no plan fits.
     """
-    from jremat.train.planning import keep_gathered_of, plan_for_budget
     from jremat.train import sharded_steps
+    from jremat.train.planning import keep_gathered_of, plan_for_budget
 
     base = config.model_config("none")
     gathered, regather = sharded_steps.regather_price(base, mesh)

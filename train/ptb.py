@@ -38,11 +38,10 @@ import jax
 import jax.numpy as jnp
 
 import jremat
-from jremat import parse_budget, registry
+from jremat import parse_budget
 from jremat.models import PRESETS
-from jremat.train import policy_memory
 from jremat.models.config import ModelConfig, whole_step_head_chunks
-from jremat.train import cli, interrupts, model_flags, sharded_steps
+from jremat.train import cli, interrupts, model_flags, policy_memory, sharded_steps
 from jremat.train import data as data_lib
 from jremat.train import distributed as distributed_lib
 from jremat.train import fit as fit_lib
@@ -121,7 +120,7 @@ def resolve_auto_policy(cfg: TrainConfig, model_cfg):
     Raises:
       UsageError: if no layer plan fits the budget (the message gives the smallest achievable peak).
     """
-    if registry.parse_spec(model_cfg.remat_policy)[0] != "auto":
+    if cfg.resolved_policy().name != "auto":
         return model_cfg, None
     try:
         planned, plan = policy_memory.config_for_spec(
@@ -172,7 +171,7 @@ def fit_batch(cfg: TrainConfig, vocab_size: int, progress: bool, mesh=None):
         )
     base = cfg.model_config(vocab_size)
     model_config = fit_model_configs(cfg, vocab_size)
-    auto = registry.parse_spec(base.remat_policy)[0] == "auto"
+    auto = cfg.resolved_policy().name == "auto"
     optimizer = step_lib.OptimizerConfig(cfg.lr, cfg.warmup, 1, cfg.clip, cfg.weight_decay, 1)
     builder = fit_lib.GPTStepBuilder(model_config, cfg.seq_len, optimizer, mesh=mesh)
     try:

@@ -69,24 +69,28 @@ class RematConfig:
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown remat granularity {self.granularity!r}; valid: {', '.join(GRANULARITIES)}")
-        fields = registry.stack_fields(self.policy)  # the one place a ``nested:`` spec is read
+        # The one place a stack's spec is resolved (a ``nested:`` spec read): the policies are kept.
+        resolved = registry.resolve_spec(self.policy)
+        policy, fields = resolved.policy, resolved.stack_fields
         if fields is not None:
             if self.nest is not None:
                 raise ValueError(f"policy {self.policy!r} sets the nesting; do not also give nest={self.nest!r}")
             for key, value in fields.items():
                 object.__setattr__(self, key, value)
+            policy = registry.resolve(self.policy)  # the layers' own spec
         object.__setattr__(self, "nest", parse_nest(self.nest))
-        registry.resolve(self.policy)  # fail at construction on a bad spec
-        groups = parse_layer_policies(self.layer_policies)
+        groups = _resolved_groups(self.layer_policies)
         if groups and self.nest is not None:
             raise ValueError(
                 f"nested checkpointing (nest={self.nest!r}) checkpoints the whole layer stack and cannot be "
                 f"combined with layer_policies={self.layer_policies!r}; use one or the other"
             )
+        object.__setattr__(self, "_policy", policy)
+        object.__setattr__(self, "_groups", groups)
 
     def resolved_policy(self) -> Policy:
-        """The :class:`Policy` object for :attr:`policy`."""
-        return registry.resolve(self.policy)
+        """The :class:`Policy` object for :attr:`policy` (resolved once, when this config was made)."""
+        return self._policy  # type: ignore[attr-defined]
 
     def layer_groups(self, n_layers: int) -> list[tuple[int, Policy]]:
         """Contiguous ``(n_layers_in_group, policy)`` groups covering a stack of ``n_layers``.
@@ -96,18 +100,18 @@ class RematConfig:
         Raises:
           ValueError: if the groups of :attr:`layer_policies` need more than ``n_layers`` layers.
         """
-        groups = parse_layer_policies(self.layer_policies)
+        groups = self._groups  # type: ignore[attr-defined]
         out: list[tuple[int, Policy]] = []
         used = 0
-        for count, spec in groups:
+        for count, _, policy in groups:
             count = n_layers - used if count is None else count
             if used + count > n_layers:
                 raise ValueError(
-                    f"layer_policies={self.layer_policies!r} covers {sum(c or 0 for c, _ in groups)} layers, "
+                    f"layer_policies={self.layer_policies!r} covers {sum(c or 0 for c, _, _ in groups)} layers, "
                     f"but the model has only {n_layers}"
                 )
             if count:
-                out.append((count, registry.resolve(spec)))
+                out.append((count, policy))
             used += count
         if used < n_layers:
             out.append((n_layers - used, self.resolved_policy()))
@@ -164,6 +168,11 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
       ValueError: on a malformed part, a count that is not a positive integer, a misplaced
         ``rest``, a bad policy spec, or a layer-stack spec (``nested``) inside a group.
     """
+    return tuple((count, spec) for count, spec, _ in _resolved_groups(text))
+
+
+def _resolved_groups(text: str) -> tuple[tuple[int | None, str, Policy], ...]:
+    """:func:`parse_layer_policies` with each group's policy resolved (once)."""
     if not isinstance(text, str):
         raise ValueError(f"layer_policies must be a string like '2:full,rest:none', got {text!r}")
     if not text.strip():
@@ -178,7 +187,7 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
             raw[-1][1] += "," + part.strip()
         else:
             raise ValueError(f"malformed layer_policies {text!r}: {part!r} is not COUNT:SPEC; {form}")
-    groups: list[tuple[int | None, str]] = []
+    groups: list[tuple[int | None, str, Policy]] = []
     for i, (count_text, spec) in enumerate(raw):
         if count_text == "rest":
             if i != len(raw) - 1:
@@ -189,10 +198,10 @@ def parse_layer_policies(text: str) -> tuple[tuple[int | None, str], ...]:
             if count <= 0:
                 raise ValueError(f"malformed layer_policies {text!r}: group size must be positive, got {count}")
         try:
-            registry.resolve(spec)  # a layer-stack spec (nested) is refused here too
+            policy = registry.resolve(spec)  # a layer-stack spec (nested) is refused here too
         except ValueError as err:
             raise ValueError(f"layer_policies group {count_text}:{spec}: {err}") from None
-        groups.append((count, spec))
+        groups.append((count, spec, policy))
     return tuple(groups)
 
 

@@ -276,17 +276,55 @@ def resolve(spec: str | Policy, **overrides: Any) -> Policy:
         names the bad part and lists the valid choices. Also for a layer-stack entry
         (``nested``), which is no policy of a single function.
     """
+    resolved = resolve_spec(spec, **overrides)
+    if resolved.policy is None:
+        raise ValueError(stack_error(resolved.name))
+    return resolved.policy
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSpec:
+    """A spec resolved once: its canonical text and what it builds.
+
+    Attributes:
+      spec: the canonical spec string (``"every_k:k=4"``; ``""`` for a hand-made policy).
+      policy: the :class:`Policy` of a per-function spec (or the policy given), ``None`` for a
+        layer-stack spec.
+      stack_fields: the :class:`jremat.RematConfig` fields a layer-stack spec (``nested:block=2``)
+        stands for, ``None`` otherwise.
+    """
+
+    spec: str
+    policy: Policy | None
+    stack_fields: dict[str, Any] | None
+
+    @property
+    def name(self) -> str:
+        """The policy's registered name (``"every_k"``; ``""`` for a hand-made policy)."""
+        return self.spec.partition(":")[0]
+
+
+def resolve_spec(spec: str | Policy, **overrides: Any) -> ResolvedSpec:
+    """Parse and resolve ``spec`` once, for any entry: a per-function policy or a layer-stack one.
+
+    Args:
+      spec: a spec string or a :class:`Policy` (returned as it is).
+      **overrides: key values that replace those in the spec (``None`` values are ignored).
+
+    Raises:
+      ValueError: as :func:`resolve`, for a malformed or unknown spec string or bad overrides.
+    """
     from jremat._apply.policy import Policy
 
     if isinstance(spec, Policy):
         if overrides:
             raise ValueError(f"cannot apply keys {sorted(overrides)} to an already-built policy {spec!r}")
-        return spec
-    entry, policy, canonical = _build(spec, overrides)
+        return ResolvedSpec(spec.spec, spec, None)
+    entry, built, canonical = _build(spec, overrides)
     if entry.stack:
-        raise ValueError(stack_error(entry.name))
-    policy.spec = canonical
-    return policy
+        return ResolvedSpec(canonical, None, dict(built))
+    built.spec = canonical
+    return ResolvedSpec(canonical, built, None)
 
 
 def stack_error(name: str) -> str:
@@ -312,8 +350,7 @@ def stack_fields(spec: Any) -> dict[str, Any] | None:
     """
     if not isinstance(spec, str):
         return None
-    entry, fields, _ = _build(spec, {})
-    return dict(fields) if entry.stack else None
+    return resolve_spec(spec).stack_fields
 
 
 def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
@@ -325,12 +362,7 @@ def normalize_spec(spec: str | Policy, **overrides: Any) -> str:
     Raises:
       ValueError: as :func:`resolve` (except for layer-stack entries, which are accepted).
     """
-    from jremat._apply.policy import Policy
-
-    if isinstance(spec, Policy):
-        return resolve(spec, **overrides).spec
-    _, _, canonical = _build(spec, overrides)
-    return canonical
+    return resolve_spec(spec, **overrides).spec
 
 
 def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]:

@@ -4,9 +4,9 @@ import jax
 
 from jremat import format_bytes
 from jremat.models import PRESETS, preset
-from jremat.train.policy_memory import compare_policies, config_for_spec, format_recompute, summary_line
 from jremat.train import memory as tm
 from jremat.train import ptb
+from jremat.train.policy_memory import compare_policies, config_for_spec, format_recompute, summary_line
 
 SHAPE = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "8"]
 

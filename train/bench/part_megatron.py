@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 from jremat import format_bytes
 from jremat.models.config import FUSED_ATTENTIONS
-from jremat.train.policy_memory import policy_memory
 from jremat.train.bench.config import MEGATRON_POLICIES, BenchConfig
 from jremat.train.bench.harness import GIB, log
 from jremat.train.bench.markdown import table
 from jremat.train.bench.part import Part, Target
 from jremat.train.bench.rows import ROW_COLUMNS
+from jremat.train.policy_memory import policy_memory
 
 
 def megatron_formulas(s: int, b: int, h: int, a: int, attention: str = "explicit") -> dict[str, float]:

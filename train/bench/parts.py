@@ -13,7 +13,6 @@ from collections.abc import Callable
 import jax
 
 from jremat.models import ModelConfig
-from jremat.train.programs import loss_program
 from jremat.train.bench.config import BenchConfig
 from jremat.train.bench.part import Part
 from jremat.train.bench.part_auto import AUTO, auto_part_specs
@@ -24,6 +23,7 @@ from jremat.train.bench.part_needle import NEEDLE, NEEDLE_TIME
 from jremat.train.bench.part_peers import PEERS
 from jremat.train.bench.part_time import TIME, time_models
 from jremat.train.cli import UsageError
+from jremat.train.programs import loss_program
 
 #: Part name -> part, in run order (the names are :data:`train.bench.config.PARTS`).
 BENCH_PARTS: dict[str, Part] = {p.name: p for p in (NEEDLE, NEEDLE_TIME, MEGATRON, MAXBATCH, TIME, PEERS, AUTO, FIT)}
