@@ -83,7 +83,12 @@ class ModelConfig:
     attention_block_size: int = 128
 
     def __post_init__(self):
-        if isinstance(self.remat_policy, jremat.Policy) and self.remat_policy.spec:
+        # A string is read without JAX (the CLIs read the presets before JAX is imported).
+        if (
+            not isinstance(self.remat_policy, str)
+            and isinstance(self.remat_policy, jremat.Policy)
+            and self.remat_policy.spec
+        ):
             resolved = self.remat_policy
             object.__setattr__(self, "remat_policy", resolved.spec)
             self._remat_config_of(resolved)

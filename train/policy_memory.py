@@ -293,7 +293,7 @@ def explain_step(
         loss,
         *args,
         policy=remat.policy,
-        _label=registry.normalize_spec(model_cfg.remat_policy) if remat.nest is not None else None,
+        label=registry.normalize_spec(model_cfg.remat_policy) if remat.nest is not None else None,
         baseline=baseline,
         compile=False,
         param_argnums=(0,),
@@ -301,7 +301,7 @@ def explain_step(
         baseline_temp_bytes=baseline_temp_bytes,
         scan_layers=model_cfg.scan_layers,
         layers=model_cfg.n_layers,
-        _name="the gradient step",
+        name="the gradient step",
     )
 
 

@@ -137,18 +137,18 @@ def explain(
             temps = None
         if temps is not None:
             stack = (argnum, *temps)
-    return explain_applied(
+    return _explain_checkpointed(
         remat_fn,
-        *args,
-        policy=chosen,
+        args,
+        kwargs,
+        chosen,
+        label=label,
+        name=getattr(fn, "__name__", repr(fn)),
         baseline=fn,
         compile=compile,
         param_argnums=param_argnums,
         whole_function=True,
-        _label=label,
-        _name=getattr(fn, "__name__", repr(fn)),
-        _stack=stack,
-        **kwargs,
+        stack=stack,
     )
 
 
@@ -176,9 +176,8 @@ def explain_applied(
     whole_function: bool = False,
     scan_layers: bool | None = None,
     layers: int | None = None,
-    _label: str | None = None,
-    _name: str | None = None,
-    _stack: tuple[int, int, int] | None = None,
+    label: str | None = None,
+    name: str | None = None,
     **kwargs: Any,
 ) -> Explanation:
     """Explain a function that already runs its checkpoints under ``policy``.
@@ -203,6 +202,9 @@ def explain_applied(
       layers: the layers the function runs: kernel runs are then counted per layer (a kernel
         inside a ``scan`` once per iteration, the total divided by ``layers``); ``None``: a
         kernel inside a scan counts once.
+      label: what the report calls the policy (default: its spec), e.g. the layer-stack spec
+        (``nested:block=2,layer=full``) whose layers run ``policy``.
+      name: what the report calls the function (default: its ``__name__``).
       **kwargs: keyword arguments of both functions.
 
     Returns:
@@ -212,8 +214,44 @@ def explain_applied(
       ValueError: on a bad policy spec.
     """
     chosen = registry.resolve(policy)
-    label: str = _label or chosen.spec or type(chosen).__name__
-    name = _name or str(getattr(remat_fn, "__name__", repr(remat_fn)))
+    return _explain_checkpointed(
+        remat_fn,
+        args,
+        kwargs,
+        chosen,
+        label=label or chosen.spec or type(chosen).__name__,
+        name=name or str(getattr(remat_fn, "__name__", repr(remat_fn))),
+        baseline=baseline,
+        compile=compile,
+        param_argnums=param_argnums,
+        temp_bytes=temp_bytes,
+        baseline_temp_bytes=baseline_temp_bytes,
+        whole_function=whole_function,
+        scan_layers=scan_layers,
+        layers=layers,
+    )
+
+
+def _explain_checkpointed(
+    remat_fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    chosen: Policy,
+    *,
+    label: str,
+    name: str,
+    baseline: Callable | None,
+    compile: bool,
+    param_argnums: Iterable[int],
+    temp_bytes: int | None = None,
+    baseline_temp_bytes: int | None = None,
+    whole_function: bool = False,
+    scan_layers: bool | None = None,
+    layers: int | None = None,
+    stack: tuple[int, int, int] | None = None,
+) -> Explanation:
+    """:func:`explain_applied` of a resolved policy; ``stack``: :func:`explain`'s ``(argnum,
+    stacked temp, stacked baseline temp)`` of :data:`STACK_DEPTH` chained calls, if measured."""
     flat_remat, structs, params = _explain_memory.flatten(remat_fn, args, kwargs, param_argnums)
     flat_base = _explain_memory.flatten(baseline, args, kwargs, param_argnums)[0] if baseline is not None else None
     # Both remat engines save the same values (docs/remat-engines.md); the classic primitives
@@ -298,7 +336,7 @@ def explain_applied(
             base_saved,
             whole_function and n_checkpoints == 1,
             scan_layers,
-            None if _stack is None else (STACK_DEPTH, _stack[1], _stack[2]),
+            None if stack is None else (STACK_DEPTH, stack[1], stack[2]),
         )
         if line:
             messages.append(line)
@@ -317,10 +355,10 @@ def explain_applied(
         matched,
         passes,
         base_passes,
-        None if _stack is None else STACK_DEPTH,
-        None if _stack is None else _stack[0],
-        None if _stack is None else _stack[1],
-        None if _stack is None else _stack[2],
+        None if stack is None else STACK_DEPTH,
+        None if stack is None else stack[0],
+        None if stack is None else stack[1],
+        None if stack is None else stack[2],
         collectives,
         baseline_collectives,
         mesh_devices(structs),
