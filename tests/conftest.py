@@ -148,7 +148,7 @@ TOLERANCE_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in TOLERANCE_C
 #: (``jremat.memory_report``, ``jremat.memory_timeline``, so the CLIs' reports too): the older
 #: fusion emitters again. Nothing runs, so only buffer assignment matters, and they leave it as it
 #: is but for one small constant scratch buffer (docs/xla-notes.md);
-#: tests/jremat/test_memory.py checks that against XLA's defaults.
+#: tests/jremat/_measure/test_memory.py checks that against XLA's defaults.
 ANALYSIS_CPU_OPTIONS = TOLERANCE_CPU_OPTIONS
 #: The library's own ``jremat._measure.compile.analysis_options`` (what users get), before the suite's below.
 library_analysis_options = _compile.analysis_options

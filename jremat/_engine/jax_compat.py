@@ -4,7 +4,7 @@
 listed in :data:`PRIVATE_SYMBOLS` and loaded through :func:`private`, which raises
 :class:`MissingJaxInternal` naming the symbol, what jremat needs it for and the running JAX
 version, instead of an ``ImportError`` deep inside a policy. The test suite checks each symbol
-(``tests/jremat/test_jax_compat.py``), so a JAX upgrade that removes one fails there first.
+(``tests/jremat/_engine/test_jax_compat.py``), so a JAX upgrade that removes one fails there first.
 
 Under ``jax_remat3`` jremat binds two remat3 primitives of its own, built here on JAX's
 ``VJPHiPrimitive`` interface (:func:`remat3_name_tag`, :func:`remat3_offload`): JAX 0.10.2's

@@ -1,5 +1,5 @@
 """Remat on 8 simulated devices: collectives, gradients, the tie; run in a subprocess by
-tests/jremat/test_collectives.py.
+tests/jremat/_measure/test_collectives.py.
 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before JAX starts, so these
 run in their own process: ``python -m tests.jremat.mesh_checks [CHECK ...]`` prints one JSON

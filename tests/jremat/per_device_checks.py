@@ -1,6 +1,6 @@
 """Per-device figures on 8 simulated devices: residuals, explain, the timeline, the live reading
 (and ``dots:keep_gathered=true`` under remat3);
-run in a subprocess by tests/jremat/test_per_device.py (``python -m tests.jremat.per_device_checks
+run in a subprocess by tests/jremat/_measure/test_per_device.py (``python -m tests.jremat.per_device_checks
 [CHECK ...]`` prints one JSON object). The model is tests/jremat/mesh_checks.py's 4-layer MLP.
 """
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 import jremat
 from jremat import attention
-from tests.jremat.test_attention import _cudnn_like_attention
+from tests.jremat._attention.test_attention import _cudnn_like_attention
 
 B, S, H, D = 2, 32, 2, 8
 

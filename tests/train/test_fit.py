@@ -31,7 +31,7 @@ def fit_json(capsys, *extra, budget="1MiB") -> dict:
 
 
 # A whole CLI search with timing (20-30 s on 2 cores). The search's fit, batch order and compile
-# bound are tested in-process in tests/jremat/test_fit.py; the CLI's mesh search is slow too.
+# bound are tested in-process in tests/jremat/_plan/test_fit.py; the CLI's mesh search is slow too.
 @pytest.mark.slow
 def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_path, monkeypatch):
     # The measured rates round to powers of two, which a loaded test machine can tip; fix them.
@@ -45,7 +45,7 @@ def test_memory_fit_prints_a_winner_that_fits_and_plots_the_front(capsys, tmp_pa
     by_policy = {r["policy"]: r["batch_size"] for r in out["rows"]}
     assert by_policy["full"] > by_policy["none"]
     assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
-    assert re.fullmatch(r"[0-9a-f]{12}", out["digest"])  # its repeatability: tests/jremat/test_fit.py
+    assert re.fullmatch(r"[0-9a-f]{12}", out["digest"])  # its repeatability: tests/jremat/_plan/test_fit.py
     # Two policies' batch searches (1, 16, then the line to within 3%: 4 or 5 each); exact
     # boundaries reached from batch 2 in 4x steps take 6 and 7 here (13), and break this.
     assert out["compiles"] <= 10, [(r["policy"], r["batch_size"]) for r in out["rows"]]

@@ -149,7 +149,7 @@ def test_auto_keep_gathered_true_keeps_and_false_regathers_on_a_mesh(mesh_run):
     _check_auto_keep_gathered(*mesh_run)
 
 
-@pytest.mark.slow  # the planner's keep_gathered choice is engine-free (tests/jremat/test_planner.py)
+@pytest.mark.slow  # the planner's keep_gathered choice is engine-free (tests/jremat/_plan/test_planner.py)
 def test_auto_keep_gathered_on_a_mesh_under_remat3():
     _check_auto_keep_gathered(*_mesh_run(remat3="1"))
 
@@ -159,7 +159,7 @@ def test_auto_keep_gathered_on_a_mesh_under_remat3():
 FIT_BUDGET_BYTES = 245_000
 
 
-@pytest.mark.slow  # a whole CLI search on 8 devices; fit_search on a mesh is tested in tests/jremat/test_collectives.py
+@pytest.mark.slow  # a whole CLI search on 8 devices; fit_search on a mesh is tested in tests/jremat/_measure/test_collectives.py
 def test_fit_on_a_mesh_fits_a_per_device_budget_and_searches_keeping_gathered_weights():
     argv = ["--preset", "tiny", "--mesh", "fsdp=8", "--remat-head-chunks", "0", "--unrolled", "--fit"]
     argv += ["--memory-budget", str(FIT_BUDGET_BYTES), "--policy", "none", "--policy", "full", "--finalists", "1"]

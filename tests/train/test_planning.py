@@ -1,4 +1,4 @@
-"""train.planning: ``auto`` on the tiny GPT against real compiles (the planner's own guarantees: tests/jremat/test_planner.py)."""
+"""train.planning: ``auto`` on the tiny GPT against real compiles (the planner's own guarantees: tests/jremat/_plan/test_planner.py)."""
 
 import pytest
 

@@ -95,5 +95,7 @@ def test_a_layer_stacks_slices_are_attributed_to_the_models_call_of_run_layers(r
         return jnp.sum(jremat.run_layers(make_layer, ws, x, None, config))
 
     text = jax.jit(jax.grad(loss)).lower(jnp.ones((3, 4, 4)), jnp.ones((2, 4))).as_text(debug_info=True)
-    sources = {os.path.basename(s) for s in re.findall(r'loc\("([^"]+\.py)":\d+', text)}
-    assert os.path.basename(__file__) in sources and "_remat.py" not in sources, sources
+    paths = set(re.findall(r'loc\("([^"]+\.py)":\d+', text))
+    sources = {os.path.basename(s) for s in paths}
+    assert os.path.basename(__file__) in sources, sources
+    assert not any(s.endswith("jremat/_apply/layers.py") for s in paths), paths

@@ -5,7 +5,7 @@ subprocess; the model is tests/jremat/mesh_checks.py's 4-layer MLP, batch rows o
 import pytest
 
 import jremat
-from tests.jremat.test_collectives import _mesh_checks
+from tests.jremat._measure.test_collectives import _mesh_checks
 
 LAYERS = 4  # tests/jremat/mesh_checks.py's model (not imported here: it sets the 8-device flag)
 

@@ -7,7 +7,7 @@ import pytest
 
 from jremat._engine import jax_compat as _jax_compat
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 import pytest
 
 from jremat._measure import xla_dump
-from tests.jremat.test_timeline import BUFFERS, HLO, LIVE
+from tests.jremat._measure.test_timeline import BUFFERS, HLO, LIVE
 
 LOOP_HLO = """HloModule m, is_scheduled=true
 

@@ -144,7 +144,7 @@ def test_walk_visits_an_equation_before_its_body_and_enter_stops_the_descent(cla
 # ---------------------------------------------------------------------------------------------
 # No primitive-name literal outside jremat/_engine/jaxpr.py
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 #: Where the rule holds.
 CHECKED = ("jremat", "policies", "models", "train")
 

@@ -207,7 +207,7 @@ def test_checkpoint_takes_static_arguments_like_the_decorator():
 
 
 def example_spec(name):
-    from tests.jremat.test_user_models import EXAMPLE_SPECS
+    from tests.jremat._apply.test_user_models import EXAMPLE_SPECS
 
     return EXAMPLE_SPECS.get(name, "nested:block=2,layer=every_k:k=2;skip_cheap=true")
 
