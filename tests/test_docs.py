@@ -1,6 +1,7 @@
 """Every Python block in README.md and docs/*.md runs as a reader would paste it.
 
-Each page runs as one fresh ``python`` process, in an empty folder (the installed ``jremat`` is
+A block indented under a list item counts too: its lines lose the fence's indentation, as a
+reader's paste does. Each page runs as one fresh ``python`` process, in an empty folder (the installed ``jremat`` is
 importable, the checkout's folders are not): its blocks in order, one script, nothing else. So
 whatever a block uses is defined on the page, in a block a reader sees; there is no hidden setup.
 The one marker, an HTML comment on the line before a block, is
@@ -26,7 +27,12 @@ from tests.conftest import REPO
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs")) if name.endswith(".md")
 )
-_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+#: A Python block: its fence's indentation (a block in a list item is indented) and its code.
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```", re.S | re.M)
+#: The info string of every fence line, opening or closing (a closing fence has none).
+_FENCE_INFO = re.compile(r"^[ \t]*```(.*)$", re.M)
+#: The blocks a page may hold: Python (run), shell commands and printed output (read only).
+_FENCE_LANGUAGES = frozenset({"python", "bash", "text", ""})
 _SKIP = re.compile(r"<!-- docs-test: skip: (.+?) -->\s*$")
 _COMMENT = re.compile(r"<!--(.*?)-->", re.S)
 #: What the page's script writes to stderr before each block, so a failure names its block.
@@ -53,13 +59,22 @@ def _page_text(page: str) -> str:
         return f.read()
 
 
+def _dedented(code: str, indent: str, where: str) -> str:
+    """``code`` without its fence's ``indent`` on each line, as a reader pastes it."""
+    lines = code.splitlines(keepends=True)
+    if short := [n for n, text in enumerate(lines) if text.strip() and not text.startswith(indent)]:
+        raise ValueError(f"{where}: line {short[0] + 1} of the block is indented less than its fence")
+    return "".join(text[len(indent) :] if text.strip() else "\n" for text in lines)
+
+
 def _blocks(page: str, text: str) -> list[Block]:
     blocks = []
     for match in _FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
         before = text[: match.start()].rstrip("\n").rpartition("\n")[2]
         skip = _SKIP.search(before)
-        blocks.append(Block(page, line, match.group(1), skip.group(1) if skip else None))
+        code = _dedented(match.group("code"), match.group("indent"), f"{page}:{line}")
+        blocks.append(Block(page, line, code, skip.group(1) if skip else None))
     return blocks
 
 
@@ -135,10 +150,34 @@ def test_every_page_is_read():
 
 def test_markers_are_read():
     assert _SKIP.search("<!-- docs-test: skip: needs a GPU -->").group(1) == "needs a GPU"
-    assert _FENCE.findall("```bash\nls\n```\n```python\nx = 1\n```\n") == ["x = 1\n"]
+    assert [m["code"] for m in _FENCE.finditer("```bash\nls\n```\n```python\nx = 1\n```\n")] == ["x = 1\n"]
     text = "<!-- docs-test: skip: needs a GPU -->\n```python\nx = 1\n```\n```python\ny = 2\n```\n"
     assert [b.skip_reason for b in _blocks("p.md", text)] == ["needs a GPU", None]
     assert "x = 1" not in page_script(_blocks("p.md", text))
+
+
+def test_blocks_in_list_items_are_read_dedented():
+    text = (
+        "* item:\n\n  ```python\n  def f():\n      return 1\n\n  print(f())\n  ```\n\n"
+        "* skipped:\n  <!-- docs-test: skip: needs a GPU -->\n  ```python\n  y = 2\n  ```\n"
+    )
+    blocks = _blocks("p.md", text)
+    assert [(b.line, b.code, b.skip_reason) for b in blocks] == [
+        (3, "def f():\n    return 1\n\nprint(f())\n", None),
+        (12, "y = 2\n", "needs a GPU"),
+    ]
+    with pytest.raises(ValueError, match="p.md:1: line 2 of the block is indented less than its fence"):
+        _blocks("p.md", "  ```python\n  x = 1\ny = 2\n  ```\n")
+
+
+def test_every_block_is_python_or_read_only():
+    """A block tagged ``py`` or ``python3`` would not run: every fence names python, bash or text, or nothing."""
+    other = {}
+    for page in PAGES:
+        if languages := set(_FENCE_INFO.findall(_page_text(page))) - _FENCE_LANGUAGES:
+            other[page] = sorted(languages)
+    assert not other, f"blocks the docs test does not run: {other}"
+    assert _FENCE_INFO.findall("```py\nx\n```\n  ```python\n  y\n  ```\n") == ["py", "", "python", ""]
 
 
 def test_no_page_hides_code_or_setup_in_a_comment():
