@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import functools
 import os
+import posixpath
 import re
 import subprocess
 import symtable
@@ -35,6 +36,15 @@ _FENCE_INFO = re.compile(r"^[ \t]*```(.*)$", re.M)
 _FENCE_LANGUAGES = frozenset({"python", "bash", "text", ""})
 _SKIP = re.compile(r"<!-- docs-test: skip: (.+?) -->\s*$")
 _COMMENT = re.compile(r"<!--(.*?)-->", re.S)
+#: Any fenced block, Python or not, and an inline code span: no link is read inside either.
+_ANY_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```.*?^(?P=indent)```", re.S | re.M)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+#: A Markdown link or image: ``[text](target)`` or ``![text](target)``.
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
+#: How README.md links a file of the repository (the page is also the wheel's description, shown
+#: away from the checkout); docs/ pages link each other relatively.
+REPO_URL = "https://github.com/jremat/jremat/blob/main/"
 #: What the page's script writes to stderr before each block, so a failure names its block.
 _RUNNING = "docs-test: running "
 #: Names every module has without defining them.
@@ -236,3 +246,99 @@ def test_doc_page_runs_as_pasted(page, tmp_path):
 @pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
 def test_doc_block_skipped(block):
     pytest.skip(f"{block.id}: {block.skip_reason}")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks and inline code spans (what a reader sees as prose)."""
+    return _CODE_SPAN.sub("", _ANY_BLOCK.sub("", text))
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page: each heading's text, markup
+    dropped, lower-cased, without punctuation but ``-`` and ``_``, spaces as ``-``; a repeated
+    heading gets ``-1``, ``-2``, ... in order."""
+    anchors: set[str] = set()
+    for heading in _HEADING.findall(_ANY_BLOCK.sub("", text)):
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+        slug = re.sub(r"[^\w\- ]", "", plain.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def link_targets(page: str, text: str) -> list[tuple[str, str]]:
+    """Each link of ``page`` (a path from the repository root) that points into the repository,
+    as (path from the repository root, anchor or ""): links to ``REPO_URL``, relative links and
+    ``#anchor`` links; other addresses are left out."""
+    targets = []
+    for target in _LINK.findall(_prose(text)):
+        path, _, anchor = target.partition("#")
+        if path.startswith(REPO_URL):
+            path = path[len(REPO_URL) :]
+        elif "://" in path or path.startswith("mailto:"):
+            continue
+        elif path == "":
+            path = page
+        else:
+            path = posixpath.normpath(posixpath.join(posixpath.dirname(page), path))
+        targets.append((path, anchor))
+    return targets
+
+
+@functools.cache
+def _tracked_files() -> frozenset[str]:
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    return frozenset(done.stdout.split("\0")) - {""}
+
+
+def broken_links(page: str, text: str, tracked: frozenset[str], read) -> list[str]:
+    """The links of ``page`` to a file that is not in ``tracked``, or to a heading its page lacks.
+
+    ``read(path)`` gives the text of a tracked Markdown page.
+    """
+    broken = []
+    for path, anchor in link_targets(page, text):
+        if path not in tracked:
+            broken.append(f"{page}: {path} is not a tracked file")
+        elif anchor and path.endswith(".md") and anchor not in heading_anchors(read(path)):
+            broken.append(f"{page}: {path} has no heading #{anchor}")
+    return broken
+
+
+def test_every_link_points_at_a_tracked_file_and_heading():
+    tracked = _tracked_files()
+    assert "README.md" in tracked and "tests/test_docs.py" in tracked
+    broken = [line for page in PAGES for line in broken_links(page, _page_text(page), tracked, _page_text)]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_sees_each_kind_of_link():
+    pages = {
+        "docs/a.md": "# A page\n\n## `jremat.jit` and *you*\n\n## Twice\n\n## Twice\n",
+        "README.md": "# R\n",
+    }
+    text = (
+        f"[a]({REPO_URL}docs/a.md#jremat.jit-and-you) [b](a.md#twice-1) [c](../README.md) ![d](fig.png)"
+        f" [e](#here) [f]({REPO_URL}docs/gone.md) [g](a.md#gone) [h](https://example.com/x.md)\n"
+        "`x[1](1.0)`\n```python\ny[0](gone.md)\n```\n## Here\n"
+    )
+    assert link_targets("docs/b.md", text) == [
+        ("docs/a.md", "jremat.jit-and-you"),
+        ("docs/a.md", "twice-1"),
+        ("README.md", ""),
+        ("docs/fig.png", ""),
+        ("docs/b.md", "here"),
+        ("docs/gone.md", ""),
+        ("docs/a.md", "gone"),
+    ]
+    assert heading_anchors(pages["docs/a.md"]) == {"a-page", "jrematjit-and-you", "twice", "twice-1"}
+    tracked = frozenset(pages) | {"docs/b.md", "docs/fig.png"}
+    read = {**pages, "docs/b.md": text}.__getitem__
+    assert broken_links("docs/b.md", text, tracked, read) == [
+        "docs/b.md: docs/a.md has no heading #jremat.jit-and-you",
+        "docs/b.md: docs/gone.md is not a tracked file",
+        "docs/b.md: docs/a.md has no heading #gone",
+    ]
