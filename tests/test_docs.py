@@ -1,6 +1,7 @@
 """Every Python block in README.md and docs/*.md runs as a reader would paste it.
 
-Each page runs as one fresh ``python`` process, in an empty folder (the installed ``jremat`` is
+A block indented under a list item counts too: its lines lose the fence's indentation, as a
+reader's paste does. Each page runs as one fresh ``python`` process, in an empty folder (the installed ``jremat`` is
 importable, the checkout's folders are not): its blocks in order, one script, nothing else. So
 whatever a block uses is defined on the page, in a block a reader sees; there is no hidden setup.
 The one marker, an HTML comment on the line before a block, is
@@ -13,6 +14,7 @@ from __future__ import annotations
 import builtins
 import functools
 import os
+import posixpath
 import re
 import subprocess
 import symtable
@@ -26,9 +28,23 @@ from tests.conftest import REPO
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs")) if name.endswith(".md")
 )
-_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+#: A Python block: its fence's indentation (a block in a list item is indented) and its code.
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```", re.S | re.M)
+#: The info string of every fence line, opening or closing (a closing fence has none).
+_FENCE_INFO = re.compile(r"^[ \t]*```(.*)$", re.M)
+#: The blocks a page may hold: Python (run), shell commands and printed output (read only).
+_FENCE_LANGUAGES = frozenset({"python", "bash", "text", ""})
 _SKIP = re.compile(r"<!-- docs-test: skip: (.+?) -->\s*$")
 _COMMENT = re.compile(r"<!--(.*?)-->", re.S)
+#: Any fenced block, Python or not, and an inline code span: no link is read inside either.
+_ANY_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```.*?^(?P=indent)```", re.S | re.M)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+#: A Markdown link or image: ``[text](target)`` or ``![text](target)``.
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
+#: How README.md links a file of the repository (the page is also the wheel's description, shown
+#: away from the checkout); docs/ pages link each other relatively.
+REPO_URL = "https://github.com/jremat/jremat/blob/main/"
 #: What the page's script writes to stderr before each block, so a failure names its block.
 _RUNNING = "docs-test: running "
 #: Names every module has without defining them.
@@ -53,13 +69,22 @@ def _page_text(page: str) -> str:
         return f.read()
 
 
+def _dedented(code: str, indent: str, where: str) -> str:
+    """``code`` without its fence's ``indent`` on each line, as a reader pastes it."""
+    lines = code.splitlines(keepends=True)
+    if short := [n for n, text in enumerate(lines) if text.strip() and not text.startswith(indent)]:
+        raise ValueError(f"{where}: line {short[0] + 1} of the block is indented less than its fence")
+    return "".join(text[len(indent) :] if text.strip() else "\n" for text in lines)
+
+
 def _blocks(page: str, text: str) -> list[Block]:
     blocks = []
     for match in _FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
         before = text[: match.start()].rstrip("\n").rpartition("\n")[2]
         skip = _SKIP.search(before)
-        blocks.append(Block(page, line, match.group(1), skip.group(1) if skip else None))
+        code = _dedented(match.group("code"), match.group("indent"), f"{page}:{line}")
+        blocks.append(Block(page, line, code, skip.group(1) if skip else None))
     return blocks
 
 
@@ -135,10 +160,34 @@ def test_every_page_is_read():
 
 def test_markers_are_read():
     assert _SKIP.search("<!-- docs-test: skip: needs a GPU -->").group(1) == "needs a GPU"
-    assert _FENCE.findall("```bash\nls\n```\n```python\nx = 1\n```\n") == ["x = 1\n"]
+    assert [m["code"] for m in _FENCE.finditer("```bash\nls\n```\n```python\nx = 1\n```\n")] == ["x = 1\n"]
     text = "<!-- docs-test: skip: needs a GPU -->\n```python\nx = 1\n```\n```python\ny = 2\n```\n"
     assert [b.skip_reason for b in _blocks("p.md", text)] == ["needs a GPU", None]
     assert "x = 1" not in page_script(_blocks("p.md", text))
+
+
+def test_blocks_in_list_items_are_read_dedented():
+    text = (
+        "* item:\n\n  ```python\n  def f():\n      return 1\n\n  print(f())\n  ```\n\n"
+        "* skipped:\n  <!-- docs-test: skip: needs a GPU -->\n  ```python\n  y = 2\n  ```\n"
+    )
+    blocks = _blocks("p.md", text)
+    assert [(b.line, b.code, b.skip_reason) for b in blocks] == [
+        (3, "def f():\n    return 1\n\nprint(f())\n", None),
+        (12, "y = 2\n", "needs a GPU"),
+    ]
+    with pytest.raises(ValueError, match="p.md:1: line 2 of the block is indented less than its fence"):
+        _blocks("p.md", "  ```python\n  x = 1\ny = 2\n  ```\n")
+
+
+def test_every_block_is_python_or_read_only():
+    """A block tagged ``py`` or ``python3`` would not run: every fence names python, bash or text, or nothing."""
+    other = {}
+    for page in PAGES:
+        if languages := set(_FENCE_INFO.findall(_page_text(page))) - _FENCE_LANGUAGES:
+            other[page] = sorted(languages)
+    assert not other, f"blocks the docs test does not run: {other}"
+    assert _FENCE_INFO.findall("```py\nx\n```\n  ```python\n  y\n  ```\n") == ["py", "", "python", ""]
 
 
 def test_no_page_hides_code_or_setup_in_a_comment():
@@ -197,3 +246,99 @@ def test_doc_page_runs_as_pasted(page, tmp_path):
 @pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
 def test_doc_block_skipped(block):
     pytest.skip(f"{block.id}: {block.skip_reason}")
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks and inline code spans (what a reader sees as prose)."""
+    return _CODE_SPAN.sub("", _ANY_BLOCK.sub("", text))
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page: each heading's text, markup
+    dropped, lower-cased, without punctuation but ``-`` and ``_``, spaces as ``-``; a repeated
+    heading gets ``-1``, ``-2``, ... in order."""
+    anchors: set[str] = set()
+    for heading in _HEADING.findall(_ANY_BLOCK.sub("", text)):
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+        slug = re.sub(r"[^\w\- ]", "", plain.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def link_targets(page: str, text: str) -> list[tuple[str, str]]:
+    """Each link of ``page`` (a path from the repository root) that points into the repository,
+    as (path from the repository root, anchor or ""): links to ``REPO_URL``, relative links and
+    ``#anchor`` links; other addresses are left out."""
+    targets = []
+    for target in _LINK.findall(_prose(text)):
+        path, _, anchor = target.partition("#")
+        if path.startswith(REPO_URL):
+            path = path[len(REPO_URL) :]
+        elif "://" in path or path.startswith("mailto:"):
+            continue
+        elif path == "":
+            path = page
+        else:
+            path = posixpath.normpath(posixpath.join(posixpath.dirname(page), path))
+        targets.append((path, anchor))
+    return targets
+
+
+@functools.cache
+def _tracked_files() -> frozenset[str]:
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    return frozenset(done.stdout.split("\0")) - {""}
+
+
+def broken_links(page: str, text: str, tracked: frozenset[str], read) -> list[str]:
+    """The links of ``page`` to a file that is not in ``tracked``, or to a heading its page lacks.
+
+    ``read(path)`` gives the text of a tracked Markdown page.
+    """
+    broken = []
+    for path, anchor in link_targets(page, text):
+        if path not in tracked:
+            broken.append(f"{page}: {path} is not a tracked file")
+        elif anchor and path.endswith(".md") and anchor not in heading_anchors(read(path)):
+            broken.append(f"{page}: {path} has no heading #{anchor}")
+    return broken
+
+
+def test_every_link_points_at_a_tracked_file_and_heading():
+    tracked = _tracked_files()
+    assert "README.md" in tracked and "tests/test_docs.py" in tracked
+    broken = [line for page in PAGES for line in broken_links(page, _page_text(page), tracked, _page_text)]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_sees_each_kind_of_link():
+    pages = {
+        "docs/a.md": "# A page\n\n## `jremat.jit` and *you*\n\n## Twice\n\n## Twice\n",
+        "README.md": "# R\n",
+    }
+    text = (
+        f"[a]({REPO_URL}docs/a.md#jremat.jit-and-you) [b](a.md#twice-1) [c](../README.md) ![d](fig.png)"
+        f" [e](#here) [f]({REPO_URL}docs/gone.md) [g](a.md#gone) [h](https://example.com/x.md)\n"
+        "`x[1](1.0)`\n```python\ny[0](gone.md)\n```\n## Here\n"
+    )
+    assert link_targets("docs/b.md", text) == [
+        ("docs/a.md", "jremat.jit-and-you"),
+        ("docs/a.md", "twice-1"),
+        ("README.md", ""),
+        ("docs/fig.png", ""),
+        ("docs/b.md", "here"),
+        ("docs/gone.md", ""),
+        ("docs/a.md", "gone"),
+    ]
+    assert heading_anchors(pages["docs/a.md"]) == {"a-page", "jrematjit-and-you", "twice", "twice-1"}
+    tracked = frozenset(pages) | {"docs/b.md", "docs/fig.png"}
+    read = {**pages, "docs/b.md": text}.__getitem__
+    assert broken_links("docs/b.md", text, tracked, read) == [
+        "docs/b.md: docs/a.md has no heading #jremat.jit-and-you",
+        "docs/b.md: docs/gone.md is not a tracked file",
+        "docs/b.md: docs/a.md has no heading #gone",
+    ]

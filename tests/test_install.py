@@ -179,16 +179,24 @@ def test_without_the_train_extra_every_cli_prints_one_line_naming_it_and_models_
     ), models.stderr[-2000:]
 
 
-def test_readme_reads_right_on_a_package_index():
-    """README.md is the wheel's long description: installed commands first, only absolute links,
-    and still the checkout's test command that .ci/run runs."""
+#: README.md's size limit: what the README holds beyond it goes to a page of docs/.
+README_MAX_BYTES = 12_288
+
+
+def test_readme_sets_up_first_and_reads_right_on_a_package_index():
+    """README.md starts with the checkout's two set-up commands (the main job, then the test command
+    .ci/run runs), then the installed commands; it keeps to README_MAX_BYTES and links only absolutely,
+    since it is also the wheel's long description."""
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    first_commands = readme.split("```bash\n", 1)[1].split("```", 1)[0]
-    assert "pip install jremat " in first_commands and 'pip install "jremat[train]"' in first_commands
-    assert "jremat-ptb --policy" in first_commands and "-e ." not in first_commands
-    targets = re.findall(r"\]\(([^)]+)\)", readme)
-    assert targets and [t for t in targets if not t.startswith("https://")] == []
+    assert len(readme.encode("utf-8")) <= README_MAX_BYTES
+    set_up, installed = [block.split("```", 1)[0] for block in readme.split("```bash\n")[1:3]]
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
         ci = f.read().split("# README test command (keep identical):\n", 1)[1].splitlines()[0]
-    assert ci in readme, ci
+    main_job, tests = [line for line in set_up.splitlines() if line and not line.startswith("#")]
+    assert 'pip install -e ".[train]"' in main_job and "python -m train.ptb --policy" in main_job
+    assert tests.endswith(ci), (tests, ci)
+    assert "pip install jremat " in installed and 'pip install "jremat[train]"' in installed
+    assert "jremat-ptb --policy" in installed and "-e ." not in installed
+    targets = re.findall(r"\]\(([^)]+)\)", readme)
+    assert targets and [t for t in targets if not t.startswith("https://")] == []

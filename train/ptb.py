@@ -2,7 +2,7 @@
 
 Flags map one to one onto :class:`train.config.TrainConfig` fields; every key of every
 registered remat policy is also a flag (``--k``, ``--skip-cheap``, ...) passed to
-``jremat.resolve`` only when given. See "Training on Penn Treebank" in README.md.
+``jremat.resolve`` only when given. See docs/training.md.
 
 Exit codes: 0 done; 2 bad input (message, nothing written is lost); 1 the loss became NaN/inf
 (the last good checkpoint is kept); 130 interrupted with Ctrl-C, 143 stopped by SIGTERM (during
