@@ -193,7 +193,7 @@ def test_nested_is_named_when_its_groups_run_the_kernel_again(spec, runs):
         w,
         x,
         policy=jremat.RematConfig(policy=spec).policy,  # the layers' policy; the label names the stack's
-        _label=spec,
+        label=spec,
         baseline=_layer_stack(layer, "none"),
         compile=False,
         layers=km.LAYERS,
