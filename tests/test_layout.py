@@ -60,29 +60,34 @@ def test_train_imports_no_private_jremat_module():
     assert _private_jremat_imports("from jremat.fit import largest_fitting\nimport jremat.diagnosis") == []
 
 
-def _module_level_imports(source: str) -> list[str]:
-    """The modules ``source`` imports when it is imported: every import outside a function body
-    and outside an ``if TYPE_CHECKING:`` block, as ``module`` and ``module.name`` for each
+def _imports(source: str, *, in_functions: bool = False) -> list[str]:
+    """The modules ``source`` imports: every import outside an ``if TYPE_CHECKING:`` block, and
+    outside a function body unless ``in_functions``, as ``module`` and ``module.name`` for each
     ``from module import name``."""
     found: list[str] = []
 
-    def visit(statements: list[ast.stmt]) -> None:
-        for node in statements:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            if isinstance(node, ast.Import):
-                found.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append(node.module)
-                found.extend(f"{node.module}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-                visit(node.orelse)
-            else:
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    visit([s for s in getattr(node, field, []) if isinstance(s, ast.stmt | ast.ExceptHandler)])
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not in_functions:
+            return
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
 
-    visit(ast.parse(source).body)
+    visit(ast.parse(source))
     return found
+
+
+def _module_level_imports(source: str) -> list[str]:
+    """The modules ``source`` imports when it is imported (:func:`_imports` outside function bodies)."""
+    return _imports(source)
 
 
 def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -151,25 +156,8 @@ ROOMS = ("_spec", "_engine", "_program", "_attention", "_measure", "_apply", "_e
 
 
 def _all_imports(source: str) -> list[str]:
-    """Every module ``source`` imports, at module level or in a function body (not in an
-    ``if TYPE_CHECKING:`` block), as ``module`` and ``module.name`` for each ``from module import name``."""
-    found: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            found.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append(node.module)
-            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(source))
-    return found
+    """Every module ``source`` imports, at module level or in a function body (:func:`_imports`)."""
+    return _imports(source, in_functions=True)
 
 
 def _room_of(module: str) -> str | None:
