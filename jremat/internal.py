@@ -19,6 +19,7 @@ With JAX (loaded on first use):
 
 - :mod:`jaxpr`: jaxpr walks and the primitive names (the one place they are spelled).
 - :func:`lower_checkpoint`: a checkpoint that keeps named values, under either remat engine.
+- :class:`GroupedDotsSaveable`: JAX's dots policies that keep grouped matmuls too (``dots``).
 - :class:`ProgramCache`, :func:`evaluate_tagged`: traced programs by input signature, and a
   program evaluated again with chosen outputs tagged.
 - :func:`parse_layer_policies`: a per-layer policy list (``"0-1:full;2-3:none"``) parsed.
@@ -38,6 +39,7 @@ from jremat._spec.text import convert_values as convert_values
 _WITH_JAX: dict[str, tuple[str, str]] = {
     "jaxpr": ("jremat._engine.jaxpr", ""),
     "lower_checkpoint": ("jremat._engine.lowering", "lower_checkpoint"),
+    "GroupedDotsSaveable": ("jremat._engine.lowering", "GroupedDotsSaveable"),
     "ProgramCache": ("jremat._program.program", "ProgramCache"),
     "evaluate_tagged": ("jremat._program.program", "evaluate_tagged"),
     "parse_layer_policies": ("jremat._apply.layers", "parse_layer_policies"),

@@ -45,6 +45,7 @@ from jremat._program.kernels import PALLAS as PALLAS
 from jremat._program.kernels import PALLAS_CALL as PALLAS_CALL
 from jremat._program.kernels import SPLIT_FORWARD_SCOPE as SPLIT_FORWARD_SCOPE
 from jremat._program.kernels import avoid_rerun_advice as avoid_rerun_advice
+from jremat._program.kernels import count_grouped_matmuls as count_grouped_matmuls
 from jremat._program.kernels import count_kernel_runs as count_kernel_runs
 from jremat._program.kernels import custom_kernels as custom_kernels
 from jremat._program.kernels import holds_attention_kernel as holds_attention_kernel
@@ -64,6 +65,7 @@ __all__ = [
     "BACKWARD_WORDS",
     "BLOCKWISE",
     "BLOCKWISE_FORWARD_SCOPE",
+    "count_grouped_matmuls",
     "count_kernel_runs",
     "CUDNN",
     "CUDNN_FORWARD_PRIMITIVES",

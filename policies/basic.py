@@ -1,10 +1,12 @@
-"""The simplest policies: ``none``, ``full``, and JAX's own ``dots`` / ``dots_no_batch``."""
+"""The simplest policies: ``none``, ``full``, ``dots`` and ``dots_no_batch`` (JAX's dots policies,
+with grouped matmuls kept too)."""
 
 from __future__ import annotations
 
 import jax
 
 from jremat import CallbackPolicy, NoRemat, register
+from jremat.internal import GroupedDotsSaveable
 
 
 @register("none", doc="Save every intermediate: no rematerialization (the function is left unchanged).")
@@ -19,17 +21,22 @@ def full_policy() -> CallbackPolicy:
     return CallbackPolicy(jax.checkpoint_policies.nothing_saveable)
 
 
-@register("dots", doc="JAX's dots_saveable: save the outputs of every dot_general, recompute the rest.")
+@register(
+    "dots",
+    doc="JAX's dots_saveable and grouped matmuls: save the outputs of every dot_general and every grouped "
+    "matmul (jax.lax.ragged_dot, a mixture of experts' expert matmuls), recompute the rest.",
+)
 def dots_policy() -> CallbackPolicy:
     """Build the ``dots`` policy."""
-    return CallbackPolicy(jax.checkpoint_policies.dots_saveable)
+    return CallbackPolicy(GroupedDotsSaveable(only_if_no_batch_dims=False))
 
 
 @register(
     "dots_no_batch",
-    doc="JAX's dots_with_no_batch_dims_saveable: save matmuls without batch dimensions (the "
-    "weight projections), recompute attention's batched matmuls and everything else.",
+    doc="JAX's dots_with_no_batch_dims_saveable and grouped matmuls: save matmuls without batch dimensions "
+    "(the weight projections, a mixture of experts' grouped matmuls), recompute attention's batched matmuls "
+    "and everything else.",
 )
 def dots_no_batch_policy() -> CallbackPolicy:
     """Build the ``dots_no_batch`` policy."""
-    return CallbackPolicy(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return CallbackPolicy(GroupedDotsSaveable(only_if_no_batch_dims=True))

@@ -30,11 +30,19 @@ Otherwise the core is found in one of two ways (:func:`find_attention_core` says
   of the normalized probabilities (after dropout, if any) with the values. The core is both
   ``dot_general`` equations and every equation on a data path between them.
 
+In a mixture-of-experts block, ``selective`` recomputes the experts' activation only (what
+Megatron-LM calls ``moe_act`` recompute) and keeps the grouped matmul outputs and the routing:
+:func:`moe_activations` finds, by structure, every equation on an elementwise path from a grouped
+matmul's output (``jax.lax.ragged_dot``) to another grouped matmul's rows (the activation between
+an expert's two matmuls, its name tags included), in a model that tags its MoE tensors
+(:data:`jremat.names.MOE_NAMES`) or not.
+
 Every other computed value is saveable; JAX then keeps those the backward pass needs. Values
 derived only from PRNG keys (dropout masks) are never saved: they are regenerated from the
-threaded key. A checkpointed function with no attention core is an error naming what was looked
-for (``selective`` would keep everything there, like ``none``); in a layer stack checkpointed
-per sublayer, the MLP sublayer needs none as long as the attention sublayer has one.
+threaded key. A checkpointed function with neither an attention core nor an expert activation
+is an error naming what was looked for (``selective`` would keep everything there, like
+``none``); in a layer stack checkpointed per sublayer, the MLP sublayer needs none as long as
+the attention sublayer has one.
 """
 
 from __future__ import annotations
@@ -64,8 +72,46 @@ BY_FUSED_KERNEL = "fused kernel"
 LOOKED_FOR = (
     f"values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
     f"{names.ATTN_CONTEXT} (jremat.names), or by structure a scores dot_general, a softmax over it "
-    "(exp, reduce_sum, divide or multiply by the reciprocal; scaling and masking allowed) and the dot_general of the probabilities with the values"
+    "(exp, reduce_sum, divide or multiply by the reciprocal; scaling and masking allowed) and the dot_general of the probabilities with the values; "
+    "or a mixture of experts' activation between two grouped matmuls (jax.lax.ragged_dot)"
 )
+
+
+def moe_activations(program: Program) -> frozenset[int]:
+    """Equation indices of the experts' activations in ``program`` (see the module docstring):
+    every equation on a path of elementwise ops, name tags and shape-only ops from a grouped
+    matmul's output to the rows (first operand) of another grouped matmul, both matmuls excluded."""
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    grouped = {i for i, e in enumerate(eqns) if e.primitive.name == _jaxpr.RAGGED_DOT_GENERAL}
+    if len(grouped) < 2:
+        return frozenset()
+
+    def passes(i: int) -> bool:
+        op = program.ops[i]
+        return op.is_elementwise or op.primitive == _jaxpr.NAME or op.primitive in _jaxpr.SHAPE_ONLY_PRIMITIVES
+
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    consumers: dict = {}
+    for i, e in enumerate(eqns):
+        for v in filter(_is_var, e.invars):
+            consumers.setdefault(v, []).append(i)
+    after: set[int] = set()  # reached forwards from a grouped matmul's output through passable ops
+    stack = [j for g in grouped for v in eqns[g].outvars for j in consumers.get(v, ())]
+    while stack:
+        i = stack.pop()
+        if i in after or i in grouped or not passes(i):
+            continue
+        after.add(i)
+        stack += [j for v in eqns[i].outvars for j in consumers.get(v, ())]
+    before: set[int] = set()  # reached backwards from a grouped matmul's rows through passable ops
+    stack = [producer[v] for g in grouped for v in eqns[g].invars[:1] if _is_var(v) and v in producer]
+    while stack:
+        i = stack.pop()
+        if i in before or i in grouped or not passes(i):
+            continue
+        before.add(i)
+        stack += [producer[v] for v in filter(_is_var, eqns[i].invars) if v in producer]
+    return frozenset(after & before)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +215,10 @@ def structural_attention_cores(program: Program) -> list[frozenset[int]]:
         if not scores or not contexts:
             continue
         between = reach(scores, forward, contexts.__contains__) & reach(contexts, backward, scores.__contains__)
+        # A mixture of experts' router (a dot_general, its softmax, the experts' grouped matmuls, and
+        # the combine weighted by the router's probabilities) has this shape too: it is no attention.
+        if any(eqns[i].primitive.name == _jaxpr.RAGGED_DOT_GENERAL for i in between):
+            continue
         cores.append(frozenset(scores | contexts | between))
     return cores
 
@@ -241,14 +291,15 @@ class Selective(PlanPolicy):
 
     def plan(self, program: Program) -> Plan:
         found = find_attention_core(program)
+        activations = moe_activations(program)
         names.check_requirement(
             ("selective", "attention core"),
-            found.matched_by is not None,
+            found.matched_by is not None or bool(activations),
             "policy 'selective': the checkpointed function has no attention core, so selective would keep "
             f"everything, like 'none'; it looks for {LOOKED_FOR}. Use 'full', 'dots' or 'every_k:k=K' here, "
             "or apply selective only where there is attention",
         )
-        core = found.equations
+        core = found.equations | activations
         return Plan(
             save=frozenset(
                 op.index
@@ -258,9 +309,22 @@ class Selective(PlanPolicy):
         )
 
     def describe_match(self, program: Program) -> list[str]:
+        activations = moe_activations(program)
+        moe = (
+            [
+                f"expert activation found by structure (between grouped matmuls): {len(activations)} equations, "
+                f"{sum(program.ops[i].out_bytes for i in activations):,} bytes recomputed; the grouped matmul "
+                "outputs and the routing are kept"
+            ]
+            if activations
+            else []
+        )
+        return self._describe_attention(program, bool(activations)) + moe
+
+    def _describe_attention(self, program: Program, has_moe: bool) -> list[str]:
         found = find_attention_core(program)
         if found.matched_by is None:
-            return [f"no attention core: looked for {LOOKED_FOR}"]
+            return [] if has_moe else [f"no attention core: looked for {LOOKED_FOR}"]
         if found.matched_by == BY_FUSED_KERNEL:
             lines = []
             if attention.BLOCKWISE in found.kernels:

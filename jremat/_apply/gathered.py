@@ -123,6 +123,12 @@ def _saving_gathered(callback: Callable | None) -> Callable:
         return _engine.DotsAndNames(
             saveable_names=dot_names | {GATHERED_TAG}, only_if_no_batch_dims=dots.only_if_no_batch_dims
         )
+    if type(callback) is _engine.GroupedDotsSaveable:
+        grouped = cast(Any, callback)
+        return _engine.GroupedDotsSaveable(
+            only_if_no_batch_dims=grouped.only_if_no_batch_dims,
+            saveable_names=grouped.saveable_names | {GATHERED_TAG},
+        )
     if type(callback) is _engine.SaveOnlyTheseNames:
         return policies.save_only_these_names(*cast(Any, callback).saveable_names, GATHERED_TAG)
 

@@ -46,6 +46,8 @@ FFI_CALL = "ffi_call"
 CUSTOM_VJP_CALL = "custom_vjp_call"
 CUSTOM_JVP_CALL = "custom_jvp_call"
 DOT_GENERAL = "dot_general"
+#: A grouped matmul (``jax.lax.ragged_dot``, ``ragged_dot_general``): one matmul per group of rows.
+RAGGED_DOT_GENERAL = "ragged_dot_general"
 CONV = "conv_general_dilated"
 DYNAMIC_UPDATE_SLICE = "dynamic_update_slice"
 EXP = "exp"
@@ -134,7 +136,7 @@ ELEMENTWISE_PRIMITIVES = frozenset(
     }
 )  # fmt: skip
 #: Primitives priced as matrix multiplies by the cost model.
-MATMUL_PRIMITIVES = frozenset({DOT_GENERAL, CONV})
+MATMUL_PRIMITIVES = frozenset({DOT_GENERAL, RAGGED_DOT_GENERAL, CONV})
 #: Reductions and scans over an axis not named ``reduce_*``, priced one FLOP per input element.
 REDUCTION_PRIMITIVES = frozenset({"argmax", "argmin", "cumsum", "cumprod"})
 #: The prefix of JAX's reduction primitives (``reduce_sum``, ``reduce_max``, ...).

@@ -74,6 +74,34 @@ class DotsAndNames(DotsSaveable, SaveOnlyTheseNames):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedDotsSaveable(DotsSaveable):
+    """``dots_saveable`` (or ``dots_with_no_batch_dims_saveable``) that keeps grouped matmuls
+    (``jax.lax.ragged_dot``) too, as jremat's ``dots`` does.
+
+    JAX's dots policies name ``dot_general`` (and convolutions) only, so a mixture of experts'
+    grouped matmuls are recomputed under them. The classic engine calls this policy; under
+    remat3 (which decides by the policy's type) the checkpoint's grouped matmul outputs are
+    tagged :data:`GROUPED_MATMUL_TAG` and kept by name beside the native dots policy
+    (:class:`DotsAndNames`). ``only_if_no_batch_dims``: a grouped matmul has no batch dimension,
+    so it is kept either way. ``saveable_names``: ``checkpoint_name`` tags kept as well (as
+    :class:`DotsAndNames` adds them to JAX's dots policies).
+    """
+
+    saveable_names: frozenset[str] = frozenset()
+
+    def __call__(self, prim, *args, **params):
+        if prim.name == _jaxpr.RAGGED_DOT_GENERAL:
+            return True
+        if prim.name == _jaxpr.NAME and params.get("name") in self.saveable_names:
+            return True
+        return DotsSaveable.__call__(self, prim, *args, **params)
+
+
+#: The name under which remat3 keeps the grouped matmuls of a :class:`GroupedDotsSaveable` checkpoint.
+GROUPED_MATMUL_TAG = "jremat_grouped_matmul"
+
+
 def natively_understood(callback: Callable | None) -> bool:
     """Whether remat3 applies ``callback`` as the classic engine does, without jremat's help.
 
@@ -159,7 +187,9 @@ def _lower(
             if classic is None:
                 classic = _classic(fn, save_names, offload, callback, prevent_cse)
             return classic(*args, **kwargs)
-        if callback is not None and not natively_understood(callback):
+        if isinstance(callback, GroupedDotsSaveable):
+            lower = lambda: _remat3_grouped_dots(fn, callback, args, kwargs)
+        elif callback is not None and not natively_understood(callback):
             lower = lambda: _remat3_callback(fn, callback, args, kwargs)
         elif callback is not None:
             policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
@@ -294,6 +324,19 @@ def callback_decisions(closed_jaxpr, callback: Callable) -> tuple[frozenset[int]
     return frozenset(save), offload
 
 
+def _remat3_grouped_dots(fn, callback, args, kwargs):
+    """:class:`GroupedDotsSaveable` under remat3: the native dots policy, and the grouped matmuls
+    of the checkpoint's program kept by name."""
+    closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs)
+    grouped = [i for i, eqn in enumerate(closed.jaxpr.eqns) if eqn.primitive.name == _jaxpr.RAGGED_DOT_GENERAL]
+    tags = dict.fromkeys(grouped, GROUPED_MATMUL_TAG)
+    names = callback.saveable_names | ({GROUPED_MATMUL_TAG} if grouped else set())
+    policy = DotsAndNames(saveable_names=frozenset(names), only_if_no_batch_dims=callback.only_if_no_batch_dims)
+    tagged = lambda *leaves: _interpreter.evaluate_tagged(closed, tags, leaves)
+    _, flat, _ = _remat3_rebound(tagged, policy, {}, tuple(jax.tree.leaves((args, kwargs))), {})
+    return out_tree, flat, closed.consts
+
+
 def _remat3_callback(fn, callback, args, kwargs):
     closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs)
     eqns = closed.jaxpr.eqns
@@ -360,4 +403,6 @@ __all__ = [
     "lower_checkpoint",
     "natively_understood",
     "DotsAndNames",
+    "GROUPED_MATMUL_TAG",
+    "GroupedDotsSaveable",
 ]

@@ -43,6 +43,7 @@ from jremat._apply.decorator import policy as _decorate_with
 from jremat._apply.policy import NoRemat, Policy
 from jremat._attention import functions as attention
 from jremat._engine import jax_compat as _jax_compat
+from jremat._engine import jaxpr as _jaxpr
 from jremat._engine.tags import is_internal as is_internal_tag
 from jremat._explain import decisions as _decisions
 from jremat._explain import memory as _explain_memory
@@ -319,6 +320,10 @@ def _explain_checkpointed(
         forward = [k for k in runs if k.kind in attention.FORWARD_KINDS]
         if forward:
             passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
+    if flat_base is not None and any(
+        eqn.primitive.name == _jaxpr.RAGGED_DOT_GENERAL for eqn in _jaxpr.equations(tag_jaxpr)
+    ):
+        messages.extend(_grouped_matmul_lines(label, flat_remat, flat_base, structs, layers))
     matched = tuple(_match_lines(chosen, jaxpr))
     if (
         temp_bytes is not None
@@ -388,6 +393,25 @@ def _kernel_runs(flat_remat: Callable, flat_base: Callable, structs: list, prima
         KernelRuns(name, kinds[name], counted[0].get(name, 0) / per, counted[1].get(name, 0) / per)
         for name in sorted(set(counted[0]) | set(counted[1]))
     )
+
+
+def _grouped_matmul_lines(label: str, flat_remat: Callable, flat_base: Callable, structs: list, layers) -> list[str]:
+    """A line naming the grouped matmuls (a mixture of experts' ``jax.lax.ragged_dot``) that the
+    policy's gradient runs beyond the gradient without remat, per layer given ``layers``; none if
+    it runs no more."""
+    runs, base = (
+        kernels.count_grouped_matmuls(jax.make_jaxpr(_explain_memory.gradient_program(f, structs, True))(*structs))
+        / (layers or 1)
+        for f in (flat_remat, flat_base)
+    )
+    if runs <= base:
+        return []
+    per = " per layer" if layers else ""
+    return [
+        f"grouped matmul re-run ({label}): {runs:g} grouped matmuls (jax.lax.ragged_dot){per} in the gradient, "
+        f"none: {base:g}; the backward pass runs the experts' matmuls again (JAX's dots policies name dot_general "
+        "only): dots, dots_no_batch, skip_cheap and selective keep them"
+    ]
 
 
 def _match_lines(chosen: Policy, jaxpr) -> list[str]:

@@ -24,7 +24,10 @@ KernelFlops = Callable[[Any], float | None]
 def equation_flops(eqn, kernel_flops: KernelFlops) -> float:
     """Cost-model FLOPs to recompute one equation's outputs from its inputs.
 
-    ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. ``conv``: 2 x output
+    ``dot_general``: 2 x batch x free(lhs) x free(rhs) x contracted. A grouped matmul
+    (``ragged_dot_general``): the work done, 2 x output elements x contracted, divided by the
+    number of groups where the ragged dimension is contracted (the output then has a group
+    dimension, and each row enters one group's product only). ``conv``: 2 x output
     elements x kernel elements / output features. Reductions: input elements. Nested
     checkpoint / custom-derivative calls: the sum over their body; a ``scan``: its body times
     its length. Shape-only ops: 0.
@@ -47,6 +50,8 @@ def equation_flops(eqn, kernel_flops: KernelFlops) -> float:
         lhs_shape = eqn.invars[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in lhs_contract)
         return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+    if name == _jaxpr.RAGGED_DOT_GENERAL:
+        return ragged_dot_flops(eqn)
     if name == _jaxpr.CONV:
         rhs_shape = eqn.invars[1].aval.shape
         out_features = rhs_shape[eqn.params["dimension_numbers"].rhs_spec[0]]
@@ -61,6 +66,25 @@ def equation_flops(eqn, kernel_flops: KernelFlops) -> float:
     if name.startswith(_jaxpr.REDUCE_PREFIX) or name in _jaxpr.REDUCTION_PRIMITIVES:
         return float(sum(math.prod(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape")))
     return float(sum(math.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
+
+
+def ragged_dot_flops(eqn) -> float:
+    """The work of a grouped matmul equation (``ragged_dot_general``), in every dimension layout a
+    gradient produces: 2 x rows x contracted x free in total, not per group.
+
+    The forward ``[m, k] x [g, k, n] -> [m, n]`` and the input's gradient ``[m, n] x [g, k, n] ->
+    [m, k]`` cost 2 x output elements x contracted; the weight's gradient ``[m, k] x [m, n] ->
+    [g, k, n]`` contracts the ragged dimension ``m``, whose rows each enter one group's product:
+    2 x output elements x contracted / g.
+    """
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = numbers.dot_dimension_numbers
+    lhs_shape = eqn.invars[0].aval.shape
+    contracted = math.prod(lhs_shape[d] for d in lhs_contract)
+    flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+    if set(numbers.lhs_ragged_dimensions) & set(lhs_contract):
+        flops /= max(eqn.invars[2].aval.shape[0], 1)  # the group sizes: one per group
+    return flops
 
 
 def jaxpr_flops(jaxpr, kernel_flops: KernelFlops) -> float:

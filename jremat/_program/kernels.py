@@ -258,6 +258,23 @@ def count_kernel_runs(
     return dict(runs)
 
 
+def count_grouped_matmuls(closed_jaxpr, *, loop_iterations: bool = True) -> int:
+    """How many grouped matmuls (``jax.lax.ragged_dot``: a mixture of experts' expert matmuls) a
+    traced program runs, every nested jaxpr walked as :func:`count_kernel_runs` walks them (only
+    those whose results the outputs use).
+
+    Args:
+      closed_jaxpr: a ``jax.make_jaxpr`` result or a ``Jaxpr``; usually of a value-and-gradient.
+      loop_iterations: count one inside a ``scan`` (a layer stack) once per iteration.
+    """
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    return sum(
+        _jaxpr.trip_count(enclosing) if loop_iterations else 1
+        for eqn, _, enclosing in _jaxpr.live_equations(jaxpr)
+        if eqn.primitive.name == _jaxpr.RAGGED_DOT_GENERAL
+    )
+
+
 def kernel_reruns(runs: Mapping[str, float], baseline_runs: Mapping[str, float]) -> dict[str, tuple[float, float]]:
     """The kernels run more often in ``runs`` than in ``baseline_runs``: name -> ``(runs, baseline)``."""
     return {k: (n, baseline_runs.get(k, 0)) for k, n in sorted(runs.items()) if n > baseline_runs.get(k, 0)}
