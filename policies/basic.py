@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from jremat import CallbackPolicy, NoRemat, register
-from jremat.internal import GroupedDotsSaveable
+from jremat.internal import BUILTIN_PARAMS, GroupedDotsSaveable
 
 
 @register("none", doc="Save every intermediate: no rematerialization (the function is left unchanged).")
@@ -34,9 +34,11 @@ def dots_policy() -> CallbackPolicy:
 @register(
     "dots_no_batch",
     doc="JAX's dots_with_no_batch_dims_saveable and grouped matmuls: save matmuls without batch dimensions "
-    "(the weight projections, a mixture of experts' grouped matmuls), recompute attention's batched matmuls "
-    "and everything else.",
+    "(the weight projections, a mixture of experts' grouped matmuls), recompute attention's batched matmuls and "
+    "everything else. Under a vmap, as in JAX, a matmul the vmap gives a batch dimension is recomputed; "
+    "per_call=true judges each call's own program instead (a pipeline's vmap over stages keeps each stage's matmuls).",
+    params=BUILTIN_PARAMS["dots_no_batch"],
 )
-def dots_no_batch_policy() -> CallbackPolicy:
-    """Build the ``dots_no_batch`` policy."""
-    return CallbackPolicy(GroupedDotsSaveable(only_if_no_batch_dims=True))
+def dots_no_batch_policy(per_call: bool) -> CallbackPolicy:
+    """Build the ``dots_no_batch`` policy (``per_call``: :attr:`jremat.CallbackPolicy.per_call`)."""
+    return CallbackPolicy(GroupedDotsSaveable(only_if_no_batch_dims=True), per_call=per_call)

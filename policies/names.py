@@ -263,6 +263,8 @@ class OffloadNames(CallbackPolicy):
 
     offload_src = "device"
     offload_dst = "pinned_host"
+    #: It decides by name, which a ``vmap`` does not change (its callback is opaque to jremat).
+    reads_batched_equations = False
 
     def __init__(self, offload: Iterable[str], save: Iterable[str] = ()):
         self.offload = tuple(offload)

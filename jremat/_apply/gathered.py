@@ -168,6 +168,14 @@ class KeepGathered(Policy):
         self._saving = saving
 
     @property
+    def per_call(self) -> bool:  # type: ignore[override]
+        return self._saving.per_call
+
+    @property
+    def reads_batched_equations(self) -> bool:  # type: ignore[override]
+        return self._saving.reads_batched_equations
+
+    @property
     def offload_src(self) -> str:
         return getattr(self.inner, "offload_src", "device")
 

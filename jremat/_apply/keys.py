@@ -63,7 +63,9 @@ BUILTIN_PARAMS: dict[str, dict[str, Param]] = {
         )
     },
     "dots": {},
-    "dots_no_batch": {},
+    "dots_no_batch": {
+        "per_call": Param("bool", False, "judge each call's own program, before a vmap around it (pipeline stages)")
+    },
     "every_k": {
         "k": Param("int", 4, "save one compute op in every k", min=1),
         "skip_cheap": Param("bool", False, "number only ops that skip_cheap would keep"),

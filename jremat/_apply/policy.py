@@ -53,9 +53,18 @@ class Policy(abc.ABC):
 
     Attributes:
       spec: the canonical spec string that builds this policy (``"every_k:k=4"``).
+      per_call: what is kept is decided on each call's own program, before a ``vmap`` around the
+        call batches it (the checkpoint sits in the tie's ``custom_vjp`` even with
+        ``prevent_cse=False``).
+      reads_batched_equations: what is kept is decided by JAX on the equations as batched (a JAX
+        policy callback whose answers a ``vmap`` may change, as
+        ``dots_with_no_batch_dims_saveable``'s): under a ``vmap`` that batches the call first, the
+        checkpoint runs untied, as ``jax.checkpoint`` would.
     """
 
     spec: str = ""
+    per_call: bool = False
+    reads_batched_equations: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -72,7 +81,9 @@ class Policy(abc.ABC):
 
         With ``prevent_cse=True`` a checkpoint that recomputes anything is also tied to its
         cotangent (:mod:`jremat._engine.tie`), so that XLA cannot merge the recomputation back into the
-        forward pass of straight-line code.
+        forward pass of straight-line code. A policy judged per call (:attr:`per_call`) sits in
+        the tie's ``custom_vjp`` even untied; one that reads batched equations
+        (:attr:`reads_batched_equations`) runs untied where a ``vmap`` batches the call first.
 
         Args:
           fn: a function of positional pytrees of arrays.
@@ -82,8 +93,8 @@ class Policy(abc.ABC):
         """
         checkpointed = self.checkpoint_untied(fn, prevent_cse=prevent_cse)
         tie = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
-        if tie and checkpointed is not fn:
-            return _tie.tie_to_cotangent(checkpointed)
+        if (tie or self.per_call) and checkpointed is not fn:
+            return _tie.tie_to_cotangent(checkpointed, tie=tie, untied_when_batched=self.reads_batched_equations)
         return checkpointed
 
     @abc.abstractmethod
@@ -130,10 +141,26 @@ class CallbackPolicy(Policy):
 
     The callback may also return :class:`jax.ad_checkpoint.Offloadable` /
     ``Recompute`` / ``Saveable``, as JAX allows.
+
+    Under ``jax.vmap`` the callback is asked what ``jax.checkpoint`` asks it: about the batched
+    equations where the ``vmap`` batches the call before any differentiation, so that
+    ``dots_with_no_batch_dims_saveable`` saves no matmul the ``vmap`` gave a batch dimension.
+    With ``per_call=True`` it is asked about each call's own program instead, unbatched (a
+    pipeline's ``vmap`` over stages: each stage's weight matmuls are kept).
+
+    Args:
+      callback: the JAX policy callable.
+      per_call: judge each call's own program, before batching (:attr:`Policy.per_call`).
     """
 
-    def __init__(self, callback: Callable):
+    def __init__(self, callback: Callable, per_call: bool = False):
         self.callback = callback
+        self.per_call = per_call
+
+    @property
+    def reads_batched_equations(self) -> bool:  # type: ignore[override]
+        """Whether a ``vmap`` that batches the call first may change what is kept (:attr:`Policy.reads_batched_equations`)."""
+        return not self.per_call and not _engine.same_under_batching(self.callback)
 
     def checkpoint_untied(self, fn, *, prevent_cse=True):
         return _engine.lower_checkpoint(fn, callback=self.callback, prevent_cse=prevent_cse)

@@ -38,7 +38,12 @@ PRIVATE_SYMBOLS: dict[tuple[str, str], str] = {
     "jax_remat3 (saved-residual reports), and the base of jremat's remat3 name tag, which also batches",
     ("jax._src.config", "remat3"): "switching between JAX's remat engines (the jax_remat3 flag)",
     ("jax._src.core", "trace_ctx"): "telling forward-mode differentiation (jvp, linearize) from reverse "
-    "mode, under which the cotangent tie (jremat._engine.tie) cannot apply",
+    "mode, under which the cotangent tie (jremat._engine.tie) cannot apply, and a vmap that batches a "
+    "checkpoint's inputs before any differentiation does",
+    ("jax._src.source_info_util", "set_name_stack"): "keeping the name stacks of a tied checkpoint's "
+    "equations what jax.checkpoint gives them (jremat._engine.tie)",
+    ("jax._src.source_info_util", "NameStack"): "keeping the name stacks of a tied checkpoint's "
+    "backward pass what jax.checkpoint gives them (jremat._engine.tie)",
     ("jax._src.config", "trace_context"): "keying jremat's trace caches on the configuration a trace "
     "depends on (x64, default device, ...), as jax.jit's cache does",
 }
@@ -180,6 +185,85 @@ def classic_remat_context():
     if not remat3_flag_exists():
         return contextlib.nullcontext()
     return remat3_enabled(False)
+
+
+def batched_first(values) -> bool:
+    """Whether a ``vmap`` batches ``values`` before any differentiation sees them.
+
+    True when the innermost trace that owns one of the tracers among ``values`` is a batch trace
+    (``jax.grad(lambda x: jax.vmap(f)(x))`` calling ``f``): JAX batches an equation on those values
+    first and differentiates the batched equation. False outside ``vmap``, when a differentiation
+    trace owns them first (``jax.vmap(jax.grad(f))``), and for values no active trace owns.
+
+    Args:
+      values: a pytree (arrays, tracers, anything else).
+
+    Raises:
+      MissingJaxInternal: if the running JAX has no trace context.
+    """
+    tracers = [leaf for leaf in jax.tree.leaves(values) if isinstance(leaf, jax.core.Tracer)]
+    if not tracers:
+        return False
+    trace = private("jax._src.core", "trace_ctx").trace
+    while trace is not None:
+        if any(getattr(t, "_trace", None) is trace for t in tracers):
+            return type(trace).__name__ == "BatchTrace"
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+def keep_name_stack() -> Callable[[], contextlib.AbstractContextManager]:
+    """A context-manager factory that sets JAX's name stack back to the one current now.
+
+    Equations bound inside carry the name stack of the place this was called, not the
+    transformations entered since (a ``jvp(...)`` that ``jax.vjp`` adds); a no-op on a JAX
+    without name stacks.
+    """
+    set_name_stack = _optional("jax._src.source_info_util", "set_name_stack")
+    if set_name_stack is None or source_current_name_stack is None:  # pragma: no cover
+        return contextlib.nullcontext
+    stack = source_current_name_stack()
+    return lambda: set_name_stack(stack)
+
+
+def skip_next_name_transform() -> contextlib.AbstractContextManager:
+    """A context manager under which the next transformation JAX enters adds nothing to the name stack.
+
+    ``jax.vjp``'s pullback enters ``transpose``: called inside this, the equations it binds carry
+    the name stack they would carry had the caller's own backward pass transposed them directly.
+    A no-op on a JAX whose name stacks are not built that way.
+    """
+    name_stack_type = _optional("jax._src.source_info_util", "NameStack")
+    set_name_stack = _optional("jax._src.source_info_util", "set_name_stack")
+    if name_stack_type is None or set_name_stack is None or source_current_name_stack is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    skipping = _skipping_name_stack(name_stack_type)
+    if skipping is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    return set_name_stack(skipping(source_current_name_stack().stack))
+
+
+@functools.cache
+def _skipping_name_stack(name_stack_type) -> Any:
+    """A subclass of JAX's ``NameStack`` whose ``transform`` returns the plain stack unchanged (once:
+    the result is a plain ``NameStack``); ``None`` if ``NameStack`` cannot be subclassed so."""
+    try:
+
+        class SkippingNameStack(name_stack_type):
+            __slots__ = ()
+
+            def transform(self, transform_name: str):
+                return name_stack_type(self.stack)
+
+            def __eq__(self, other) -> bool:
+                return isinstance(other, name_stack_type) and self.stack == other.stack
+
+            __hash__ = name_stack_type.__hash__
+
+        SkippingNameStack(())
+    except (TypeError, AttributeError):  # pragma: no cover
+        return None
+    return SkippingNameStack
 
 
 def forward_mode_active() -> bool:
@@ -359,10 +443,12 @@ def _value_then_tangent_of_jvp(primals, tangents):
 __all__ = [
     "PRIVATE_SYMBOLS",
     "MissingJaxInternal",
+    "batched_first",
     "classic_remat_context",
     "classic_name_primitive",
     "exclude_from_tracebacks",
     "forward_mode_active",
+    "keep_name_stack",
     "private",
     "remat3_enabled",
     "remat3_flag_exists",
@@ -372,6 +458,7 @@ __all__ = [
     "saved_residuals",
     "custom_vjp_forward_jaxpr",
     "scan_counts",
+    "skip_next_name_transform",
     "source_current_name_stack",
     "source_summarize",
     "source_user_context",

@@ -120,6 +120,24 @@ def natively_understood(callback: Callable | None) -> bool:
     return type(callback) in native_types
 
 
+def same_under_batching(callback: Callable | None) -> bool:
+    """Whether ``callback`` keeps the same values of a program whether or not a ``vmap`` batched it.
+
+    True for ``None`` / ``nothing_saveable`` / ``everything_saveable``, ``dots_saveable`` (a
+    batched matmul is a matmul), and the name-based ``save_only_these_names`` /
+    ``save_any_names_but_these`` (and :class:`DotsAndNames` without the batch-dimension rule);
+    False for ``dots_with_no_batch_dims_saveable`` (a ``vmap`` adds batch dimensions) and any
+    other callable, which may read shapes or parameters.
+    """
+    cp = jax.checkpoint_policies
+    if callback is None or callback is cp.nothing_saveable or callback is cp.everything_saveable:
+        return True
+    if type(callback) in (DotsSaveable, DotsAndNames):
+        dots: Any = callback
+        return not dots.only_if_no_batch_dims
+    return type(callback) in (SaveOnlyTheseNames, type(cp.save_any_names_but_these()))
+
+
 def lower_checkpoint(
     fn: Callable,
     *,
@@ -402,6 +420,7 @@ __all__ = [
     "checkpoint_chosen",
     "lower_checkpoint",
     "natively_understood",
+    "same_under_batching",
     "DotsAndNames",
     "GROUPED_MATMUL_TAG",
     "GroupedDotsSaveable",

@@ -20,7 +20,9 @@ one element of each output cotangent: that factor is exactly ``1.0`` whatever ``
 zeros, infinities and NaNs included) are unchanged bit for bit, yet XLA cannot fold it away
 (float ``0 * x`` is not simplified). Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
 ``jax.hessian``'s outer pass, ``jax.linearize``) recomputes nothing, so there the checkpoint
-runs untied.
+runs untied; so does a backward pass run eagerly (a ``jax.vjp`` pullback called outside any
+``jit``, nothing traced): no compiler sees it whole, and the tie's ops would each compile on the
+pullback's first call, where ``jax.checkpoint``'s compiles nothing more (JAX's issue 9661).
 
 On a mesh the element ``c`` reads lives on one device, so XLA's SPMD partitioner broadcasts it:
 each tied checkpoint costs one 4-byte all-reduce in its backward step (no SPMD-expressible scalar
@@ -46,12 +48,22 @@ from jremat._engine import jax_compat as _jax_compat
 TIE_SCOPE = "jremat_cotangent_tie"
 
 
-def tie_to_cotangent(fn: Callable) -> Callable:
+def tie_to_cotangent(fn: Callable, *, tie: bool = True, untied_when_batched: bool = False) -> Callable:
     """Make the recomputation in ``fn``'s backward pass wait for its output cotangent.
+
+    ``fn``'s backward pass is its own ``jax.vjp`` inside a ``custom_vjp``, linearized on each
+    call's own program: what its checkpoints keep is fixed per call, before any ``vmap`` around
+    the call batches it (a ``custom_vjp``'s forward rule is traced unbatched). Its equations carry
+    the name stacks ``fn``'s would carry without the ``custom_vjp``.
 
     Args:
       fn: a (usually checkpointed) function of pytrees of arrays, returning a pytree.
         It may close over values being differentiated (a shared weight).
+      tie: tie the saved values to the cotangent; ``False`` keeps only the per-call ``custom_vjp``
+        (a policy judged per call, :attr:`jremat.Policy.per_call`, under ``prevent_cse=False``).
+      untied_when_batched: call ``fn`` as it is when a ``vmap`` batches the call before any
+        differentiation sees it, so that JAX judges ``fn``'s checkpoints on the batched program as
+        ``jax.checkpoint``'s would be (:attr:`jremat.Policy.reads_batched_equations`).
 
     Returns:
       A function with the same values and gradients as ``fn``, bit for bit; under reverse-mode
@@ -65,36 +77,61 @@ def tie_to_cotangent(fn: Callable) -> Callable:
         # custom_vjp takes neither keyword arguments nor traced values it closes over: pass
         # both as explicit inputs.
         converted, consts = jax.closure_convert(lambda a, kw: fn(*a, **kw), args, kwargs)
-        return _tied_call(converted, tuple(consts), (args, kwargs))
+        if untied_when_batched and _jax_compat.batched_first((args, kwargs, consts)):
+            return fn(*args, **kwargs)
+        return _tied_call(converted, tuple(consts), (args, kwargs), tie)
 
     return tied
 
 
-def _tied_call(converted: Callable, consts: tuple, args: tuple):
+def _tied_call(converted: Callable, consts: tuple, args: tuple, tie: bool):
     @jax.custom_vjp
     def call(consts, args):
         return converted(*args, *consts)
 
     def call_fwd(consts, args):
-        return jax.vjp(lambda c, a: converted(*a, *c), consts, args)
+        # jax.vjp adds a jvp( ) to the name stack of what it runs; the equations keep the caller's.
+        caller_name_stack = _jax_compat.keep_name_stack()
+
+        def primal(c, a):
+            with caller_name_stack():
+                return converted(*a, *c)
+
+        return jax.vjp(primal, consts, args)
 
     def call_bwd(vjp_fn, cotangent):
         residuals, treedef = jax.tree.flatten(vjp_fn)
-        # A cotangent may be a Python scalar (jax.vjp's pullback called with 1.0): no .dtype.
-        float_cotangents = [
-            jnp.asarray(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(jnp.result_type(c), jnp.floating)
-        ]
-        if float_cotangents:
-            # One element of every cotangent: some may be zeros that XLA folds (an output the
-            # loss does not use, such as state written back), never all of those that matter.
-            # The scope names the all-reduce XLA adds on a mesh (jremat._measure.collectives reads it).
-            with jax.named_scope(TIE_SCOPE):
-                probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
-            residuals = [_times_exact_one(r, probe) for r in residuals]
-        return jax.tree.unflatten(treedef, residuals)(cotangent)
+        if tie and _traced((residuals, cotangent)):
+            residuals = _tied_residuals(residuals, cotangent)
+        # The pullback enters transpose( ), which the caller's backward pass has entered already.
+        with _jax_compat.skip_next_name_transform():
+            return jax.tree.unflatten(treedef, residuals)(cotangent)
 
     call.defvjp(call_fwd, call_bwd)
     return call(consts, args)
+
+
+def _tied_residuals(residuals: list, cotangent) -> list:
+    """``residuals``, each computed after a scalar read from every floating-point cotangent."""
+    # A cotangent may be a Python scalar (jax.vjp's pullback called with 1.0): no .dtype.
+    float_cotangents = [
+        jnp.asarray(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(jnp.result_type(c), jnp.floating)
+    ]
+    if not float_cotangents:
+        return residuals
+    # One element of every cotangent: some may be zeros that XLA folds (an output the
+    # loss does not use, such as state written back), never all of those that matter.
+    # The scope names the all-reduce XLA adds on a mesh (jremat._measure.collectives reads it).
+    with jax.named_scope(TIE_SCOPE):
+        probe = jnp.isnan(sum(_one_element(c).astype(jnp.float32) for c in float_cotangents))
+    return [_times_exact_one(r, probe) for r in residuals]
+
+
+def _traced(values) -> bool:
+    """Whether a leaf of ``values`` is a tracer: whether a program is being built. An eager
+    pullback (``jax.vjp(f, x)[1](ct)`` outside any ``jit``) runs op by op, so no compiler sees its
+    recomputation next to the forward pass, and each op of a tie would compile on its first call."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(values))
 
 
 def _one_element(cotangent):

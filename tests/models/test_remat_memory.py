@@ -82,7 +82,7 @@ def test_cotangent_tie_only_where_xla_could_merge_recomputation(
 
     made = []
     real = tie.tie_to_cotangent
-    monkeypatch.setattr(tie, "tie_to_cotangent", lambda fn: made.append(fn) or real(fn))
+    monkeypatch.setattr(tie, "tie_to_cotangent", lambda fn, **options: made.append(fn) or real(fn, **options))
     cfg = preset(
         "tiny",
         n_layers=n_layers,
