@@ -1,6 +1,6 @@
 """Reference Flax NNX transformer language model for jremat (needs the ``[train]`` extra).
 
-``GPT`` and ``cross_entropy_loss`` (and with them Flax) load on first use (PEP 562), so the CLIs
+``GPT``, ``cross_entropy_loss`` and ``moe_aux_losses`` (and with them Flax) load on first use (PEP 562), so the CLIs
 read the presets and check their flags before JAX and Flax are imported.
 """
 
@@ -11,11 +11,11 @@ if _missing := missing_modules(("flax",)):
 
 from jremat.models.config import PRESETS, ModelConfig, preset
 
-__all__ = ["GPT", "ModelConfig", "PRESETS", "cross_entropy_loss", "preset"]
+__all__ = ["GPT", "ModelConfig", "PRESETS", "cross_entropy_loss", "moe_aux_losses", "preset"]
 
 
 def __getattr__(name: str):
-    if name in ("GPT", "cross_entropy_loss"):
+    if name in ("GPT", "cross_entropy_loss", "moe_aux_losses"):
         from jremat.models import gpt
 
         value = getattr(gpt, name)

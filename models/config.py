@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jremat
 
@@ -61,6 +62,21 @@ class ModelConfig:
         ``"COUNT:SPEC,...[,rest:SPEC]"``: ``"2:full,rest:none"`` rematerializes layers 0-1 fully
         and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
         (default): every layer uses ``remat_policy``. See :func:`jremat.internal.parse_layer_policies`.
+      moe_experts: 0 (default) for the dense MLP in every block; ``E > 0`` replaces it with a
+        mixture-of-experts FFN of ``E`` experts, each a GELU MLP of width ``d_ff`` without biases
+        (:class:`models.moe.MoE`, docs/moe.md).
+      moe_top_k: experts each token is routed to (a softmax router's top-k, their probabilities
+        renormalized to sum to 1); at most ``moe_experts``.
+      moe_capacity_factor: under expert parallelism (a mesh with an ``expert`` axis), the slots
+        each device sends each expert, as a multiple of its even share ``tokens * top_k / experts``;
+        assignments beyond them are dropped (Switch/GShard). On one device dispatch is dropless
+        and this is not used.
+      moe_load_balance_coef: weight of the load-balancing auxiliary loss (Switch Transformer:
+        ``experts * sum_e f_e * P_e`` per layer) in the training gradient.
+      moe_router_z_coef: weight of the router z-loss (ST-MoE: the mean squared log-sum-exp of
+        the router logits, per layer) in the training gradient.
+      moe_shared_expert: add a dense GELU MLP of width ``d_ff`` (the model's ``MLP``, tagged
+        with the MLP names) that every token goes through, beside the routed experts.
     """
 
     vocab_size: int = 10000
@@ -81,6 +97,12 @@ class ModelConfig:
     remat_head_chunks: int = 0
     attention: str = "explicit"
     attention_block_size: int = 128
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_load_balance_coef: float = 0.01
+    moe_router_z_coef: float = 0.001
+    moe_shared_expert: bool = False
 
     def __post_init__(self):
         # A string is read without JAX (the CLIs read the presets before JAX is imported).
@@ -110,6 +132,7 @@ class ModelConfig:
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}, got {getattr(self, field)!r}")
         self._check_attention()
+        self._check_moe()
         # The default remat fields fit every stack; not checking them (which loads the policy
         # registry, and JAX) lets the CLIs read the presets before JAX is imported.
         if (self.remat_policy, self.remat_granularity, self.remat_layer_policies) != ("full", "block", ""):
@@ -140,11 +163,35 @@ class ModelConfig:
                     f"({CUDNN_MAX_HEAD_DIM_HOPPER} on Hopper), got {self.head_dim}; use attention 'blockwise' or 'xla'"
                 )
 
+    def _check_moe(self) -> None:
+        experts, top_k = self.moe_experts, self.moe_top_k
+        if not _is_int(experts) or experts < 0:
+            raise ValueError(f"moe_experts must be an integer >= 0 (0: the dense MLP), got {experts!r}")
+        if not _is_int(top_k) or top_k < 1:
+            raise ValueError(f"moe_top_k must be a positive integer, got {top_k!r}")
+        if experts and top_k > experts:
+            raise ValueError(
+                f"moe_top_k {top_k} is more than the {experts} experts (moe_experts); use at most {experts}"
+            )
+        factor = self.moe_capacity_factor
+        if not _is_number(factor) or factor <= 0:
+            raise ValueError(f"moe_capacity_factor must be a positive number, got {factor!r}")
+        for field in ("moe_load_balance_coef", "moe_router_z_coef"):
+            value = getattr(self, field)
+            if not _is_number(value) or value < 0:
+                raise ValueError(f"{field} must be a number >= 0, got {value!r}")
+        if not isinstance(self.moe_shared_expert, bool):
+            raise ValueError(f"moe_shared_expert must be True or False, got {self.moe_shared_expert!r}")
+
     def parameter_count(self) -> int:
         """Parameters of the GPT this config builds (embeddings, blocks, final LayerNorm, head; biases included)."""
         d, inner, d_ff = self.d_model, self.n_heads * self.head_dim, self.d_ff
         attention = 3 * (d * inner + inner) + inner * d + d
-        mlp = d * d_ff + d_ff + d_ff * d + d
+        dense_mlp = d * d_ff + d_ff + d_ff * d + d
+        if self.moe_experts:  # router, the experts' two matrices (no biases), the shared expert
+            mlp = d * self.moe_experts + self.moe_experts * 2 * d * d_ff + (dense_mlp if self.moe_shared_expert else 0)
+        else:
+            mlp = dense_mlp
         block = attention + mlp + 4 * d  # two LayerNorms
         return (
             self.vocab_size * d
@@ -178,6 +225,14 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_attention_backend(attention: str, head_dim: int, devices=None) -> None:

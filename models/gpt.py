@@ -5,6 +5,11 @@ Read top to bottom: :class:`Attention`, :class:`MLP`, :class:`Block` (pre-LayerN
 block parameters by default). The model never chooses a policy: it tags intermediates with the
 names in :mod:`jremat.names` and marks its checkpointable pieces with :func:`jremat.remat_at`.
 
+With ``cfg.moe_experts > 0`` each block's MLP is a mixture-of-experts FFN (:class:`models.moe.MoE`,
+docs/moe.md), optionally beside a shared dense expert; the router's auxiliary losses reach the
+gradient through :func:`models.moe.with_aux_gradient` (the loss stays the cross-entropy), and
+:func:`moe_aux_losses` reads their values.
+
 Randomness is explicit: ``GPT.__call__`` takes a ``key`` (``None`` = deterministic); each layer
 gets ``fold_in(key, layer)`` and each dropout site ``fold_in(layer_key, site_id)``, so a
 recomputed block draws exactly the masks of the original forward pass.
@@ -22,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jremat
 from jremat import attention, names, ops
 from jremat.models.config import ModelConfig
+from jremat.models.moe import ExpertParallel, MoE, with_aux_gradient
 
 # Dropout site ids inside one block; each site's mask comes from fold_in(layer_key, site).
 ATTN_DROPOUT_SITE = 0
@@ -110,14 +116,25 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-LayerNorm transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+    """Pre-LayerNorm transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
+
+    With ``cfg.moe_experts > 0`` the MLP is :class:`models.moe.MoE` (attribute ``moe``), plus a
+    dense :class:`MLP` every token goes through (attribute ``shared_expert``) with
+    ``cfg.moe_shared_expert``; a dense block has the attribute ``mlp``.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         param_dtype = jnp.dtype(cfg.param_dtype)
         self.ln1 = LayerNorm(cfg.d_model, param_dtype=param_dtype)
         self.attn = Attention(cfg, rngs=rngs)
         self.ln2 = LayerNorm(cfg.d_model, param_dtype=param_dtype)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.moe_experts:
+            self.moe = MoE(cfg, rngs=rngs)
+            if cfg.moe_shared_expert:
+                self.shared_expert = MLP(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
+        self.moe_coefs = (cfg.moe_load_balance_coef, cfg.moe_router_z_coef) if cfg.moe_experts else None
         self.resid_dropout = cfg.resid_dropout
 
     def attention_sublayer(self, x, key):
@@ -125,14 +142,41 @@ class Block(nnx.Module):
         h = checkpoint_name(self.ln1(x), names.LN1_OUT)
         return x + jremat.dropout(self.attn(h, key), self.resid_dropout, key, ATTN_RESID_DROPOUT_SITE)
 
-    def mlp_sublayer(self, x, key):
-        """``x + dropout(mlp(ln2(x)))``."""
+    def mlp_sublayer(self, x, key, expert_parallel: ExpertParallel | None = None):
+        """``x + dropout(mlp(ln2(x)))``; with MoE, the router's weighted auxiliary losses join the
+        gradient (:func:`models.moe.with_aux_gradient`).
+
+        Args:
+          x: the residual stream ``[batch, seq, d_model]``.
+          key: the layer's dropout key, or ``None``.
+          expert_parallel: the expert-parallel layout of an MoE block on a mesh, or ``None``.
+        """
+        out, aux = self.mlp_sublayer_terms(x, key, expert_parallel)
+        if aux is None:
+            return out
+        load_balance, router_z = aux
+        lb_coef, z_coef = self.moe_coefs
+        return with_aux_gradient(out, lb_coef * load_balance + z_coef * router_z)
+
+    def mlp_sublayer_terms(self, x, key, expert_parallel: ExpertParallel | None = None):
+        """``(x + dropout(ffn(ln2(x))), aux)``: ``aux`` is ``None`` for a dense block, else the
+        MoE layer's unweighted ``(load_balance, router_z)`` float32 scalars."""
         h = checkpoint_name(self.ln2(x), names.LN2_OUT)
-        return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE)
+        if self.moe_coefs is None:
+            return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE), None
+        ffn, load_balance, router_z = self.moe(h, expert_parallel)
+        if hasattr(self, "shared_expert"):
+            ffn = ffn + self.shared_expert(h)
+        return x + jremat.dropout(ffn, self.resid_dropout, key, MLP_RESID_DROPOUT_SITE), (load_balance, router_z)
 
 
 def make_block_fn(
-    graphdef, config: jremat.RematConfig, policy: jremat.Policy, activation_sharding=None, weight_sharding=None
+    graphdef,
+    config: jremat.RematConfig,
+    policy: jremat.Policy,
+    activation_sharding=None,
+    weight_sharding=None,
+    expert_parallel: ExpertParallel | None = None,
 ):
     """The pure per-layer function ``(block_params, x, key) -> x`` with remat marked.
 
@@ -149,6 +193,8 @@ def make_block_fn(
         gathered (FSDP-unsharded) placement: the gathered weights are then values of the
         checkpoint, which a policy with ``keep_gathered=true`` keeps for the backward pass instead
         of gathering them again (``train.sharding.GatheredWeights``).
+      expert_parallel: ``None`` (default) or, for an MoE model on a mesh with an ``expert`` axis,
+        the layout its MoE layers run in (:class:`models.moe.ExpertParallel`).
     """
     constrain = activation_sharding if activation_sharding is not None else (lambda x: x)
     gather = weight_sharding if weight_sharding is not None else (lambda p: p)
@@ -157,7 +203,7 @@ def make_block_fn(
         return nnx.merge(graphdef, gather(params)).attention_sublayer(x, key)
 
     def mlp_part(params, x, key):
-        return nnx.merge(graphdef, gather(params)).mlp_sublayer(x, key)
+        return nnx.merge(graphdef, gather(params)).mlp_sublayer(x, key, expert_parallel)
 
     attention_part = jremat.remat_at(attention_part, "sublayer", config, policy=policy)
     mlp_part = jremat.remat_at(mlp_part, "sublayer", config, policy=policy)
@@ -181,12 +227,28 @@ class GPT(nnx.Module):
         attribute, so it is part of the graph definition.
       weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied to
         each layer's parameters in its sublayers (see :func:`make_block_fn`), likewise static.
+      expert_parallel: ``None`` (default) or the :class:`models.moe.ExpertParallel` layout of an
+        MoE model's layers on a mesh with an ``expert`` axis (see :func:`make_block_fn`), likewise static.
+
+    Raises:
+      ValueError: an ``expert_parallel`` layout for a dense model.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, activation_sharding=None, weight_sharding=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        activation_sharding=None,
+        weight_sharding=None,
+        expert_parallel: ExpertParallel | None = None,
+    ):
+        if expert_parallel is not None and not cfg.moe_experts:
+            raise ValueError("expert_parallel is the layout of an MoE model's experts, but moe_experts is 0")
         self.cfg = cfg
         self.activation_sharding = activation_sharding
         self.weight_sharding = weight_sharding
+        self.expert_parallel = expert_parallel
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         init = nnx.initializers.normal(0.02)
@@ -216,19 +278,29 @@ class GPT(nnx.Module):
         Args and raises as :meth:`__call__`.
         """
         cfg = self.cfg
-        seq = tokens.shape[1]
-        if seq > cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        x = self.token_embed(tokens) + self.pos_embed[None, :seq].astype(jnp.dtype(cfg.dtype))
+        x = self.embed(tokens)
         remat = cfg.remat_config()
         graphdef, stacked = nnx.split(self.blocks)
         return jremat.run_layers(
-            lambda policy: make_block_fn(graphdef, remat, policy, self.activation_sharding, self.weight_sharding),
+            lambda policy: make_block_fn(
+                graphdef, remat, policy, self.activation_sharding, self.weight_sharding, self.expert_parallel
+            ),
             stacked,
             x,
             jremat.layer_keys(key, cfg.n_layers),
             remat,
         )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token plus position embeddings ``[batch, seq, d_model]``: the first block's input.
+
+        Raises:
+          ValueError: if the sequence is longer than ``cfg.max_seq_len``.
+        """
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        return self.token_embed(tokens) + self.pos_embed[None, :seq].astype(jnp.dtype(self.cfg.dtype))
 
 
 def _summed_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -264,3 +336,38 @@ def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: j
 
         total = jremat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
     return total / targets.size
+
+
+def moe_aux_losses(model: GPT, tokens: jax.Array, key: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The router's auxiliary losses of an MoE model on ``tokens``, averaged over the layers.
+
+    The training gradient is that of ``cross_entropy_loss + n_layers * (moe_load_balance_coef *
+    load_balance + moe_router_z_coef * router_z)`` with these means (each layer's losses weighted
+    and summed, :func:`models.moe.with_aux_gradient`). The blocks run one after the other without
+    remat, as the model's forward pass computes them.
+
+    Args:
+      model: an MoE :class:`GPT` (``cfg.moe_experts > 0``).
+      tokens: ``[batch, seq]`` inputs.
+      key: dropout key or ``None``.
+
+    Returns:
+      ``{"load_balance": ..., "router_z": ...}``, float32 scalars.
+
+    Raises:
+      ValueError: for a dense model, or a sequence longer than ``cfg.max_seq_len``.
+    """
+    cfg = model.cfg
+    if not cfg.moe_experts:
+        raise ValueError("moe_aux_losses needs an MoE model (moe_experts > 0)")
+    x = model.embed(tokens)
+    graphdef, stacked = nnx.split(model.blocks)
+    keys = jremat.layer_keys(key, cfg.n_layers)
+    totals = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
+    for layer in range(cfg.n_layers):
+        block = nnx.merge(graphdef, jax.tree.map(lambda leaf, i=layer: leaf[i], stacked))
+        layer_key = None if keys is None else keys[layer]
+        x = block.attention_sublayer(x, layer_key)
+        x, aux = block.mlp_sublayer_terms(x, layer_key, model.expert_parallel)
+        totals = [total + term for total, term in zip(totals, aux)]
+    return {"load_balance": totals[0] / cfg.n_layers, "router_z": totals[1] / cfg.n_layers}

@@ -65,7 +65,7 @@ class TrainConfig(model_flags.ModelFlags):
     memory_report: bool = option(True, "print the compile-time memory report at start")
     mesh: str | None = option(
         None,
-        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, e.g. data=4,fsdp=2 "
+        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence (and expert for --moe-experts), e.g. data=4,fsdp=2 "
         "(sizes multiply to the device count; default: one device, no sharding)",
     )
     init_timeout_s: float = option(
@@ -159,6 +159,7 @@ class TrainConfig(model_flags.ModelFlags):
         spec = self.policy_spec()  # raises UsageError on a bad policy
         if self.mesh is not None:  # syntax and divisibility here; the device count when the mesh is built
             check_mesh_flag(self.mesh, None if self.batch_size == AUTO_BATCH else self.batch_size, self.seq_len)
+            model_flags.check_expert_mesh(self.mesh, self.moe_experts)
         if self.memory_budget is not None:
             require(
                 self.resolved_policy().name == "auto" or self.batch_size == AUTO_BATCH,

@@ -93,7 +93,7 @@ class MemoryConfig(model_flags.ModelFlags):
     finalists: int = option(3, "with --fit: how many candidates are timed")
     mesh: str | None = option(
         None,
-        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence, as train.ptb's --mesh: compile the sharded "
+        "device mesh AXIS=SIZE,... over data, fsdp, tensor, sequence (and expert), as train.ptb's --mesh: compile the sharded "
         "gradient step per policy and report per-device peak and temp and its collectives (count and bytes per "
         "device, and what each policy re-issues beside none); with --fit, search the sharded train step against a "
         "per-device budget, batches per data-parallel shard",
@@ -155,6 +155,8 @@ class MemoryConfig(model_flags.ModelFlags):
                 "a head count that divides d_model",
             )
         model_flags.check(self, self.seq_len)
+        if self.mesh is not None:
+            model_flags.check_expert_mesh(self.mesh, self.moe_experts)
         if self.remat_head_chunks is not None:  # derived from the model flags: checked after them
             require_int("remat_head_chunks", self.remat_head_chunks, minimum=0)
             require(
@@ -283,6 +285,10 @@ class MemoryConfig(model_flags.ModelFlags):
                 argv += [f"--{field.replace('_', '-')}", str(value)]
         for module in self.policy_module:
             argv += ["--policy-module", module]
+        if self.moe_experts:  # a dense model's MoE flags change nothing
+            for field, value in model_flags.moe_overrides(self).items():
+                flag = f"--{field.replace('_', '-')}"
+                argv += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
         return argv + (["--unrolled"] if self.unrolled else [])
 
 

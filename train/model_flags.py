@@ -1,14 +1,14 @@
 """The model flags the CLIs share, declared once: frozen dataclasses that a CLI's config inherits.
 
 :class:`ComputeFlags` (``--attention``, ``--attention-block-size``, ``--dtype``,
-``--remat-head-chunks``) is in every CLI that builds the model (``train.ptb``, ``train.memory``,
-``train.bench``); :class:`ModelFlags` adds the flags of the one preset model that ``train.ptb``
-and ``train.memory`` build (``--preset``, ``--seq-len``, ``--max-seq-len``, ``--dropout``,
+``--remat-head-chunks``, and the mixture-of-experts flags of :class:`MoEFlags`: ``--moe-experts``, ...)
+is in every CLI that builds the model (``train.ptb``, ``train.memory``, ``train.bench``);
+:class:`ModelFlags` adds the flags of the one preset model that ``train.ptb`` and ``train.memory`` build (``--preset``, ``--seq-len``, ``--max-seq-len``, ``--dropout``,
 ``--granularity``, ``--unrolled``). A config inherits the group, so its fields become flags through
 the one mechanism of :mod:`train.cli` (inherited fields come first); a CLI gives a shared flag its
 own default with :func:`cli_default`, which keeps the flag's declaration (help, choices).
 ``train.bench`` has none of :class:`ModelFlags`' own flags: each bench model keeps its own preset,
-positions and sequence length. :func:`model_overrides` turns the attention flags and
+positions and sequence length. :func:`model_overrides` turns the attention and MoE flags and
 ``--max-seq-len`` into :class:`~jremat.models.ModelConfig` overrides.
 """
 
@@ -22,7 +22,7 @@ import jremat
 from jremat.models import PRESETS, ModelConfig
 from jremat.models.config import ATTENTIONS, DTYPES, check_attention_backend
 from jremat.train.cli import UsageError, option
-from jremat.train.value_checks import require, require_choice, require_int
+from jremat.train.value_checks import require, require_choice, require_int, require_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,63 @@ class AttentionFlags:
 
 
 @dataclasses.dataclass(frozen=True)
-class ComputeFlags(AttentionFlags):
-    """``--dtype`` and ``--remat-head-chunks`` (with the attention flags): how every CLI's model computes.
+class MoEFlags:
+    """The mixture-of-experts flags (docs/moe.md): ``--moe-experts E`` (0: the dense MLP) and how the
+    experts are routed, trained and dispatched; the :class:`~jremat.models.ModelConfig` fields of the
+    same names."""
+
+    moe_experts: int = option(0, "experts of a mixture-of-experts FFN in every block; 0: the dense MLP (docs/moe.md)")
+    moe_top_k: int = option(2, "with --moe-experts: experts each token is routed to (softmax top-k router)")
+    moe_capacity_factor: float = option(
+        1.25,
+        "with --moe-experts on a --mesh with an expert axis: slots per expert each device sends, as a multiple "
+        "of its even share; assignments beyond them are dropped (one device: dropless)",
+    )
+    moe_load_balance_coef: float = option(0.01, "with --moe-experts: weight of the load-balancing loss")
+    moe_router_z_coef: float = option(0.001, "with --moe-experts: weight of the router z-loss")
+    moe_shared_expert: bool = option(False, "with --moe-experts: add a dense shared expert every token goes through")
+
+    def check_moe_flags(self) -> None:
+        """Check the MoE flags' values (the expert axis of ``--mesh``: :func:`check_expert_mesh`).
+
+        Raises:
+          UsageError: the first bad value, naming its flag.
+        """
+        require_int("moe_experts", self.moe_experts, minimum=0)
+        require_int("moe_top_k", self.moe_top_k)
+        require(
+            not self.moe_experts or self.moe_top_k <= self.moe_experts,
+            f"--moe-top-k {self.moe_top_k} is more than --moe-experts {self.moe_experts}: a token is routed to "
+            f"at most every expert; use --moe-top-k {self.moe_experts} or less",
+        )
+        require_number("moe_capacity_factor", self.moe_capacity_factor)
+        require_number("moe_load_balance_coef", self.moe_load_balance_coef, inclusive=True)
+        require_number("moe_router_z_coef", self.moe_router_z_coef, inclusive=True)
+
+
+def moe_overrides(config) -> dict[str, Any]:
+    """The :class:`~jremat.models.ModelConfig` fields of the MoE flags (:class:`MoEFlags`)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(MoEFlags)}
+
+
+def check_expert_mesh(mesh: str, moe_experts: int) -> None:
+    """The ``expert`` axis of ``--mesh`` fits ``--moe-experts`` (:func:`train.experts.check_expert_axis`).
+
+    Raises:
+      UsageError: a bad mesh spec, an expert axis for a dense model, or one that does not divide the experts.
+    """
+    from jremat.train import experts, sharding  # imports JAX: only for a run that gives --mesh
+
+    try:
+        size = sharding.parse_mesh(mesh).get(sharding.EXPERT_AXIS, 1)
+        experts.check_expert_axis(size, moe_experts)
+    except ValueError as err:
+        raise UsageError(f"--mesh {mesh}: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeFlags(MoEFlags, AttentionFlags):
+    """``--dtype`` and ``--remat-head-chunks`` (with the attention and MoE flags): how every CLI's model computes.
 
     Declared with no default; each CLI gives its own with :func:`cli_default`.
     """
@@ -104,13 +159,14 @@ def check(config, seq_len: int | None) -> None:
     """Check the shared flags and that ``seq_len`` fits the learned positions.
 
     Raises:
-      UsageError: for an unknown attention, a block size, position count or ``seq_len`` that is
-        not a positive integer, a sequence longer than the positions, or a sequence the
+      UsageError: for an unknown attention, a bad MoE flag (:meth:`MoEFlags.check_moe_flags`), a
+        block size, position count or ``seq_len`` that is not a positive integer, a sequence longer than the positions, or a sequence the
         ``pallas`` kernel's block does not suit. ``--max-seq-len`` is
         checked before ``seq_len``, which may be derived from it.
     """
     require_choice("attention", config.attention, ATTENTIONS)
     require_int("attention_block_size", config.attention_block_size)
+    config.check_moe_flags()
     if config.max_seq_len is not None:
         require_int("max_seq_len", config.max_seq_len)
     if seq_len is not None:
@@ -135,6 +191,7 @@ def check(config, seq_len: int | None) -> None:
 def model_overrides(config) -> dict[str, Any]:
     """The :class:`~jremat.models.ModelConfig` fields these flags set."""
     overrides: dict[str, Any] = dict(attention=config.attention, attention_block_size=config.attention_block_size)
+    overrides.update(moe_overrides(config))
     if config.max_seq_len is not None:
         overrides["max_seq_len"] = config.max_seq_len
     return overrides

@@ -378,6 +378,7 @@ def prepare_run(cfg: TrainConfig, state_files, signals, primary: bool, log, prog
     return PreparedRun(
         cfg, model_cfg, corpus, train_batches, valid_batches, test_batches, total_steps, opt_cfg, put,
         params, opt_state, base_key, start_step, metrics, train_step, eval_step,
+        step_lib.make_moe_aux_step(graphdef) if model_cfg.moe_experts else None,
     )  # fmt: skip
 
 

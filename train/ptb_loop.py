@@ -36,6 +36,8 @@ class RunResult:
       losses: per-step training losses of the steps run in this process, by step number.
       valid_ppl / test_ppl: final perplexities (``None`` if not reached).
       valid_history: ``(step, valid perplexity)`` of the periodic evaluations.
+      moe_aux: an MoE model's final router losses on the valid split (load balance, router
+        z-loss: :func:`models.moe_aux_losses`), ``None`` for a dense model.
       mean_step_time_s: mean wall time per optimizer step in this process (compile excluded).
       tokens_per_s: training tokens per second over those steps.
       message: a one-paragraph description of how the run ended.
@@ -50,6 +52,7 @@ class RunResult:
     mean_step_time_s: float | None = None
     tokens_per_s: float | None = None
     message: str = ""
+    moe_aux: dict[str, float] | None = None
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class PreparedRun:
       params / opt_state / base_key: the training state.
       metrics: the metrics file (process 0, with ``--metrics-file``), or ``None``.
       train_step / eval_step: the compiled steps.
+      moe_aux_step: an MoE model's router losses (:func:`train.step.make_moe_aux_step`), ``None`` if dense.
     """
 
     cfg: TrainConfig
@@ -85,6 +89,7 @@ class PreparedRun:
     metrics: MetricsFile | None
     train_step: Callable
     eval_step: Callable
+    moe_aux_step: Callable | None = None
 
     @property
     def per_epoch(self) -> int:
@@ -225,6 +230,8 @@ def finish_run(run: PreparedRun, result: RunResult, signals, state_files, log) -
     )
     result.valid_ppl = perplexity(evaluate(run.eval_step, run.params, run.valid_batches, run.cfg.eval_batches, run.put))
     result.test_ppl = perplexity(evaluate(run.eval_step, run.params, run.test_batches, run.cfg.eval_batches, run.put))
+    if run.moe_aux_step is not None:
+        result.moe_aux = moe_aux_means(run.moe_aux_step, run.params, run.valid_batches, run.cfg.eval_batches, run.put)
     result.message = f"finished {step} steps"
     log(summary_table(run.cfg, run.model_cfg, result))
     return result
@@ -240,6 +247,18 @@ def evaluate(
         x, y = batches[i]
         total += float(eval_step(params, put(x), put(y)))
     return total / n
+
+
+def moe_aux_means(
+    aux_step: Callable, params, batches: data_lib.Batches, max_batches: int = 0, put: Callable = lambda a: a
+) -> dict[str, float]:
+    """Mean router losses of an MoE model over the split's inputs (the first ``max_batches`` if > 0), as :func:`evaluate`."""
+    n = len(batches) if max_batches == 0 else min(max_batches, len(batches))
+    totals: dict[str, float] = {}
+    for i in range(n):
+        for name, value in aux_step(params, put(batches[i][0])).items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return {name: total / n for name, total in totals.items()}
 
 
 def perplexity(loss: float) -> float:
@@ -262,6 +281,14 @@ def summary_table(cfg: TrainConfig, model_cfg, result: RunResult) -> str:
         ("final train loss", fmt(last, ".4f")),
         ("valid perplexity", fmt(result.valid_ppl, ".2f")),
         ("test perplexity", fmt(result.test_ppl, ".2f")),
+        *(
+            [
+                ("MoE load balance (valid)", fmt(result.moe_aux["load_balance"], ".4f")),
+                ("MoE router z-loss (valid)", fmt(result.moe_aux["router_z"], ".4f")),
+            ]
+            if result.moe_aux
+            else []
+        ),
         ("mean step time (s)", fmt(result.mean_step_time_s, ".4f")),
         ("tokens/s", fmt(result.tokens_per_s, ",.0f")),
     ]

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 import jremat
 from jremat import compiled_memory_report, format_bytes
 from jremat.models import GPT, ModelConfig, cross_entropy_loss
+from jremat.train.experts import expert_parallel
 from jremat.train.sharding import (
     FSDP_AXIS,
     ActivationSharding,
@@ -43,15 +44,25 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
 
     Under ``fsdp`` with a policy that sets ``keep_gathered=true`` the model also constrains each
     layer's weights to their gathered placement in its checkpoints (:class:`GatheredWeights`).
+    An MoE model on a mesh with an ``expert`` axis runs its MoE layers expert-parallel
+    (:func:`train.experts.expert_parallel`).
+
+    Raises:
+      ValueError: an ``expert`` axis for a dense model, or one that does not divide the experts.
 
     The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
     """
     # A policy that keeps gathered weights needs them as values of the checkpoints (GatheredWeights).
     gathered = GatheredWeights(mesh) if keeps_gathered(model_cfg) and mesh.shape[FSDP_AXIS] > 1 else None
+    experts = expert_parallel(mesh, model_cfg)
     graphdef, shapes = nnx.split(
         nnx.eval_shape(
             lambda: GPT(
-                model_cfg, rngs=nnx.Rngs(0), activation_sharding=ActivationSharding(mesh), weight_sharding=gathered
+                model_cfg,
+                rngs=nnx.Rngs(0),
+                activation_sharding=ActivationSharding(mesh),
+                weight_sharding=gathered,
+                expert_parallel=experts,
             )
         )
     )

@@ -14,6 +14,11 @@ the sizes must multiply to the number of devices). The mesh always has the four 
   block output) is split along the sequence axis (Megatron sequence parallelism), so the
   activations a remat policy keeps there take ``1 / sequence`` of the memory per device.
 
+An MoE model (``--moe-experts``) may add a fifth axis, ``expert`` (:data:`EXPERT_AXIS`), last in
+the mesh and only when given (``--mesh data=2,expert=4``): the experts of every MoE layer are
+split over it (expert parallelism, :class:`models.moe.ExpertParallel`: tokens go to their experts'
+devices and back with ``all_to_all``), and the batch is split over it too, as over ``data``.
+
 Where each tensor dimension goes is decided in one place: :data:`LOGICAL_AXIS_RULES` maps
 logical axis names to mesh axes, :data:`PARAM_LOGICAL_AXES` names the dimensions of every
 parameter of :class:`models.GPT`, and :data:`ACTIVATION_AXES` / :data:`BATCH_AXES` name those
@@ -43,13 +48,20 @@ MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence")
 #: The mesh axis over which parameters and optimizer state are split (ZeRO-3).
 FSDP_AXIS = "fsdp"
 
+#: The mesh axis the experts of an MoE model are split over (expert parallelism). Not one of
+#: :data:`MESH_AXES`: a mesh has it, last, only when a spec gives it (:func:`parse_mesh`).
+EXPERT_AXIS = "expert"
+
+#: Every axis a mesh spec may give: :data:`MESH_AXES`, then :data:`EXPERT_AXIS`.
+ALL_MESH_AXES: tuple[str, ...] = MESH_AXES + (EXPERT_AXIS,)
+
 #: Logical axis name -> the mesh axes that dimension is split over (in order). The one table of
 #: where every parameter and activation dimension goes; ``()`` means replicated. The ``fsdp`` axis
 #: is not listed for parameters: it goes to each tensor's largest free dimension that it divides
 #: (see :func:`param_partition_spec`), except dimensions in :data:`FSDP_EXCLUDED`.
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     # activations and batches
-    "act_batch": ("data", "fsdp"),
+    "act_batch": ("data", "fsdp", EXPERT_AXIS),
     "act_seq": ("sequence",),
     "act_embed": (),
     # parameters
@@ -60,6 +72,8 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),  # n_heads * head_dim of the q/k/v projections and the output projection's input
     "mlp": ("tensor",),
     "positions": (),
+    "experts": (EXPERT_AXIS,),  # an MoE layer's expert dimension
+    "router_experts": (),  # the router's output: every device routes its tokens over all experts
 }
 
 #: Logical axes the ``fsdp`` axis never splits (slicing a split layer axis inside ``lax.scan``
@@ -84,6 +98,9 @@ PARAM_LOGICAL_AXES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("fc_in", "bias"), ("mlp",)),
     (("fc_out", "kernel"), ("mlp", "embed")),
     (("fc_out", "bias"), ("embed",)),
+    (("moe", "router"), ("embed", "router_experts")),
+    (("moe", "w_in"), ("experts", "embed", "mlp")),
+    (("moe", "w_out"), ("experts", "mlp", "embed")),
     (("scale",), ("embed",)),
     (("bias",), ("embed",)),  # LayerNorm bias (the Linear biases above have longer suffixes)
     (("head", "kernel"), ("embed", "vocab")),
@@ -105,20 +122,23 @@ _MESH_PART_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([^,=]*?)\s*$")
 def parse_mesh(text: str) -> dict[str, int]:
     """Parse a mesh spec such as ``"data=4,fsdp=2"`` into sizes for every axis of :data:`MESH_AXES`.
 
-    Axes left out have size 1; order in the string does not matter.
+    Axes left out have size 1; order in the string does not matter. The ``expert`` axis
+    (:data:`EXPERT_AXIS`) is in the result, last, only when the spec gives it.
 
     Args:
       text: comma-separated ``AXIS=SIZE`` parts; axes are ``data``, ``fsdp``, ``tensor``,
-        ``sequence``; sizes are positive integers.
+        ``sequence`` and ``expert``; sizes are positive integers.
 
     Returns:
-      ``{"data": ..., "fsdp": ..., "tensor": ..., "sequence": ...}`` in :data:`MESH_AXES` order.
+      ``{"data": ..., "fsdp": ..., "tensor": ..., "sequence": ...}`` in :data:`MESH_AXES` order,
+      then ``"expert"`` if given.
 
     Raises:
       ValueError: on an empty spec, a part that is not ``AXIS=SIZE``, an unknown or repeated
         axis, or a size that is not a positive integer.
     """
-    form = f"expected AXIS=SIZE[,AXIS=SIZE...] with AXIS one of {', '.join(MESH_AXES)}, e.g. 'data=4,fsdp=2'"
+    valid = ", ".join(ALL_MESH_AXES)
+    form = f"expected AXIS=SIZE[,AXIS=SIZE...] with AXIS one of {valid}, e.g. 'data=4,fsdp=2'"
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"empty mesh spec {text!r}; {form}")
     sizes = dict.fromkeys(MESH_AXES, 1)
@@ -128,8 +148,8 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not match:
             raise ValueError(f"malformed mesh spec {text!r}: {part.strip()!r} is not AXIS=SIZE; {form}")
         axis, raw = match.groups()
-        if axis not in sizes:
-            raise ValueError(f"unknown mesh axis {axis!r} in {text!r}; valid axes: {', '.join(MESH_AXES)}")
+        if axis not in ALL_MESH_AXES:
+            raise ValueError(f"unknown mesh axis {axis!r} in {text!r}; valid axes: {valid}")
         if axis in seen:
             raise ValueError(f"mesh axis {axis!r} given twice in {text!r}")
         seen.add(axis)
@@ -137,6 +157,12 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"mesh axis {axis!r} size must be a positive integer, got {raw!r} in {text!r}")
         sizes[axis] = int(raw)
     return sizes
+
+
+def axis_size(mesh: Any, axis: str) -> int:
+    """The size of ``axis`` in ``mesh`` (a :class:`Mesh` or :class:`jax.sharding.AbstractMesh`), 1 when
+    the mesh lacks it (the ``expert`` axis of a mesh without expert parallelism)."""
+    return int(mesh.shape.get(axis, 1))
 
 
 def format_mesh(mesh: Mesh) -> str:
@@ -151,7 +177,8 @@ def device_count(n: int) -> str:
 
 
 def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A :class:`jax.sharding.Mesh` with the four :data:`MESH_AXES` over ``devices``.
+    """A :class:`jax.sharding.Mesh` with the four :data:`MESH_AXES` over ``devices``, and the
+    ``expert`` axis last when ``sizes`` has it.
 
     Args:
       sizes: axis sizes, e.g. from :func:`parse_mesh` (missing axes have size 1).
@@ -161,13 +188,14 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
       ValueError: on an unknown axis, or if the sizes do not multiply to the number of devices
         (the message names the platform and, in a multi-process run, the processes).
     """
-    unknown = [a for a in sizes if a not in MESH_AXES]
+    unknown = [a for a in sizes if a not in ALL_MESH_AXES]
     if unknown:
-        raise ValueError(f"unknown mesh axis {unknown[0]!r}; valid axes: {', '.join(MESH_AXES)}")
+        raise ValueError(f"unknown mesh axis {unknown[0]!r}; valid axes: {', '.join(ALL_MESH_AXES)}")
     devices = list(jax.devices() if devices is None else devices)
-    shape = tuple(int(sizes.get(a, 1)) for a in MESH_AXES)
+    axes = MESH_AXES + ((EXPERT_AXIS,) if EXPERT_AXIS in sizes else ())
+    shape = tuple(int(sizes.get(a, 1)) for a in axes)
     if math.prod(shape) != len(devices):
-        spec = ",".join(f"{a}={s}" for a, s in zip(MESH_AXES, shape) if s > 1) or "all sizes 1"
+        spec = ",".join(f"{a}={s}" for a, s in zip(axes, shape) if s > 1) or "all sizes 1"
         where = devices[0].platform
         processes = len({d.process_index for d in devices})
         if processes > 1:
@@ -179,7 +207,7 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
             f"mesh {spec} has {device_count(math.prod(shape))} but {available} available "
             f"({where}); the axis sizes must multiply to {len(devices)}"
         )
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
 
 
 def mesh_from_flag(text: str | None, devices: Sequence[Any] | None = None) -> Mesh | None:
@@ -195,21 +223,22 @@ def mesh_from_flag(text: str | None, devices: Sequence[Any] | None = None) -> Me
 
 def data_parallel_size(mesh: Mesh) -> int:
     """How many ways the batch dimension is split: the product of the ``act_batch`` mesh axes."""
-    return math.prod(mesh.shape[a] for a in LOGICAL_AXIS_RULES["act_batch"])
+    return math.prod(axis_size(mesh, a) for a in LOGICAL_AXIS_RULES["act_batch"])
 
 
 def check_batch(mesh: Mesh, batch_size: int, seq_len: int) -> None:
     """Check that a ``[batch_size, seq_len]`` batch splits evenly over ``mesh``.
 
     Raises:
-      ValueError: if ``batch_size`` is not a multiple of ``data * fsdp`` or ``seq_len`` not a
-        multiple of ``sequence``; the message names the valid choices.
+      ValueError: if ``batch_size`` is not a multiple of ``data * fsdp`` (``* expert`` on a mesh
+        with that axis) or ``seq_len`` not a multiple of ``sequence``; the message names the valid choices.
     """
     ways = data_parallel_size(mesh)
     if batch_size % ways:
+        axes = [a for a in LOGICAL_AXIS_RULES["act_batch"] if a in mesh.shape]
         raise ValueError(
-            f"batch size {batch_size} does not split over the mesh's data x fsdp = "
-            f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {ways} devices; use a multiple of {ways}"
+            f"batch size {batch_size} does not split over the mesh's {' x '.join(axes)} = "
+            f"{' x '.join(str(mesh.shape[a]) for a in axes)} = {ways} devices; use a multiple of {ways}"
         )
     seq_ways = mesh.shape["sequence"]
     if seq_len % seq_ways:
@@ -240,11 +269,21 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
             raise ValueError(f"unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXIS_RULES)}")
         axes, ways = [], 1
         for axis in LOGICAL_AXIS_RULES.get(name, ()) if name else ():
-            size = mesh.shape[axis]
+            size = axis_size(mesh, axis)
             if size > 1 and dim % (ways * size) == 0:
                 axes.append(axis)
                 ways *= size
         entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*entries)
+
+
+def rule_spec(logical: Sequence[str], mesh: Any) -> PartitionSpec:
+    """The :class:`PartitionSpec` of :data:`LOGICAL_AXIS_RULES` for dimensions named ``logical``, with
+    only the mesh axes ``mesh`` has (whatever their size, and whether or not they divide a shape)."""
+    entries = []
+    for name in logical:
+        axes = tuple(a for a in LOGICAL_AXIS_RULES[name] if a in mesh.shape)
+        entries.append(axes or None)
     return PartitionSpec(*entries)
 
 
@@ -339,7 +378,7 @@ def replicated_key(seed: int, mesh: Mesh) -> jax.Array:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The sharding of a ``[batch, seq]`` token batch: batch over ``data`` x ``fsdp``, seq over ``sequence``."""
-    return NamedSharding(mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] or None for a in BATCH_AXES)))
+    return NamedSharding(mesh, rule_spec(BATCH_AXES, mesh))
 
 
 def _row_span(index: tuple, batch_size: int) -> tuple[int, int]:
@@ -427,7 +466,7 @@ class ActivationSharding:
     @property
     def sharding(self) -> NamedSharding:
         """The :class:`NamedSharding` the residual stream is constrained to."""
-        return NamedSharding(self.mesh, PartitionSpec(*(LOGICAL_AXIS_RULES[a] or None for a in ACTIVATION_AXES)))
+        return NamedSharding(self.mesh, rule_spec(ACTIVATION_AXES, self.mesh))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Constrain ``x`` (rank 3) to :attr:`sharding`, dropping mesh axes that do not divide its dims."""
@@ -476,7 +515,7 @@ def gathered_layer_bytes(params: Any, mesh: Mesh) -> int:
         layer_shape = shape[1:]
         spec = logical_to_spec(param_logical_axes(path, len(shape))[1:], layer_shape, mesh)
         split = math.prod(
-            mesh.shape[a] for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
+            axis_size(mesh, a) for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
         )
         total += math.prod(layer_shape) * jnp.dtype(leaf.dtype).itemsize // split
 

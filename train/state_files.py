@@ -50,7 +50,18 @@ from jremat.train.config import TrainConfig
 from jremat.train.data import Corpus
 
 #: ModelConfig fields that determine the parameter shapes.
-SHAPE_FIELDS = ("vocab_size", "max_seq_len", "n_layers", "d_model", "n_heads", "head_dim", "d_ff", "param_dtype")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "max_seq_len",
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "head_dim",
+    "d_ff",
+    "param_dtype",
+    "moe_experts",
+    "moe_shared_expert",
+)
 
 
 class StateFilesError(UsageError):

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 import jremat
-from jremat.models import GPT, ModelConfig
+from jremat.models import GPT, ModelConfig, moe_aux_losses
 from jremat.train.programs import TRAIN_STEP_DONATE, eval_step_fn, train_step_fn
 
 
@@ -93,3 +93,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation) -> Callable:
 def make_eval_step(graphdef) -> Callable:
     """:func:`eval_step_fn` compiled by :func:`jremat.jit`."""
     return jremat.jit(eval_step_fn(graphdef))
+
+
+def make_moe_aux_step(graphdef) -> Callable:
+    """``(params, tokens) -> {"load_balance", "router_z"}`` of an MoE model with dropout off
+    (:func:`models.moe_aux_losses`: means over the layers), compiled by :func:`jremat.jit`."""
+    return jremat.jit(lambda params, tokens: moe_aux_losses(nnx.merge(graphdef, params), tokens))

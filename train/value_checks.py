@@ -90,10 +90,12 @@ def check_mesh_flag(mesh: str, batch_size: int | None, seq_len: int | None) -> N
         sizes = sharding.parse_mesh(mesh)
     except ValueError as err:
         raise UsageError(f"--mesh: {err}") from None
-    ways = sizes["data"] * sizes["fsdp"]
+    axes = [a for a in ("data", "fsdp", sharding.EXPERT_AXIS) if a in sizes]
+    ways = math.prod(sizes[a] for a in axes)
     require(
         batch_size is None or batch_size % ways == 0,
-        f"--batch-size {batch_size} does not split over --mesh {mesh} (data x fsdp = {ways}); use a multiple of {ways}",
+        f"--batch-size {batch_size} does not split over --mesh {mesh} ({' x '.join(axes)} = {ways}); "
+        f"use a multiple of {ways}",
     )
     require(
         seq_len is None or seq_len % sizes["sequence"] == 0,

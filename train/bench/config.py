@@ -31,6 +31,10 @@ DEFAULT_POLICIES = (
 #: Policies of the ``megatron`` part (its analytic peak estimate is checked against the compile), and
 #: the built-ins ``auto`` is timed against (those of ``--policy`` that are in this list).
 MEGATRON_POLICIES = ("none", "selective", "every_k:k=4", "dots", "full")
+#: Parts whose models take the MoE flags (``--moe-experts``): the others measure the dense model
+#: against a reference that has no experts (the Needle study's figures, Megatron-LM's activation
+#: formula, the Flax Linen and other libraries' dense blocks of ``peers``).
+MOE_PARTS = ("time", "auto", "fit", "maxbatch")
 #: Policies of the ``maxbatch`` part.
 MAXBATCH_POLICIES = ("none", "full")
 
@@ -228,8 +232,15 @@ class BenchConfig(model_flags.ComputeFlags):
                 )
 
     def _check_models(self) -> None:
-        """The attention flags, then every model the parts build (``ModelConfig`` refuses bad combinations)."""
+        """The attention and MoE flags, then every model the parts build (``ModelConfig`` refuses bad combinations)."""
         require_int("attention_block_size", self.attention_block_size)
+        self.check_moe_flags()
+        dense_only = [p for p in self.parts if p not in MOE_PARTS]
+        if self.moe_experts and dense_only:
+            raise UsageError(
+                f"--moe-experts applies to the parts {', '.join(MOE_PARTS)}; {', '.join(dense_only)} measure the "
+                f"dense model against a reference without experts: give --parts {','.join(MOE_PARTS)} or a subset"
+            )
         # The machine first: no use fixing flags for a kernel it lacks.
         for cfg in (PRESETS["needle"], PRESETS[self.time_preset], ModelConfig(**self._block_shapes())):
             model_flags.check_backend(self.attention, cfg.head_dim)
@@ -244,7 +255,8 @@ class BenchConfig(model_flags.ComputeFlags):
             raise UsageError(f"--attention {self.attention} --dtype {self.dtype}: {err}") from None
 
     def attention_changes(self) -> dict[str, Any]:
-        """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn`` / ``pallas``.
+        """The ``--attention`` fields, and attention dropout 0 under ``xla`` / ``cudnn`` / ``pallas``;
+        and the MoE fields (``--moe-experts`` ...: :data:`MOE_PARTS` only, :meth:`_check_models`).
 
         ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) and JAX's Pallas flash attention
         (``pallas``) have no attention dropout, so with those
@@ -252,12 +264,14 @@ class BenchConfig(model_flags.ComputeFlags):
         ``blockwise`` keep the model's attention dropout.
         """
         changes: dict[str, Any] = dict(attention=self.attention, attention_block_size=self.attention_block_size)
+        changes.update(model_flags.moe_overrides(self))
         if self.attention in NO_DROPOUT_ATTENTIONS:
             changes["attn_dropout"] = 0.0
         return changes
 
     def model(self, cfg: ModelConfig) -> ModelConfig:
-        """``cfg`` with ``--attention`` (:meth:`attention_changes`) and ``--dtype`` (compute dtype) applied."""
+        """``cfg`` with ``--attention`` and the MoE flags (:meth:`attention_changes`) and ``--dtype`` (compute
+        dtype) applied."""
         return cfg.replace(dtype=self.dtype, **self.attention_changes())
 
     def time_model(self) -> ModelConfig:

@@ -49,10 +49,15 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 
     Not counted (they do no matmul): the token and position embedding lookups, biases, LayerNorm
     scales and offsets. The vocabulary head is counted (``d_model * vocab_size``; the model's
-    head is untied from the token embedding).
+    head is untied from the token embedding). In an MoE block (``moe_experts > 0``) a token's
+    weights are the router's and those of its ``moe_top_k`` experts (and of the shared expert),
+    not every expert's.
     """
     inner = cfg.n_heads * cfg.head_dim
-    per_block = 4 * cfg.d_model * inner + 2 * cfg.d_model * cfg.d_ff
+    mlp = 2 * cfg.d_model * cfg.d_ff
+    if cfg.moe_experts:
+        mlp = cfg.d_model * cfg.moe_experts + (cfg.moe_top_k + int(cfg.moe_shared_expert)) * mlp
+    per_block = 4 * cfg.d_model * inner + mlp
     return cfg.n_layers * per_block + cfg.d_model * cfg.vocab_size
 
 
