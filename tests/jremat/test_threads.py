@@ -216,8 +216,10 @@ def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeyp
 
 #: One process: thread B imports the plugin module ``plug`` (an entry point of the policy group),
 #: whose body looks a policy up; meanwhile thread A's first lookup loads the entry points (and so
-#: imports ``plug``), and thread C's first lookup must see ``plug``'s policy. Events and sleeps
-#: force the order: A and C look up while B is inside ``plug``'s body, and B looks up after them.
+#: imports ``plug``), and thread C's first lookup must see ``plug``'s policy. Events force the
+#: order, no sleep: A and C look up while B is inside ``plug``'s body, and B looks up only once
+#: both wait on Python's import lock for ``plug`` (their innermost frame is importlib's lock
+#: ``acquire``).
 PLUGIN_SCRIPT = r"""
 import builtins, importlib, os, sys, threading, time
 
@@ -260,12 +262,22 @@ def b_imports_plug():
     return plug.resolved
 
 
+def waits_for_an_import(thread):
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == "acquire" and "importlib" in frame.f_code.co_filename
+
+
 b = record("B", b_imports_plug)
 a, c = record("A", first_lookup), record("C", first_lookup)
 for thread in (b, a, c):
     thread.start()
 builtins.plug_inside.wait()
-time.sleep(0.5)  # A and C are loading the entry points (waiting for plug's import)
+deadline = time.monotonic() + 60  # a hang guard, not a speed claim
+while not (waits_for_an_import(a) and waits_for_an_import(c)):  # A and C wait for plug's import
+    if time.monotonic() > deadline:
+        print("threads A and C never waited for plug's import", flush=True)
+        os._exit(4)
+    time.sleep(0.001)
 builtins.plug_may_look_up.set()
 for thread in (a, b, c):
     thread.join(timeout=20)

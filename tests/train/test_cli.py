@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,9 @@ from jremat.train import memory as train_memory
 from jremat.train.bench.config import BenchConfig
 from jremat.train.config import TrainConfig
 from tests.conftest import REPO
+
+#: Seconds a CLI subprocess may run before the test fails: a hang guard, not a speed claim.
+HANG_GUARD_S = 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,18 +345,20 @@ def test_a_spec_given_as_a_keys_value_is_left_to_parse():
     ids=lambda v: " ".join(v) if isinstance(v, list) else v[:20],
 )
 def test_an_argument_error_exits_2_in_one_line_before_jax_is_imported(module, argv, message):
-    started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", module, *argv], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-X", "importtime", "-m", module, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
-    elapsed_s = time.perf_counter() - started
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert done.returncode == 2 and done.stdout == ""
     assert len(said) == 1 and said[0].startswith(message), said
     assert "jremat.train.cli" in imported  # the import log is read right
     assert not {"jax", "flax", "optax", "orbax", "tqdm"} & set(imported)
-    assert elapsed_s < 5  # well under a second on an idle machine; JAX and Flax alone take one or more
+    # No wall-clock bound: "before JAX is imported" is the import log above, not a time.
 
 
 _CONSOLE_RUN = """

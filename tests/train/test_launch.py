@@ -1,5 +1,6 @@
 """train.launch: per-process environment, argument errors, prefixed output, stopping every process."""
 
+import os
 import subprocess
 import sys
 import time
@@ -8,6 +9,9 @@ import pytest
 
 from jremat.train import launch
 from tests.conftest import REPO
+
+#: Seconds a launched test command may run: a hang guard, not a speed claim.
+HANG_GUARD_S = 120
 
 
 def test_the_launcher_imports_no_jax():
@@ -54,19 +58,28 @@ def test_launcher_help_names_every_flag(capsys):
         assert flag in out
 
 
-def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd):
+def test_launcher_prefixes_other_processes_and_stops_them_when_one_fails(capfd, monkeypatch, tmp_path):
+    # Each process marks its greeting printed; process 1 fails only once all three have printed, so
+    # a process that starts late is not stopped before it prints (no race with --grace-s).
+    monkeypatch.setenv("JREMAT_TEST_MARKS", str(tmp_path))
     script = (
         "import os, sys, time\n"
         "pid = int(os.environ['JAX_PROCESS_ID'])\n"
+        "marks = os.environ['JREMAT_TEST_MARKS']\n"
         "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'])\n"
         "sys.stdout.flush()\n"
-        "sys.exit(3) if pid == 1 else time.sleep(60)\n"
+        "open(os.path.join(marks, str(pid)), 'w').close()\n"
+        f"deadline = time.monotonic() + {HANG_GUARD_S}\n"
+        "while pid == 1 and len(os.listdir(marks)) < 3 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        f"sys.exit(3) if pid == 1 else time.sleep({10 * HANG_GUARD_S})\n"
     )
     t0 = time.perf_counter()
     code = launch.main(["--processes", "3", "--grace-s", "0.2", "--", sys.executable, "-c", script])
     elapsed_s = time.perf_counter() - t0
     out, err = capfd.readouterr()
-    assert code == 3 and elapsed_s < 30
+    assert sorted(os.listdir(tmp_path)) == ["0", "1", "2"]
+    assert code == 3 and elapsed_s < 2 * HANG_GUARD_S  # stopped, not the others' sleep run out
     assert "error: process 1 exited with code 3; stopped the 2 still running" in err
     assert "[process 1] hello from 1 of 3 127.0.0.1:" in out and "[process 2] hello from 2 of 3" in out
     assert any(line.startswith("hello from 0 of 3") for line in out.splitlines())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +21,6 @@ import pytest
 
 import jremat
 from tests.jremat.test_testing import FreshKeyOnRecompute
-
-eqx = pytest.importorskip("equinox")
 
 DIM, SEQ, LAYERS = 8, 4, 2
 POLICIES = ["none", "full", "dots", "every_k:k=2", "skip_cheap"]
