@@ -77,9 +77,20 @@ LOOKED_FOR = (
 )
 
 
+def _elementwise(eqn) -> bool:
+    """Whether ``eqn`` is elementwise for :func:`moe_activations`: an elementwise primitive, a name
+    tag, a shape-only op, or a call (a ``jit``, a nested checkpoint such as :func:`jremat.ops.gelu`,
+    a custom derivative) whose body is all of these."""
+    name = eqn.primitive.name
+    if name in _jaxpr.ELEMENTWISE_PRIMITIVES or name == _jaxpr.NAME or name in _jaxpr.SHAPE_ONLY_PRIMITIVES:
+        return True
+    bodies = _jaxpr.nested_jaxprs(eqn)
+    return bool(bodies) and name != _jaxpr.SCAN and all(_elementwise(inner) for sub in bodies for inner in sub.eqns)
+
+
 def moe_activations(program: Program) -> frozenset[int]:
     """Equation indices of the experts' activations in ``program`` (see the module docstring):
-    every equation on a path of elementwise ops, name tags and shape-only ops from a grouped
+    every equation on a path of elementwise equations (:func:`_elementwise`) from a grouped
     matmul's output to the rows (first operand) of another grouped matmul, both matmuls excluded."""
     eqns = program.closed_jaxpr.jaxpr.eqns
     grouped = {i for i, e in enumerate(eqns) if e.primitive.name == _jaxpr.RAGGED_DOT_GENERAL}
@@ -88,7 +99,7 @@ def moe_activations(program: Program) -> frozenset[int]:
 
     def passes(i: int) -> bool:
         op = program.ops[i]
-        return op.is_elementwise or op.primitive == _jaxpr.NAME or op.primitive in _jaxpr.SHAPE_ONLY_PRIMITIVES
+        return op.is_elementwise or _elementwise(eqns[i])
 
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     consumers: dict = {}

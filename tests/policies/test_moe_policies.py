@@ -174,3 +174,19 @@ def test_routing_recomputed_with_another_key_is_caught():
     assert_remat_exact(stack(moe.moe_ffn), "full", *args, **TOLERANCE, decorate=_per_layer(stack))
     with pytest.raises(RematMismatch):
         assert_remat_exact(stack(moe.moe_ffn), FreshKeyOnRecompute(), *args, **TOLERANCE, decorate=_per_layer(stack))
+
+
+def test_selective_finds_the_reference_models_expert_activation():
+    """On the reference MoE model the activation is jremat.ops.gelu, a nested checkpoint: selective
+    looks through it, so the saved residuals fall by at least the experts' activation outputs."""
+    from jremat.models import preset
+    from jremat.train.programs import loss_program
+
+    cfg = preset("tiny", moe_experts=4, moe_top_k=2, attn_dropout=0.0, resid_dropout=0.0)
+    batch = 2
+    saved = {}
+    for spec in ("none", "selective"):
+        loss, args = loss_program(cfg.replace(remat_policy=spec), batch, cfg.max_seq_len)
+        saved[spec] = jremat.saved_residuals_report(loss, *args, param_argnums=(0,)).computed_bytes
+    activation_bytes = cfg.n_layers * batch * cfg.max_seq_len * cfg.moe_top_k * cfg.d_ff * 4
+    assert saved["none"] - saved["selective"] >= activation_bytes, saved
