@@ -8,7 +8,52 @@ import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+#: The user's conftest registers a remat that is broken on purpose: its backward pass recomputes
+#: with another PRNG key than the forward pass (a dropout mask the backward pass does not see).
+USER_CONFTEST = """
+import jax
+import jax.numpy as jnp
+
+import jremat
+
+
+class FreshKeyOnRecompute(jremat.Policy):
+    def checkpoint_untied(self, fn, *, prevent_cse=True):
+        @jax.custom_vjp
+        def checkpointed(*args):
+            return fn(*args)
+
+        def forward(*args):
+            return fn(*args), args
+
+        def backward(args, cotangent):
+            is_key = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in args]
+            fresh = [jax.random.fold_in(a, 1) if k else a for a, k in zip(args, is_key)]
+            diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+            def recomputed(*values):
+                full = list(fresh)
+                for i, v in zip(diff, values):
+                    full[i] = v
+                return fn(*full)
+
+            grads = jax.vjp(recomputed, *[args[i] for i in diff])[1](cotangent)
+            out = [None] * len(args)
+            for i, g in zip(diff, grads):
+                out[i] = g
+            return tuple(out)
+
+        checkpointed.defvjp(forward, backward)
+        return checkpointed
+
+
+@jremat.register("fresh_key_on_recompute", doc="broken on purpose: another dropout key on recompute")
+def fresh_key_on_recompute():
+    return FreshKeyOnRecompute()
+"""
+
 USER_TESTS = """
+import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
@@ -33,12 +78,19 @@ def test_exact_with_tags(remat_exact):
     remat_exact(loss, jnp.eye(3) * 0.5, jnp.ones((2, 3)))
 
 
-def test_broken_model_fails(remat_exact):
-    def redraws(w, x):  # a fresh random draw on every trace: the recomputation sees other values
+def dropout_loss(w, x, key):
+    return jnp.sum(jremat.dropout(jnp.sin(x @ w), 0.5, key, 0) ** 2)
+
+
+def test_broken_remat_fails(remat_exact):
+    w, x = jnp.eye(4) * 0.7 + 0.1, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    remat_exact(dropout_loss, w, x, jax.random.key(0))
+
+
+def test_nondeterministic_model_fails_under_every_policy(remat_exact):
+    def redraws(w, x):  # a fresh random draw on every trace: no run of it equals another, remat or not
         import numpy as np
         return jnp.sum(jnp.tanh(x @ w) * jnp.asarray(np.random.rand(2, 3), jnp.float32))
-    if remat_exact.policy == "none":
-        pytest.skip("nothing is recomputed")
     remat_exact(redraws, jnp.eye(3) * 0.5, jnp.ones((2, 3)))
 """
 
@@ -54,6 +106,7 @@ def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
     )
     assert build.returncode == 0, build.stdout + build.stderr
     (project / "test_user.py").write_text(textwrap.dedent(USER_TESTS.format(target=str(target))))
+    (project / "conftest.py").write_text(USER_CONFTEST)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "XLA_FLAGS")}
     env["PYTHONPATH"] = str(target)
     run = subprocess.run(
@@ -66,10 +119,17 @@ def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
     )
     out = run.stdout + run.stderr
     summary = out.strip().splitlines()[-1]
-    # The broken model fails under every policy that recomputes; everything else passes or is skipped
-    # with its reason (name-based policies need tags, nested cannot wrap one function).
+    # The broken remat fails, and only it: the same model passes under every built-in policy (none
+    # included). A model that is no function of its inputs fails under every policy, none included.
+    # Everything else passes or is skipped with its reason (name-based policies need tags, nested
+    # cannot wrap one function).
     assert run.returncode == 1, out
-    assert "FAILED test_user.py::test_broken_model_fails[full]" in out and "RematMismatch" in out
+    failures = [line for line in out.splitlines() if line.startswith("FAILED")]
+    broken = [line for line in failures if "test_broken_remat_fails" in line]
+    assert len(broken) == 1 and "test_broken_remat_fails[fresh_key_on_recompute]" in broken[0], failures
+    assert "RematMismatch: remat under fresh_key_on_recompute changed gradient" in out, out
+    for policy in ("none", "full"):
+        assert any(f"test_nondeterministic_model_fails_under_every_policy[{policy}]" in line for line in failures), out
     assert "test_exact_with_tags" not in out.split("short test summary")[-1].replace("SKIPPED", ""), out
     assert "needs tensor names" in out and "cannot wrap a single function" in out
     assert " passed" in summary and " failed" in summary and " skipped" in summary, summary
