@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 import jremat
 from jremat import names
 from jremat.models import GPT, ModelConfig, cross_entropy_loss, moe, moe_aux_losses, preset
+from jremat.train import experts
 from jremat.train import sharding as sh
 from jremat.train.programs import block_program
 from tests.conftest import loss_and_grads, max_relative_error, tolerance_jit
@@ -227,15 +228,15 @@ def test_the_expert_axis_is_in_a_mesh_only_when_given_and_splits_the_batch():
     mesh = sh.make_mesh(sh.parse_mesh("expert=1"), jax.devices()[:1])
     assert mesh.axis_names == (*sh.MESH_AXES, "expert")
     assert sh.batch_sharding(mesh).spec == PartitionSpec(("data", "fsdp", "expert"), ("sequence",))
-    assert sh.expert_parallel(mesh, moe_config()) is None  # size 1: no expert parallelism
+    assert experts.expert_parallel(mesh, moe_config()) is None  # size 1: no expert parallelism
     eight = expert_mesh(data=2, expert=4)
     with pytest.raises(ValueError, match=r"data x fsdp x expert = 2 x 1 x 4 = 8 devices; use a multiple of 8"):
         sh.check_batch(eight, 4, 16)
     with pytest.raises(ValueError, match="6 experts do not split over the mesh's expert axis of size 4"):
-        sh.expert_parallel(eight, moe_config().replace(moe_experts=6))
+        experts.expert_parallel(eight, moe_config().replace(moe_experts=6))
     with pytest.raises(ValueError, match="the model is dense"):
-        sh.expert_parallel(eight, preset("tiny"))
-    ep = sh.expert_parallel(eight, moe_config(moe_capacity_factor=2.0))
+        experts.expert_parallel(eight, preset("tiny"))
+    ep = experts.expert_parallel(eight, moe_config(moe_capacity_factor=2.0))
     assert (ep.axis, ep.batch_axes, ep.seq_axes, ep.capacity_factor) == (
         "expert",
         ("data", "fsdp", "expert"),
