@@ -24,7 +24,8 @@ def full_policy() -> CallbackPolicy:
 @register(
     "dots",
     doc="JAX's dots_saveable and grouped matmuls: save the outputs of every dot_general and every grouped "
-    "matmul (jax.lax.ragged_dot, a mixture of experts' expert matmuls), recompute the rest.",
+    "matmul (jax.lax.ragged_dot, or a kernel shaped like one such as megablox gmm: a mixture of experts' expert "
+    "matmuls), recompute the rest.",
 )
 def dots_policy() -> CallbackPolicy:
     """Build the ``dots`` policy."""

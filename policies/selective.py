@@ -12,8 +12,9 @@ it again for no memory. There ``selective`` recomputes nothing of the attention 
 ``none`` keeps (dropout masks aside, which it always regenerates): for ``blockwise`` that is its
 output and log-sum-exp, so the kernel is not run again; for a Pallas attention kernel (JAX's
 ``mha``, a ``custom_vjp`` whose forward ``pallas_call`` is named like attention) the forward rule
-is run in the checkpointed program (:func:`jremat.kernels.split_attention_kernels`), so the
-output and log-sum-exp it hands its backward rule are kept too; JAX's cuDNN kernel names none of its
+is run in the checkpointed program (:func:`jremat.kernels.split_kernels`), so the
+output and log-sum-exp it hands its backward rule are kept too (a grouped matmul kernel's output,
+megablox ``gmm``'s, likewise); JAX's cuDNN kernel names none of its
 statistics, so no policy can keep them and its backward pass runs the kernel again.
 
 Otherwise the core is found in one of two ways (:func:`find_attention_core` says which):
@@ -93,7 +94,7 @@ def moe_activations(program: Program) -> frozenset[int]:
     every equation on a path of elementwise equations (:func:`_elementwise`) from a grouped
     matmul's output to the rows (first operand) of another grouped matmul, both matmuls excluded."""
     eqns = program.closed_jaxpr.jaxpr.eqns
-    grouped = {i for i, e in enumerate(eqns) if e.primitive.name == _jaxpr.RAGGED_DOT_GENERAL}
+    grouped = {i for i, e in enumerate(eqns) if _jaxpr.is_grouped_matmul(e)}
     if len(grouped) < 2:
         return frozenset()
 
@@ -115,7 +116,8 @@ def moe_activations(program: Program) -> frozenset[int]:
         after.add(i)
         stack += [j for v in eqns[i].outvars for j in consumers.get(v, ())]
     before: set[int] = set()  # reached backwards from a grouped matmul's rows through passable ops
-    stack = [producer[v] for g in grouped for v in eqns[g].invars[:1] if _is_var(v) and v in producer]
+    rows = [_jaxpr.grouped_matmul_rows(eqns[g]) for g in grouped]
+    stack = [producer[v] for v in rows if _is_var(v) and v in producer]
     while stack:
         i = stack.pop()
         if i in before or i in grouped or not passes(i):
@@ -289,6 +291,14 @@ def attention_core(program: Program) -> frozenset[int]:
     return frozenset(downstream & upstream)
 
 
+def _kept_kernel_call(eqn) -> bool:
+    """Whether ``eqn`` is a ``custom_vjp`` kernel call whose output selective keeps: an attention
+    kernel (:func:`jremat.kernels.is_attention_call`) or a grouped matmul (megablox ``gmm``)."""
+    return kernels.is_attention_call(eqn) or (
+        eqn.primitive.name == _jaxpr.CUSTOM_VJP_CALL and _jaxpr.is_grouped_matmul(eqn)
+    )
+
+
 class Selective(PlanPolicy):
     """Save everything except the attention core; never save dropout masks."""
 
@@ -297,8 +307,9 @@ class Selective(PlanPolicy):
 
     def checkpoint_untied(self, fn, *, prevent_cse=True):
         # A Pallas attention kernel's forward rule runs in the ordinary program, so that its
-        # output and log-sum-exp are values the plan keeps (jremat.kernels).
-        return super().checkpoint_untied(kernels.split_attention_kernels(fn), prevent_cse=prevent_cse)
+        # output and log-sum-exp are values the plan keeps (jremat.kernels); a grouped matmul
+        # kernel's (megablox gmm) too, so that its output is kept.
+        return super().checkpoint_untied(kernels.split_kernels(fn, _kept_kernel_call), prevent_cse=prevent_cse)
 
     def plan(self, program: Program) -> Plan:
         found = find_attention_core(program)

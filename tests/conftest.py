@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 import jremat
+import jremat.testing
 from jremat._engine.jax_compat import saved_residuals as _jax_saved_residuals
 from jremat._measure import compile as _compile
 from jremat._measure.memory import PEAK_FROM_SUM
@@ -53,6 +54,21 @@ def expect_does_not_apply(policy: str):
     if policy.partition(":")[0] in ATTENTION_ONLY_POLICIES:
         return pytest.raises(jremat.PolicyDoesNotApply, match="no attention core")
     return contextlib.nullcontext()
+
+
+def single_function_policies(tags=(), **kwargs) -> list:
+    """:func:`jremat.testing.policies` without the layer-stack entry ``nested``, which wraps a stack
+    of layers rather than one function (its gradients are checked on a layer stack in
+    tests/policies/test_policy_gradients.py, its kernel runs in tests/jremat/_program/test_kernels.py)."""
+    return [p for p in jremat.testing.policies(tags, **kwargs) if p.id != "nested"]
+
+
+@pytest.fixture
+def megablox_promotion():
+    """JAX's standard dtype promotion inside the test: JAX's megablox kernels mix bools and ints,
+    which the suite's strict promotion refuses."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
 
 
 @contextlib.contextmanager
@@ -112,10 +128,25 @@ def tiny_config():
     return preset("tiny", attn_dropout=0.5, resid_dropout=0.5)
 
 
+def _ptb_offline_path() -> str:
+    return os.path.abspath(os.path.join(SHARED_DATA, "ptb-offline"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line, even under ``-q``, when the tests that read the offline PTB data skipped for want of it."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    missing = sum("offline PTB data not found" in str(report.longrepr) for report in skipped)
+    if missing:
+        terminalreporter.write_line(
+            f"{missing} tests skipped: the offline PTB data is not at {_ptb_offline_path()} "
+            "(clone the project beside ../shared: docs/install.md#running-the-tests)"
+        )
+
+
 @pytest.fixture(scope="session")
 def ptb_offline_dir():
     """The offline PTB re-split in ../shared/data/ptb-offline (skips if absent)."""
-    path = os.path.abspath(os.path.join(SHARED_DATA, "ptb-offline"))
+    path = _ptb_offline_path()
     if not os.path.isdir(path):
         pytest.skip(f"offline PTB data not found at {path}")
     return path

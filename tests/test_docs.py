@@ -154,7 +154,7 @@ SKIPPED = [b for b in ALL_BLOCKS if b.skip_reason is not None]
 
 
 def test_every_page_is_read():
-    assert "README.md" in PAGES and "docs/policies.md" in PAGES
+    assert "README.md" in PAGES and "docs/policies.md" in PAGES and HEAVY_PAGES <= set(RUN_PAGES)
     assert [b.line for b in page_blocks("README.md")], "README.md has a Python example"
 
 
@@ -237,15 +237,25 @@ def test_pages_run_from_an_empty_folder_without_the_checkout(tmp_path):
     assert done.stdout.splitlines() == ["['page.py']", "None None"]
 
 
-@pytest.mark.parametrize("page", RUN_PAGES)
+#: Pages whose blocks compile and run for several seconds: CI runs them after the default suite (``-m heavy``).
+HEAVY_PAGES = frozenset(
+    {"docs/policies.md", "docs/moe.md", "docs/sharding.md", "docs/fit.md", "docs/check-your-model.md"}
+)
+
+
+@pytest.mark.parametrize(
+    "page", [pytest.param(p, marks=pytest.mark.heavy) if p in HEAVY_PAGES else p for p in RUN_PAGES]
+)
 def test_doc_page_runs_as_pasted(page, tmp_path):
     done = run_page(page_blocks(page), str(tmp_path))
     assert done.returncode == 0, failure_message(page, done)
 
 
-@pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
-def test_doc_block_skipped(block):
-    pytest.skip(f"{block.id}: {block.skip_reason}")
+if SKIPPED:  # each marked block is reported as skipped, by name, with its reason
+
+    @pytest.mark.parametrize("block", SKIPPED, ids=[b.id for b in SKIPPED])
+    def test_doc_block_skipped(block):
+        pytest.skip(f"{block.id}: {block.skip_reason}")
 
 
 def _prose(text: str) -> str:

@@ -38,6 +38,7 @@ def _project_files():
     yield from (os.path.join(REPO, ".ci", f) for f in os.listdir(os.path.join(REPO, ".ci")) if f.endswith(".py"))
 
 
+@pytest.mark.heavy
 def test_no_project_file_imports_a_shadowable_top_level_name():
     offenders = []
     for path in _project_files():
@@ -78,6 +79,7 @@ def test_dependencies_core_is_jax_and_numpy_and_the_training_stack_is_an_extra()
     assert all(target.startswith("jremat.") for target in project["scripts"].values())
 
 
+@pytest.mark.heavy
 def test_decoy_files_in_the_working_folder_change_nothing_and_the_core_loads_no_training_stack(tmp_path):
     for name in SHADOWABLE:
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('decoy {name}.py imported')\n")
@@ -100,6 +102,7 @@ print(json.dumps([before, loaded, temp]))
     assert before == [] and loaded == [] and temp > 0
 
 
+@pytest.mark.heavy
 def test_a_checkouts_cli_loads_every_file_under_one_name():
     code = """
 import collections, json, os, runpy, sys

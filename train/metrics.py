@@ -1,9 +1,11 @@
 """The per-step metrics file: JSON lines, or CSV when the name ends in ``.csv``.
 
 One row per optimizer step with the columns of :data:`COLUMNS`; ``valid_loss`` / ``valid_ppl``
-are filled on the steps where validation ran (JSONL omits them elsewhere, CSV leaves them
-empty). On ``--resume`` the rows after the checkpoint's step are dropped (those steps run again
-and produce the same values); a fresh run refuses to overwrite a non-empty file. A last line
+are filled on the steps where validation ran, and with a mixture-of-experts model the router's
+auxiliary losses on the valid split there too, ``moe_load_balance`` / ``moe_router_z``
+(unweighted, means over the layers); JSONL omits them elsewhere, CSV leaves them empty. On
+``--resume`` the rows after the checkpoint's step are dropped (those steps run again and
+produce the same values); a fresh run refuses to overwrite a non-empty file. A last line
 cut off by a killed run (no newline at its end, not a whole row) is dropped with a note; a
 malformed line anywhere else stops the resume with the file untouched.
 """
@@ -22,7 +24,18 @@ from typing import Any
 from jremat.train.cli import UsageError
 from jremat.train.files import write_text_atomically
 
-COLUMNS = ("step", "loss", "perplexity", "lr", "step_time_s", "tokens_per_s", "valid_loss", "valid_ppl")
+COLUMNS = (
+    "step",
+    "loss",
+    "perplexity",
+    "lr",
+    "step_time_s",
+    "tokens_per_s",
+    "valid_loss",
+    "valid_ppl",
+    "moe_load_balance",
+    "moe_router_z",
+)
 
 
 class MetricsFile:

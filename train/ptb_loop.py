@@ -161,6 +161,9 @@ def train_loop(run: PreparedRun, state_files, signals, primary: bool, progress: 
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < run.total_steps:
                     valid_loss = evaluate(run.eval_step, run.params, run.valid_batches, cfg.eval_batches, run.put)
                     row.update(valid_loss=valid_loss, valid_ppl=perplexity(valid_loss))
+                    if run.moe_aux_step is not None:
+                        aux = moe_aux_means(run.moe_aux_step, run.params, run.valid_batches, cfg.eval_batches, run.put)
+                        row.update(moe_load_balance=aux["load_balance"], moe_router_z=aux["router_z"])
                     result.valid_history.append((step, row["valid_ppl"]))
                     if primary:
                         bar.write(f"step {step}: valid perplexity {row['valid_ppl']:.2f}")

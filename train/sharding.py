@@ -203,9 +203,16 @@ def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) ->
         available = f"only {len(devices)} is" if len(devices) == 1 else f"{len(devices)} are"
         if math.prod(shape) > len(devices) > 1:
             available = f"only {available}"
+        simulate = ""
+        if devices[0].platform == "cpu" and processes == 1 and math.prod(shape) > len(devices):
+            # XLA:CPU gives one device unless told otherwise, when its backend starts.
+            simulate = (
+                f"; on a CPU, simulate {math.prod(shape)} devices by starting with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(shape)}"
+            )
         raise ValueError(
             f"mesh {spec} has {device_count(math.prod(shape))} but {available} available "
-            f"({where}); the axis sizes must multiply to {len(devices)}"
+            f"({where}); the axis sizes must multiply to {len(devices)}{simulate}"
         )
     return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
 

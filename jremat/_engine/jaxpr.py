@@ -331,6 +331,80 @@ def is_loop(eqn) -> bool:
     return eqn.primitive.name in LOOP_PRIMITIVES
 
 
+def _float_shapes(avals) -> list[tuple[int, ...]]:
+    return [
+        tuple(a.shape)
+        for a in avals
+        if hasattr(a, "shape") and jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.floating)
+    ]
+
+
+def grouped_matmul_kernel(in_avals: Sequence, out_avals: Sequence | None = None) -> bool:
+    """Whether a kernel call (``pallas_call``, ``ffi_call``) with these operands computes a grouped
+    matmul, as JAX's megablox ``gmm`` / ``tgmm`` do: rows ``[m, k]`` times one matrix per group
+    ``[g, k, n]`` (or ``[g, n, k]``) giving ``[m, n]``; or, in a gradient, rows ``[m, k]`` (or
+    ``[k, m]``) and ``[m, n]`` giving one matrix per group ``[g, k, n]``.
+
+    Args:
+      in_avals: the call's operand avals (integer ones, such as group sizes, are passed over).
+      out_avals: its result avals; ``None`` (a checkpoint policy, which sees operands only):
+        the first layout, judged by the operands alone.
+    """
+    ins = _float_shapes(in_avals)
+    two, three = [s for s in ins if len(s) == 2], [s for s in ins if len(s) == 3]
+    outs = None if out_avals is None else _float_shapes(out_avals)
+    if outs is not None and len(outs) != 1:
+        return False
+    out = outs[0] if outs else None
+    if out is None or len(out) == 2:
+        for m, k in two:
+            for w in three:
+                n = w[2] if w[1] == k else w[1] if w[2] == k else None
+                if n is not None and (out is None or out == (m, n)):
+                    return True
+        return False
+    if len(out) == 3:
+        _, k, n = out
+        return any(
+            b[1] == n and sorted(a) == sorted((b[0], k)) for i, a in enumerate(two) for j, b in enumerate(two) if i != j
+        )
+    return False
+
+
+def is_grouped_matmul(eqn) -> bool:
+    """Whether ``eqn`` computes a grouped matmul (a mixture of experts' expert layer): a
+    ``ragged_dot_general``, a kernel call shaped like one (:func:`grouped_matmul_kernel`: JAX's
+    megablox ``gmm``), or a call (``jit``, a custom derivative) with one result that runs such a
+    kernel and whose operands are shaped like its (megablox ``gmm`` as a user calls it)."""
+    name = eqn.primitive.name
+    if name == RAGGED_DOT_GENERAL:
+        return True
+    ins, outs = [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+    if name in KERNEL_PRIMITIVES:
+        return grouped_matmul_kernel(ins, outs)
+    if name not in INLINED_CALL_PRIMITIVES | CUSTOM_DERIVATIVE_PRIMITIVES or not grouped_matmul_kernel(ins, outs):
+        return False
+    return any(
+        inner.primitive.name in KERNEL_PRIMITIVES and is_grouped_matmul(inner)
+        for sub in nested_jaxprs(eqn)
+        for inner in equations(sub, enter=lambda e, _: e.primitive.name not in KERNEL_PRIMITIVES)
+    )
+
+
+def grouped_matmul_rows(eqn):
+    """The operand of a grouped matmul equation (:func:`is_grouped_matmul`) that holds its rows
+    ``[m, k]`` (the tokens sorted by expert): a ``ragged_dot_general``'s first operand, a kernel's
+    or call's 2-D float operand with the result's rows."""
+    if eqn.primitive.name == RAGGED_DOT_GENERAL:
+        return eqn.invars[0]
+    out_shape: tuple = getattr(eqn.outvars[0].aval, "shape", ())
+    for v in eqn.invars:
+        shape: tuple = getattr(v.aval, "shape", ())
+        if len(shape) == 2 and out_shape[:1] == shape[:1] and jnp.issubdtype(v.aval.dtype, jnp.floating):
+            return v
+    return eqn.invars[0]
+
+
 def name_tag(eqn) -> str | None:
     """The tag of a classic ``checkpoint_name`` equation (a ``name`` primitive), else ``None``."""
     return eqn.params["name"] if eqn.primitive.name == NAME else None

@@ -320,9 +320,7 @@ def _explain_checkpointed(
         forward = [k for k in runs if k.kind in attention.FORWARD_KINDS]
         if forward:
             passes, base_passes = sum(k.runs for k in forward), sum(k.baseline_runs for k in forward)
-    if flat_base is not None and any(
-        eqn.primitive.name == _jaxpr.RAGGED_DOT_GENERAL for eqn in _jaxpr.equations(tag_jaxpr)
-    ):
+    if flat_base is not None and any(_jaxpr.is_grouped_matmul(eqn) for eqn in _jaxpr.equations(tag_jaxpr)):
         messages.extend(_grouped_matmul_lines(label, flat_remat, flat_base, structs, layers))
     matched = tuple(_match_lines(chosen, jaxpr))
     if (
@@ -408,9 +406,9 @@ def _grouped_matmul_lines(label: str, flat_remat: Callable, flat_base: Callable,
         return []
     per = " per layer" if layers else ""
     return [
-        f"grouped matmul re-run ({label}): {runs:g} grouped matmuls (jax.lax.ragged_dot){per} in the gradient, "
-        f"none: {base:g}; the backward pass runs the experts' matmuls again (JAX's dots policies name dot_general "
-        "only): dots, dots_no_batch, skip_cheap and selective keep them"
+        f"grouped matmul re-run ({label}): {runs:g} grouped matmuls (jax.lax.ragged_dot or a grouped matmul "
+        f"kernel){per} in the gradient, none: {base:g}; the backward pass runs the experts' matmuls again "
+        "(JAX's dots policies name dot_general only): dots, dots_no_batch, skip_cheap and selective keep them"
     ]
 
 

@@ -259,9 +259,9 @@ def count_kernel_runs(
 
 
 def count_grouped_matmuls(closed_jaxpr, *, loop_iterations: bool = True) -> int:
-    """How many grouped matmuls (``jax.lax.ragged_dot``: a mixture of experts' expert matmuls) a
-    traced program runs, every nested jaxpr walked as :func:`count_kernel_runs` walks them (only
-    those whose results the outputs use).
+    """How many grouped matmuls (``jax.lax.ragged_dot``, or a kernel shaped like one such as
+    megablox ``gmm``: a mixture of experts' expert matmuls) a traced program runs, every nested
+    jaxpr walked as :func:`count_kernel_runs` walks them (only those whose results the outputs use).
 
     Args:
       closed_jaxpr: a ``jax.make_jaxpr`` result or a ``Jaxpr``; usually of a value-and-gradient.
@@ -272,6 +272,7 @@ def count_grouped_matmuls(closed_jaxpr, *, loop_iterations: bool = True) -> int:
         _jaxpr.trip_count(enclosing) if loop_iterations else 1
         for eqn, _, enclosing in _jaxpr.live_equations(jaxpr)
         if eqn.primitive.name == _jaxpr.RAGGED_DOT_GENERAL
+        or (eqn.primitive.name in _jaxpr.KERNEL_PRIMITIVES and _jaxpr.is_grouped_matmul(eqn))
     )
 
 
@@ -420,7 +421,15 @@ def _split_call(eqn, invals) -> list | None:
     if found is None:
         return None
     residuals, outs, backward = found
-    residuals, outs = _tag_kept(residuals, outs, stopped)
+    # A residual the forward rule gives as a constant (megablox gmm's group count, a Python int
+    # its backward rule needs static) reaches the backward rule as it is, not as a traced value.
+    constants = {i: r for i, r in enumerate(residuals) if not isinstance(r, jax.Array)}
+    traced = [r for i, r in enumerate(residuals) if i not in constants]
+    traced, outs = _tag_kept(traced, outs, stopped)
+
+    def all_residuals(res):
+        it = iter(res)
+        return [constants[i] if i in constants else next(it) for i in range(len(residuals))]
 
     @jax.custom_vjp
     def with_gradient(ins, res, outs):
@@ -431,7 +440,7 @@ def _split_call(eqn, invals) -> list | None:
 
     def with_gradient_bwd(res, cts_out):
         # The residuals and outputs are functions of the inputs, whose gradient is all here.
-        return list(backward(res, cts_out)), [None] * len(res), [None] * len(cts_out)
+        return list(backward(all_residuals(res), cts_out)), [None] * len(res), [None] * len(cts_out)
 
     with_gradient.defvjp(with_gradient_fwd, with_gradient_bwd)
-    return list(with_gradient(list(invals), list(residuals), outs))
+    return list(with_gradient(list(invals), list(traced), outs))

@@ -145,8 +145,24 @@ def _max_rel(tree, reference) -> float:
     return max(diffs) / max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(reference))
 
 
-def _scaled(block, factor: float):
-    return lambda w, x: block(w, x) * factor
+def broken_remat(block, factor: float):
+    """``block`` under a hand-written remat whose recomputation is wrong: the forward pass is the
+    block's own, exact; the backward pass saves only the inputs and runs the block again scaled by
+    ``factor``, as a recomputation that differs from the forward pass would."""
+
+    @jax.custom_vjp
+    def remat(w, x):
+        return block(w, x)
+
+    def forward(w, x):
+        return block(w, x), (w, x)
+
+    def backward(inputs, cotangent):
+        _, pullback = jax.vjp(lambda w, x: block(w, x) * factor, *inputs)
+        return pullback(cotangent)
+
+    remat.defvjp(forward, backward)
+    return remat
 
 
 def _compile(loss, weights, x):
@@ -184,11 +200,13 @@ def check_collectives() -> dict:
                     }
             jax.config.update("jax_remat3", False)
             if mesh_name == "fsdp" and layout == "unrolled":
-                # A deliberately broken remat (the recomputed block differs by 1e-3) is caught.
-                broken = _scaled(block_fn(mesh), 1.001)
-
-                wrong = _compile(loss_fn(mesh, layout, "full", block=broken), weights, x)(weights, x)
+                # A deliberately broken remat (its recomputed block differs by 1e-3, its forward
+                # pass does not) is caught by the gradients alone.
+                broken = loss_fn(mesh, layout, "none", block=broken_remat(block_fn(mesh), 1.001))
+                wrong = _compile(broken, weights, x)(weights, x)
                 out["broken_grad_rel_error"] = _max_rel(wrong, reference)
+                exact = loss_fn(mesh, layout, "none")
+                out["broken_loss_rel_error"] = _max_rel(jax.jit(broken)(weights, x), jax.jit(exact)(weights, x))
     return out
 
 

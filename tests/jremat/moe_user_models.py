@@ -21,9 +21,10 @@ JITTER = 0.1
 DROPOUT = 0.1
 
 
-def moe_ffn(router, w_in, w_out, x, key, *, tagged: bool = False):
+def moe_ffn(router, w_in, w_out, x, key, *, tagged: bool = False, grouped_matmul=jax.lax.ragged_dot):
     """One MoE FFN on ``x`` ``[tokens, d_model]``: routing (with jitter noise from ``key``),
-    dropless dispatch by sorting, two grouped matmuls, combine, dropout (from ``key``)."""
+    dropless dispatch by sorting, two grouped matmuls (``grouped_matmul(rows, weights,
+    group_sizes)``), combine, dropout (from ``key``)."""
     tag = (lambda v, name: checkpoint_name(v, name)) if tagged else (lambda v, name: v)
     noise = 1.0 + JITTER * jax.random.uniform(jax.random.fold_in(key, 0), x.shape, minval=-1.0, maxval=1.0)
     logits = tag((x * noise) @ router, names.MOE_ROUTER_LOGITS)
@@ -33,9 +34,9 @@ def moe_ffn(router, w_in, w_out, x, key, *, tagged: bool = False):
     order = jnp.argsort(flat, stable=True)
     rows = tag(jnp.repeat(x, TOP_K, axis=0)[order], names.MOE_DISPATCHED)
     group_sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
-    hidden = tag(jax.lax.ragged_dot(rows, w_in, group_sizes), names.MOE_HIDDEN_PRE_ACT)
+    hidden = tag(grouped_matmul(rows, w_in, group_sizes), names.MOE_HIDDEN_PRE_ACT)
     hidden = tag(jax.nn.gelu(hidden), names.MOE_HIDDEN)
-    out = tag(jax.lax.ragged_dot(hidden, w_out, group_sizes), names.MOE_EXPERT_OUT)
+    out = tag(grouped_matmul(hidden, w_out, group_sizes), names.MOE_EXPERT_OUT)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], TOP_K, -1)
     combined = tag(jnp.einsum("tkd,tk->td", unsorted, weights), names.MOE_COMBINED)
     return x + jremat.dropout(combined, DROPOUT, jax.random.fold_in(key, 1), 0)
@@ -105,3 +106,23 @@ class EqxMoE(eqx.Module):
 
     def __call__(self, x, key):
         return moe_ffn(self.router, self.w_in, self.w_out, x, key)
+
+
+# --- JAX's Pallas grouped matmul (megablox gmm, interpreted on the CPU) ---------------------------
+
+#: The tile sizes of :func:`megablox_gmm`: rows, contracted and output columns per block.
+GMM_TILING = (8, 16, 16)
+
+
+def megablox_gmm(rows, weights, group_sizes):
+    """JAX's megablox ``gmm`` kernel (Pallas, ``interpret=True``): a ``grouped_matmul`` for
+    :func:`moe_ffn`. Megablox mixes bools and ints, which the suite's strict dtype promotion
+    refuses: trace it under the ``megablox_promotion`` fixture."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    return gmm(rows, weights, group_sizes, tiling=GMM_TILING, interpret=True)
+
+
+def gmm_ffn(router, w_in, w_out, x, key):
+    """:func:`moe_ffn` with its expert layers as megablox ``gmm`` kernels."""
+    return moe_ffn(router, w_in, w_out, x, key, grouped_matmul=megablox_gmm)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: The user's conftest registers a remat that is broken on purpose: its backward pass recomputes
@@ -97,6 +99,7 @@ def test_nondeterministic_model_fails_even_under_none(remat_exact):
 """
 
 
+@pytest.mark.heavy
 def test_user_project_runs_with_plain_pytest_after_pip_install(tmp_path):
     target, project = tmp_path / "site", tmp_path / "project"
     project.mkdir()

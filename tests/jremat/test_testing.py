@@ -23,7 +23,7 @@ from jremat.testing import (
     assert_remat_exact,
     policies,
 )
-from tests.conftest import expect_does_not_apply
+from tests.conftest import expect_does_not_apply, single_function_policies
 
 GPT_TAGS = ("q", "k", "mlp_in")
 
@@ -236,14 +236,16 @@ GPT_FAST = ("full", "selective", "names")
     "policy",
     [
         p if p.id in GPT_FAST else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow))
-        for p in policies(tags=GPT_TAGS)
+        for p in single_function_policies(tags=GPT_TAGS)
     ],
 )
+@pytest.mark.heavy
 def test_every_policy_exact_on_reference_gpt(policy, gpt_case):
     assert_remat_exact(cross_entropy_loss, policy, *gpt_case)
 
 
-@pytest.mark.parametrize("policy", policies(tags=("mlp_in",)))
+@pytest.mark.parametrize("policy", single_function_policies(tags=("mlp_in",)))
+@pytest.mark.heavy
 def test_every_policy_exact_on_unrolled_linen(policy):
     model = UnrolledLinen()
     x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
@@ -252,13 +254,23 @@ def test_every_policy_exact_on_unrolled_linen(policy):
         assert_remat_exact(model, policy, variables, x, rngs={"dropout": jax.random.key(5)})
 
 
-@pytest.mark.parametrize("policy", policies(tags=("mlp_in",)))
+@pytest.mark.parametrize("policy", single_function_policies(tags=("mlp_in",)))
+@pytest.mark.heavy
 def test_every_policy_exact_on_nnx_call_time_rngs(policy):
     model = CallTimeRngNet(nnx.Rngs(0))
     with expect_does_not_apply(policy):
         assert_remat_exact(model, policy, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4), rngs=nnx.Rngs(dropout=1))
 
 
+def test_policies_keeps_a_policy_that_cannot_wrap_one_function_as_a_skip_with_its_reason():
+    params = {p.id: p for p in policies(tags=("mlp_in",))}
+    (skip,) = params["nested"].marks
+    assert skip.name == "skip" and "checkpoints a stack of layers" in skip.kwargs["reason"]
+    assert not params["full"].marks and params["full"].values == ("full",)
+    assert [p.id for p in single_function_policies(tags=("mlp_in",))] == [i for i in params if i != "nested"]
+
+
+@pytest.mark.heavy
 def test_equal_linen_modules_share_one_reference_compile():
     """A parametrized test builds its Linen model anew per policy; the reference compiles once."""
     from jremat._explain import exactness as _exactness

@@ -108,6 +108,7 @@ ENGINES = {"classic": {"JAX_REMAT3": "0"}, "remat3": {"JAX_REMAT3": "1"}}
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.heavy
 def test_first_lookup_from_many_threads(engine):
     failures = run_first_use(threads=32, processes=3, engine_env=ENGINES[engine])
     assert not failures, "\n".join(failures[:10])
@@ -167,6 +168,7 @@ def test_registry_built_ins_load_again_after_a_failed_load(monkeypatch):
 
 
 @pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.heavy
 def test_one_function_traced_for_many_shapes_from_many_threads(filtered, monkeypatch):
     """More shapes than a decorated function keeps traces for, from several threads at once:
     evictions race one another and lookups, yet every call succeeds with its own result."""

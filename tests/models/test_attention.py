@@ -56,6 +56,7 @@ _NO_DROPOUT_IN_CI = {"none", "full", "selective", "names"}
         for name in SPECS
     ],
 )
+@pytest.mark.heavy
 def test_blockwise_gives_explicit_gradients_under_every_policy(dropout, name):
     """Same dropout masks (regenerated from the layer key, never stored), float32."""
     ref_loss, ref_grads = _explicit_reference(dropout)
@@ -64,6 +65,7 @@ def test_blockwise_gives_explicit_gradients_under_every_policy(dropout, name):
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
 
 
+@pytest.mark.heavy
 def test_blockwise_with_a_fresh_dropout_key_differs():
     """The comparison above has teeth: another dropout key gives other gradients."""
     _, ref_grads = _explicit_reference(0.1)
@@ -83,6 +85,7 @@ def test_xla_attention_gives_explicit_gradients():
     [("none", True), ("full", True), ("full", False), ("dots", False)],
     ids=["none-scan", "full-scan", "full-unrolled", "dots-unrolled"],
 )
+@pytest.mark.heavy
 def test_pallas_gives_explicit_gradients(spec, scan_layers):
     """JAX's Pallas flash attention (interpreted on a CPU), no dropout: explicit's loss and gradients."""
     ref_loss, ref_grads = _explicit_reference(0.0)
@@ -91,6 +94,7 @@ def test_pallas_gives_explicit_gradients(spec, scan_layers):
     assert max_relative_error(grads, ref_grads) <= TOLERANCE
 
 
+@pytest.mark.heavy
 def test_pallas_attention_matches_the_reference_and_a_wrong_mask_is_caught():
     """The kernel's gradients equal reference_attention's; the same kernel without the causal mask
     (a deliberately broken variant) is far off, so the comparison has teeth."""
@@ -127,6 +131,7 @@ def test_pallas_block_sizes_suit_tiny_and_gpu_shapes(block_size, seq, forward, b
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.heavy
 def test_selective_runs_the_pallas_kernel_once_per_layer(remat_engine, scan_layers):
     """selective keeps the output and log-sum-exp the Pallas kernel's forward rule hands its backward
     rule: one mha_forward per layer, as none; full runs it twice (the count sees a re-run)."""
@@ -134,6 +139,7 @@ def test_selective_runs_the_pallas_kernel_once_per_layer(remat_engine, scan_laye
     assert [attention_forward_passes(cfg(spec), 2) for spec in ("none", "selective", "full")] == [1, 1, 2]
 
 
+@pytest.mark.heavy
 def test_selective_gives_none_gradients_under_pallas(remat_engine):
     ref_loss, ref_grads = loss_and_grads(_cfg("pallas", "none", 0.0))
     loss, grads = loss_and_grads(_cfg("pallas", "selective", 0.0))
@@ -144,10 +150,11 @@ def test_selective_gives_none_gradients_under_pallas(remat_engine):
 def test_selective_without_the_kernel_split_runs_the_pallas_kernel_again(remat_engine, monkeypatch):
     """The split of the kernel's custom_vjp is what keeps the log-sum-exp: without it, selective
     runs the forward kernel again in the backward pass."""
-    monkeypatch.setattr(jremat.kernels, "split_attention_kernels", lambda fn: fn)
+    monkeypatch.setattr(jremat.kernels, "split_kernels", lambda fn, which=None: fn)
     assert attention_forward_passes(_cfg("pallas", "selective", 0.0), 2) == 2
 
 
+@pytest.mark.heavy
 def test_selective_compiled_temp_is_at_most_none_under_pallas(remat_engine):
     none, selective = (_temp_bytes(_cfg("pallas", spec, 0.0), 2, 16) for spec in ("none", "selective"))
     assert selective <= none, (selective, none)
@@ -167,6 +174,7 @@ def test_selective_compiled_temp_is_at_most_none_under_pallas(remat_engine):
     ],
 )
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.heavy
 def test_fused_forward_passes_per_layer(spec, passes, scan_layers):
     """1: the backward pass reads the kernel's saved output and log-sum-exp; 2: it runs the kernel again."""
     cfg = _cfg("blockwise", spec, 0.1).replace(scan_layers=scan_layers)
@@ -190,6 +198,7 @@ def _temp_bytes(cfg, batch, seq):
     return jremat.memory_report(grad_fn, *args).temp_bytes
 
 
+@pytest.mark.heavy
 def test_blockwise_memory_grows_linearly_in_the_sequence():
     """Compile-only: 4x the sequence, at most 4.4x the temp memory under blockwise; explicit grows
     faster (its [seq, seq] scores), and at the long sequence blockwise needs at most half."""

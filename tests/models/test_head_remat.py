@@ -14,6 +14,7 @@ def test_chunked_head_keeps_loss_and_gradients(tiny_config, chunks):
     assert max_relative_error(grads, ref_grads) <= 1e-5
 
 
+@pytest.mark.heavy
 def test_chunked_head_cuts_temp_memory_when_the_vocabulary_dominates():
     cfg = preset("small", n_layers=2, vocab_size=4096, remat_policy="full")
     kept = train_step_memory(cfg, 8).temp_bytes

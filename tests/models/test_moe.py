@@ -112,6 +112,7 @@ def moe_config(**changes):
     return preset("tiny", moe_experts=EXPERTS, moe_top_k=TOP_K, **changes)
 
 
+@pytest.mark.heavy
 def test_aux_gradient_is_the_gradient_of_the_weighted_router_losses():
     """``cross_entropy_loss``'s gradient is that of cross-entropy + n_layers * (coef * mean layer loss), and
     without the coefficients (the auxiliary losses left out) it differs."""

@@ -52,6 +52,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("name, granularity, scan_layers, engine", list(_cases()))
+@pytest.mark.heavy
 def test_moe_gradients_match_no_remat(name, granularity, scan_layers, engine, moe_config, reference):
     if name not in MOE_SPECS:
         pytest.fail(f"policy {name!r} has no example spec")

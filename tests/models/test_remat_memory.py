@@ -19,6 +19,7 @@ def block_input_bytes(cfg):
     return BATCH * cfg.max_seq_len * cfg.d_model * jnp.dtype(cfg.dtype).itemsize
 
 
+@pytest.mark.heavy
 def test_full_remat_under_scan_cuts_temp_memory_3x():
     cfg = small(n_layers=8)
     none_temp = train_step_memory(cfg.replace(remat_policy="none"), BATCH).temp_bytes
@@ -26,6 +27,7 @@ def test_full_remat_under_scan_cuts_temp_memory_3x():
     assert none_temp >= 3 * full_temp, (none_temp, full_temp)
 
 
+@pytest.mark.heavy
 def test_full_remat_temp_grows_by_about_one_block_input_per_layer():
     per_layer = block_input_bytes(small())
     temps = {n: train_step_memory(small(n_layers=n, remat_policy="full"), BATCH).temp_bytes for n in (4, 8)}
@@ -50,6 +52,7 @@ def test_full_remat_saves_exactly_the_block_inputs_stacked_over_layers():
 @pytest.mark.parametrize(
     "policy, max_fraction_of_none", [("full", 0.6), pytest.param("every_k:k=4", 0.75, marks=pytest.mark.slow)]
 )
+@pytest.mark.heavy
 def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
     """Unrolled stacks save memory too, thanks to the cotangent tie (jremat._engine.tie)."""
     cfg = small(n_layers=3, scan_layers=False)
@@ -74,6 +77,7 @@ def test_unrolled_remat_saves_memory(policy, max_fraction_of_none):
         (2, True, "full", "", 1, 1),  # a head scan of 1 chunk
     ],
 )
+@pytest.mark.heavy
 def test_cotangent_tie_only_where_xla_could_merge_recomputation(
     monkeypatch, n_layers, scan, policy, layer_policies, head_chunks, ties
 ):
@@ -99,6 +103,7 @@ def test_cotangent_tie_only_where_xla_could_merge_recomputation(
     assert len(made) == ties
 
 
+@pytest.mark.heavy
 def test_one_layer_scan_still_saves_memory():
     # Without the tie XLA flattens the length-1 scan, merges the recomputation into the forward
     # pass and every policy compiles to none's figure (docs/xla-notes.md).

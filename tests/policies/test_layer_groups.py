@@ -81,6 +81,7 @@ def no_remat_reference(cfg):
     "spec, layer_policies",
     [("every_k:k=2", "1:full"), ("none", "1:selective,rest:every_k:k=3"), ("nested:block=2,layer=full", "")],
 )
+@pytest.mark.heavy
 def test_gradients_match_no_remat(spec, layer_policies, scan_layers):
     cfg = preset("tiny", attn_dropout=0.5, resid_dropout=0.5, n_layers=4)
     ref_loss, ref_grads = no_remat_reference(cfg)

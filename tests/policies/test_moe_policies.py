@@ -8,36 +8,75 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend import core as jcore
 
 import jremat
 from jremat import names
-from jremat.testing import RematMismatch, assert_remat_exact, policies
-from tests.conftest import run_under_engine
+from jremat.testing import RematMismatch, assert_remat_exact
+from tests.conftest import run_under_engine, single_function_policies
 from tests.jremat import moe_user_models as moe
 from tests.jremat.test_testing import FreshKeyOnRecompute
 
-RAGGED_DOT = "ragged_dot_general"
+#: A grouped matmul: the primitive, or a Pallas kernel (the only kernels of these models are
+#: megablox's grouped matmuls, ``gmm`` and ``tgmm``).
+GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "pallas_call")
 
 
-def grouped_matmuls(jaxpr, trips: int = 1) -> int:
-    """Grouped matmul equations in ``jaxpr`` and every jaxpr nested in it, a ``scan`` body's times its length.
-
-    Written here on purpose, apart from ``jremat.kernels.count_grouped_matmuls``: the truth of the tests."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += trips * (eqn.primitive.name == RAGGED_DOT)
-        inner = trips * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                body = getattr(sub, "jaxpr", sub)
-                if hasattr(body, "eqns"):
-                    count += grouped_matmuls(body, inner)
-    return count
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def gradient_grouped_matmuls(layer_policy, layout) -> int:
-    """Grouped matmuls in the traced gradient of the 2-layer MoE, each layer checkpointed by ``layer_policy``."""
-    layer = moe.moe_ffn if layer_policy is None else jremat.checkpoint(moe.moe_ffn, layer_policy)
+def live_grouped_matmuls(jaxpr, used_outputs=None) -> tuple[int, list[bool]]:
+    """How many grouped matmul equations computing ``jaxpr``'s used outputs run (a ``scan``
+    body's times its length) after dead-code elimination (a recomputation nothing reads is not
+    run, as XLA runs it not), and which of ``jaxpr``'s inputs they read: ``(runs, reads)``.
+
+    Written here on purpose, apart from ``jremat.kernels.count_grouped_matmuls`` and jremat's
+    liveness: the truth of the tests."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
+    live = {v for v, u in zip(jaxpr.outvars, used) if u and not isinstance(v, jcore.Literal)}
+    runs = 0
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in live for v in eqn.outvars]
+        if not any(outs) and not eqn.effects:
+            continue
+        reads = [True] * len(eqn.invars)
+        if eqn.primitive.name in GROUPED_MATMUL_PRIMITIVES:
+            runs += 1
+        elif eqn.primitive.name == "scan":
+            body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+            body_used = list(outs)
+            while True:  # a carry the body reads is an output of the previous iteration
+                body_runs, reads = live_grouped_matmuls(body, body_used)
+                grown = [i for i in range(n_carry) if reads[n_consts + i] and not body_used[i]]
+                if not grown:
+                    break
+                for i in grown:
+                    body_used[i] = True
+            runs += eqn.params["length"] * body_runs
+        else:
+            subs = [getattr(eqn.params[k], "jaxpr", eqn.params[k]) for k in _CALL_PARAMS if k in eqn.params]
+            call = subs[0] if len(subs) == 1 else None
+            if call is not None and len(call.invars) == len(eqn.invars) and len(call.outvars) == len(eqn.outvars):
+                body_runs, reads = live_grouped_matmuls(call, outs)
+                runs += body_runs
+            else:  # while, cond: everything inside runs
+                for value in eqn.params.values():
+                    for item in value if isinstance(value, (tuple, list)) else (value,):
+                        if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                            runs += live_grouped_matmuls(item)[0]
+        live.update(v for v, r in zip(eqn.invars, reads) if r and not isinstance(v, jcore.Literal))
+    return runs, [v in live for v in jaxpr.invars]
+
+
+def grouped_matmuls(jaxpr) -> int:
+    """Grouped matmuls a traced gradient runs (:func:`live_grouped_matmuls`)."""
+    return live_grouped_matmuls(jaxpr)[0]
+
+
+def gradient_grouped_matmuls(layer_policy, layout, ffn=moe.moe_ffn) -> int:
+    """Grouped matmuls in the traced gradient of the 2-layer MoE, each layer (``ffn``) checkpointed by ``layer_policy``."""
+    layer = ffn if layer_policy is None else jremat.checkpoint(ffn, layer_policy)
     loss = (moe.scanned_loss if layout == "scanned" else moe.unrolled_loss)(layer)
     x, key = moe.inputs()
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(moe.params(), x, key)
@@ -45,6 +84,7 @@ def gradient_grouped_matmuls(layer_policy, layout) -> int:
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+@pytest.mark.heavy
 def test_dots_skip_cheap_and_selective_run_no_grouped_matmul_again(remat_engine, layout):
     none = gradient_grouped_matmuls(None, layout)
     assert none == moe.LAYERS * 6  # two forward, four backward per layer
@@ -53,6 +93,47 @@ def test_dots_skip_cheap_and_selective_run_no_grouped_matmul_again(remat_engine,
     # Recomputing everything runs both expert matmuls of each layer again (the combine's gradient
     # with respect to the router's weights reads the second one's output).
     assert gradient_grouped_matmuls("full", layout) == none + 2 * moe.LAYERS
+
+
+def test_dots_keeps_the_grouped_matmuls_of_a_scan_inside_one_checkpoint(remat_engine):
+    """One checkpoint around the whole scanned stack: dots keeps the grouped matmuls inside the
+    loop body (remat3 included, where they are kept by name inside the body)."""
+    x, key = moe.inputs()
+    loss = moe.scanned_loss(moe.moe_ffn)
+    runs = {
+        label: grouped_matmuls(jax.make_jaxpr(jax.grad(f, (0, 1)))(moe.params(), x, key).jaxpr)
+        for label, f in {"none": loss, "dots": jremat.checkpoint(loss, "dots")}.items()
+    }
+    assert runs["dots"] == runs["none"] == moe.LAYERS * 6
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+@pytest.mark.heavy
+def test_a_megablox_gmm_kernel_is_kept_like_the_primitive(remat_engine, layout, megablox_promotion):
+    """The experts as JAX's Pallas grouped matmul (megablox ``gmm``, a ``custom_vjp`` around a
+    ``pallas_call``): dots, skip_cheap and selective run no kernel again; full runs both again."""
+    none = gradient_grouped_matmuls(None, layout, moe.gmm_ffn)
+    assert none == moe.LAYERS * 6  # gmm twice forward; gmm and tgmm per forward gmm backward
+    for spec in ("dots", "dots_no_batch", "skip_cheap", "selective"):
+        assert gradient_grouped_matmuls(spec, layout, moe.gmm_ffn) == none, spec
+    assert gradient_grouped_matmuls("full", layout, moe.gmm_ffn) == none + 2 * moe.LAYERS
+
+
+@pytest.mark.parametrize("policy", ["dots", "selective", "full"])
+@pytest.mark.heavy
+def test_gradients_through_megablox_gmm_kernels_equal_no_remat(policy, megablox_promotion):
+    stack = moe.scanned_loss
+    decorate = lambda _, p: stack(jremat.checkpoint(moe.gmm_ffn, p))
+    args = (moe.params(), *moe.inputs())
+    assert_remat_exact(stack(moe.gmm_ffn), policy, *args, argnums=(0, 1), **TOLERANCE, decorate=decorate)
+
+
+@pytest.mark.heavy
+def test_selective_finds_the_expert_activation_between_megablox_kernels(megablox_promotion):
+    (router, w_in, w_out), (x, key) = (p[0] for p in moe.params()), moe.inputs()
+    explained = jremat.explain(moe.gmm_ffn, "selective", router, w_in, w_out, x, key, compile=False)
+    assert any("expert activation found by structure" in m for m in explained.matched), explained.matched
+    assert not [m for m in explained.messages if "re-run" in m], explained.messages
 
 
 def test_a_jax_policy_keeps_its_meaning_for_grouped_matmuls(remat_engine):
@@ -81,7 +162,10 @@ def test_explain_names_the_grouped_matmuls_a_jax_policy_reruns():
     assert len(reruns) == 1, lines["jax"]
     runs, none = map(
         int,
-        re.search(r": (\d+) grouped matmuls \(jax.lax.ragged_dot\) in the gradient, none: (\d+)", reruns[0]).groups(),
+        re.search(
+            r": (\d+) grouped matmuls \(jax.lax.ragged_dot or a grouped matmul kernel\) in the gradient, none: (\d+)",
+            reruns[0],
+        ).groups(),
     )
     assert none == 6 and runs > none, reruns  # two forward and four backward grouped matmuls without remat
     assert not [m for m in lines["dots"] if m.startswith("grouped matmul re-run")]
@@ -136,9 +220,10 @@ def _per_layer(stack):
 
 @pytest.mark.parametrize(
     ("engine", "policy"),
-    [pytest.param("classic", *p.values, id=f"classic-{p.id}", marks=p.marks) for p in policies()]
-    + [pytest.param("remat3", *p.values, id=f"remat3-{p.id}", marks=p.marks) for p in _few(policies())],
+    [pytest.param("classic", *p.values, id=f"classic-{p.id}", marks=p.marks) for p in single_function_policies()]
+    + [pytest.param("remat3", *p.values, id=f"remat3-{p.id}", marks=p.marks) for p in _few(single_function_policies())],
 )
+@pytest.mark.heavy
 def test_every_policy_exact_on_a_scanned_moe(engine, policy):
     args = (moe.params(), *moe.inputs())
     stack = moe.scanned_loss
@@ -146,25 +231,28 @@ def test_every_policy_exact_on_a_scanned_moe(engine, policy):
         assert_remat_exact(stack(moe.moe_ffn), policy, *args, argnums=(0, 1), **TOLERANCE, decorate=_per_layer(stack))
 
 
-@pytest.mark.parametrize("policy", _few(policies()))
+@pytest.mark.parametrize("policy", _few(single_function_policies()))
+@pytest.mark.heavy
 def test_every_policy_exact_on_an_unrolled_moe(policy):
     args = (moe.params(), *moe.inputs())
     stack = moe.unrolled_loss
     assert_remat_exact(stack(moe.moe_ffn), policy, *args, argnums=(0, 1), **TOLERANCE, decorate=_per_layer(stack))
 
 
-@pytest.mark.parametrize("policy", _few(policies(names.MOE_NAMES)))
+@pytest.mark.parametrize("policy", _few(single_function_policies(names.MOE_NAMES)))
+@pytest.mark.heavy
 def test_every_policy_exact_on_an_nnx_moe(policy):
     x, key = moe.inputs()
     assert_remat_exact(moe.NnxMoE(), policy, x, key, **TOLERANCE)
 
 
-@pytest.mark.parametrize("policy", _few(policies()))
+@pytest.mark.parametrize("policy", _few(single_function_policies()))
 def test_every_policy_exact_on_an_equinox_moe(policy):
     x, key = moe.inputs()
     assert_remat_exact(lambda m, h, k: jnp.sum(m(h, k) ** 2), policy, moe.EqxMoE(), x, key, **TOLERANCE)
 
 
+@pytest.mark.heavy
 def test_routing_recomputed_with_another_key_is_caught():
     """The broken variant: the backward pass recomputes the router's jitter (and dropout) with
     another key, so tokens go to other experts there; the check must fail."""

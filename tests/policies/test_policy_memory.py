@@ -2,6 +2,8 @@
 
 import functools
 
+import pytest
+
 from jremat.models import preset
 from tests.conftest import train_step_memory
 
@@ -20,6 +22,7 @@ def temp_bytes(spec: str, layer_policies: str = "", scan_layers: bool = True) ->
     return train_step_memory(cfg).temp_bytes
 
 
+@pytest.mark.heavy
 def test_every_k_orders_between_none_and_full():
     none, k2, k8, full = (temp_bytes(s) for s in ("none", "every_k:k=2", "every_k:k=8", "full"))
     assert none >= k2 >= k8 >= full
@@ -30,12 +33,14 @@ def test_selective_uses_less_than_none():
     assert temp_bytes("selective") < temp_bytes("none")
 
 
+@pytest.mark.heavy
 def test_layer_groups_between_none_and_full():
     """Rematerializing 2 of 4 layers keeps less than none and more than full."""
     mixed = temp_bytes("none", "2:full")
     assert temp_bytes("full") < mixed < temp_bytes("none")
 
 
+@pytest.mark.heavy
 def test_nested_between_none_and_full():
     """√L groups: two group inputs plus one recomputed group's activations."""
     assert temp_bytes("full") < temp_bytes("nested:block=2") < temp_bytes("none")

@@ -232,6 +232,7 @@ def test_selective_saves_no_attention_matrix():
     assert [why for aval, why in kept_by_none if aval.shape == square], "none keeps [B,H,S,S]: the check can fail"
 
 
+@pytest.mark.heavy
 def test_selective_per_layer_bytes_within_megatron_bound_bf16():
     """Megatron's selective recomputation keeps 34·s·b·h bytes per layer in 16-bit, of which
     2·s·b·h are the two residual dropout masks; masks are regenerated here, so <= 32·s·b·h."""

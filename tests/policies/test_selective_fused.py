@@ -3,6 +3,7 @@ says matches what happens (blockwise: the kernel is not run again; cuDNN: it is,
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jremat
 from jremat import attention
@@ -30,6 +31,7 @@ def _passes(fn, w, x):
     return attention.count_forward_passes(jax.make_jaxpr(jax.value_and_grad(loss))(w))
 
 
+@pytest.mark.heavy
 def test_selective_keeps_a_blockwise_kernel_without_tags(remat_engine):
     layer = _layer(lambda q, k, v: attention.blockwise_attention(q, k, v, block_size=8))
     w, x = _weights(), jax.random.normal(jax.random.key(1), (B, S, H * D))

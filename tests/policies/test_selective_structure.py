@@ -177,6 +177,7 @@ LAYOUTS = [(model, layout) for model in sorted(MODELS) for layout in (_unrolled,
 
 
 @pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{f.__name__[1:]}" for m, f in LAYOUTS])
+@pytest.mark.heavy
 def test_selective_compiled_temp_is_at_most_0_8_of_none(model, layout):
     temp = {}
     for spec in ("none", "selective"):

@@ -48,6 +48,7 @@ def test_verdict_holds_every_target_and_says_where_jremat_is_worse():
     assert not missed["Peer linen nn.remat_scan: jremat full peak <= it and time within 5%"]
 
 
+@pytest.mark.heavy
 def test_report_csv_and_plots_from_measured_rows(tmp_path):
     measured = measured_rows(miss=True)
     back = []
@@ -207,6 +208,7 @@ def test_linen_port_has_the_nnx_model_parameters():
     assert count(linen_params) == count(nnx_params)
 
 
+@pytest.mark.heavy
 def test_one_real_tiny_compile_and_timed_step():
     config = BenchConfig(quick=True)
     cfg = config.block_model()
@@ -316,6 +318,7 @@ def test_attention_and_dtype_reach_every_bench_model():
     assert "none" not in part_megatron.megatron_formulas(1024, 8, 768, 12, "xla")
 
 
+@pytest.mark.heavy
 def test_quick_time_part_in_bf16_with_blockwise_attention_has_absolute_figures(tmp_path):
     out, md = tmp_path / "results", tmp_path / "RESULTS.md"
     argv = ["--quick", "--parts", "time", "--policy", "none", "--dtype", "bfloat16", "--attention", "blockwise"]

@@ -103,6 +103,7 @@ def test_auto_candidates_one_plan_for_batches_within_a_few_percent():
     assert fit_lib.auto_candidates(100, searched) == [(label, 60, 1), (label, 108, 1)]
 
 
+@pytest.mark.heavy
 def test_the_search_reuses_the_planners_compile_of_its_plan(monkeypatch):
     config = MemoryConfig(preset="tiny", fit=True, memory_budget="1MiB")
     builder = fit_lib.GPTStepBuilder(config.model_config, 16, fit_lib.SEARCH_OPTIMIZER)

@@ -24,6 +24,7 @@ KEYS = {
 }
 
 
+@pytest.mark.heavy
 def test_json_rows_have_the_schema_and_consistent_figures(capsys):
     code = tm.main(TINY + ["--policy", "none", "--policy", "full", "--json"])
     out = capsys.readouterr().out
@@ -40,6 +41,7 @@ def test_json_rows_have_the_schema_and_consistent_figures(capsys):
     assert none["peak_ratio_vs_none"] == 1.0
 
 
+@pytest.mark.heavy
 def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced_reports):
     code = tm.main(
         TINY + ["--batch-size", "8", "--policy", "none", "--policy", "auto", "--memory-budget", "0.5", "--json"]
@@ -51,6 +53,7 @@ def test_auto_row_fits_its_budget_and_reuses_the_planners_compile(capsys, traced
     assert traced_reports.cache_info().hits == 1  # the auto row: the planner's compile of its plan
 
 
+@pytest.mark.heavy
 def test_nested_policies_get_rows(capsys, traced_reports):  # the layer stack applies them
     argv = TINY + ["--policy", "none", "--policy", "nested:block=2", "--policy", "nested:block=auto", "--json"]
     assert tm.main(argv) == 0
@@ -62,6 +65,7 @@ def test_nested_policies_get_rows(capsys, traced_reports):  # the layer stack ap
     assert captured.err == "compiling the gradient step under 3 policies (none, nested:block=2, nested:block=auto)...\n"
 
 
+@pytest.mark.heavy
 def test_sublayer_granularity_takes_names_of_either_sublayer(capsys, traced_reports):
     argv = TINY + ["--granularity", "sublayer", "--policy", "none", "--policy", "names:save=q+k+v", "--json"]
     assert tm.main(argv) == 0
@@ -70,6 +74,7 @@ def test_sublayer_granularity_takes_names_of_either_sublayer(capsys, traced_repo
     assert rows[1]["saved_bytes_per_layer"] < rows[0]["saved_bytes_per_layer"]
 
 
+@pytest.mark.heavy
 def test_table_and_plot(tmp_path, capsys, traced_reports):  # the layout, not XLA's figures
     plot = tmp_path / "mem.png"
     assert tm.main(TINY + ["--policy", "full", "--plot", str(plot)]) == 0
@@ -136,6 +141,7 @@ def test_live_child_prints_one_json_line(capsys):
     assert json.loads(capsys.readouterr().out) == {"live_peak_bytes": None}
 
 
+@pytest.mark.heavy
 def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced_reports):  # the wiring
     calls = []
 
@@ -155,6 +161,7 @@ def test_live_peaks_come_from_one_process_per_policy(monkeypatch, capsys, traced
     )  # fmt: skip
 
 
+@pytest.mark.heavy
 def test_live_on_a_mesh_runs_each_policy_on_the_mesh_and_reports_per_device(monkeypatch, capsys):
     calls = []
 
@@ -237,6 +244,7 @@ def _stacked_internal(buffers, n_layers, batch, seq_len, d_model):
     return out
 
 
+@pytest.mark.heavy
 def test_timeline_png_and_maximum_matches_the_compiled_peak(timeline_run):
     code, rows, png = timeline_run
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -250,6 +258,7 @@ def test_timeline_png_and_maximum_matches_the_compiled_peak(timeline_run):
         assert sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.heavy
 def test_full_remat_peak_holds_no_internal_activation_of_earlier_layers(timeline_run):
     _, rows, _ = timeline_run
     shape = (2, 2, 16, 32)  # tiny: layers, batch, seq, d_model

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
+
 import jremat.train.memory as tm
 from jremat.models import preset
 from jremat.train.policy_memory import compare_policies
 
 
+@pytest.mark.heavy
 def test_explain_section_reports_decisions_and_names_per_policy():
     cfg = preset("tiny", remat_policy="none")
     rows, _ = compare_policies(cfg, 2, ["names:save=q+mlp_act", "full"], compile=False, explain=True)
@@ -29,6 +32,7 @@ def test_explain_section_reports_decisions_and_names_per_policy():
     ]
 
 
+@pytest.mark.heavy
 def test_cli_prints_the_explain_section_and_json(capsys):
     argv = ["--preset", "tiny", "--batch-size", "2", "--layers", "1", "--policy", "none"]
     assert tm.main(argv + ["--json"]) == 0
@@ -42,6 +46,7 @@ def test_cli_prints_the_explain_section_and_json(capsys):
     assert "policy 'none' on the gradient step: 0 checkpoints" in out
 
 
+@pytest.mark.heavy
 def test_explain_section_names_each_kernel_run_again_per_layer():
     """Under ``--attention pallas`` the explain section and JSON name the Pallas forward kernel that
     ``full`` runs again (per layer, beside none's count) and list every kernel's runs; ``selective``

@@ -1,6 +1,7 @@
 """One set of figures: train.ptb's start-up line, train.memory's table and explain measure against one ``none``."""
 
 import jax
+import pytest
 
 from jremat import format_bytes
 from jremat.models import PRESETS, preset
@@ -11,6 +12,7 @@ from jremat.train.policy_memory import compare_policies, config_for_spec, format
 SHAPE = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "8"]
 
 
+@pytest.mark.heavy
 def test_startup_line_and_memory_table_agree_for_one_configuration():
     train_cfg = ptb.parse_config(SHAPE + ["--policy", "every_k", "--k", "2"])
     model_cfg = train_cfg.model_config(PRESETS["tiny"].vocab_size)
@@ -38,6 +40,7 @@ def test_startup_line_and_memory_table_agree_for_one_configuration():
     assert "head 4 chunks" in line and "none = no remat anywhere" in line and "none = no remat anywhere" in table
 
 
+@pytest.mark.heavy
 def test_explains_baseline_is_the_same_step_under_every_policy():
     # one report: none keeps its head whole, full chunks it; "without remat" is one step for both
     rows, base = compare_policies(preset("tiny"), 2, ["none", "full"], 8, compile=False, explain=True, whole_step=True)

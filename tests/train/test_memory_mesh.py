@@ -16,6 +16,9 @@ from jremat.train import memory, sharded_steps
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
+#: Multi-device runs in subprocesses: CI runs them after the default suite (``-m heavy``).
+pytestmark = pytest.mark.heavy
+
 
 def _run_memory(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     """``python -m train.memory argv`` on 8 simulated CPU devices, with ``env`` added to the environment."""
@@ -108,7 +111,9 @@ def test_timeline_and_live_on_a_mesh_are_per_device_and_show_gathered_weights(tm
 
 def test_a_mesh_the_devices_do_not_fit_exits_2(capsys):
     assert memory.main(["--preset", "tiny", "--batch-size", "8", "--mesh", "fsdp=8"]) == 2
-    assert "--mesh: mesh fsdp=8 has 8 devices but only 1 is available" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--mesh: mesh fsdp=8 has 8 devices but only 1 is available" in err
+    assert "simulate 8 devices by starting with XLA_FLAGS=--xla_force_host_platform_device_count=8" in err
 
 
 def test_auto_on_a_mesh_fits_a_per_device_budget_and_reissues_less_than_full(mesh_rows):

@@ -16,7 +16,7 @@ def jsonl(path, steps, tail=""):
 
 
 def csv_file(path, steps, tail=""):
-    lines = [",".join(COLUMNS)] + [f"{s},{9.0 - s},1.0,0.001,0.1,100.0,," for s in steps]
+    lines = [",".join(COLUMNS)] + [f"{s},{9.0 - s},1.0,0.001,0.1,100.0,,,," for s in steps]
     path.write_text("\r\n".join(lines) + "\r\n" + tail)
     return path
 
@@ -41,7 +41,7 @@ def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, make, torn):
         ("m.jsonl", '{"step": 1}\n{"step": 2, "loss": oops}\n{"step": 3}\n', "line 2: not a JSON row"),
         ("m.jsonl", '{"step": 1}\n{"step": 2, "loss": 9.0\n', "line 2: not a JSON row"),  # ends in a newline
         ("m.jsonl", '{"step": 1}\n[1, 2]\n', "line 2: not a row: a JSON object with an integer 'step'"),
-        ("m.csv", ",".join(COLUMNS) + "\n1,9,1,1,1,1,,\n2,9\n3,9,1,1,1,1,,\n", "line 3: 2 fields, 8 expected"),
+        ("m.csv", ",".join(COLUMNS) + "\n1,9,1,1,1,1,,,,\n2,9\n3,9,1,1,1,1,,,,\n", "line 3: 2 fields, 10 expected"),
         ("m.csv", "a,b\n1,2\n", "line 1: the header is not step,loss"),
     ],
 )

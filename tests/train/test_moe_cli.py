@@ -69,6 +69,7 @@ def test_the_moe_flags_reach_every_clis_models():
     assert ptb.parse_config(["--preset", "tiny"]).model_config(64).moe_experts == 0  # dense unless asked
 
 
+@pytest.mark.heavy
 def test_memory_reports_an_moe_model_under_each_policy(capsys, traced_reports):
     argv = ["--preset", "tiny", "--moe-experts", "4", "--moe-top-k", "2", "--policy", "none", "--policy", "full"]
     assert memory.main([*argv, "--batch-size", "2", "--json"]) == 0
@@ -90,11 +91,16 @@ def test_memory_cli_prints_rows_for_an_moe_model(capsys):
 
 
 @pytest.mark.slow  # a few training steps and the evaluations (about 30 s)
-def test_ptb_trains_an_moe_model_and_reports_its_router_losses(ptb_offline_dir, capsys):
-    argv = ["--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--no-memory-report"]
+def test_ptb_trains_an_moe_model_and_reports_its_router_losses(ptb_offline_dir, capsys, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--preset", "tiny", "--steps", "2", "--eval-batches", "1", "--eval-every", "1", "--no-memory-report"]
     argv += ["--data-dir", ptb_offline_dir, "--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-expert"]
-    assert ptb.main(argv) == 0
+    assert ptb.main([*argv, "--metrics-file", str(metrics)]) == 0
     out = capsys.readouterr().out
     balance = float(out.split("MoE load balance (valid)")[1].split("|")[1].split()[0])
     router_z = float(out.split("MoE router z-loss (valid)")[1].split("|")[1].split()[0])
     assert 0 < balance <= 4 and router_z > 0  # E * sum_e f_e P_e is at most E (the f_e sum to 1)
+    # The metrics file has them on the validation step (step 1; the last step's are the summary's).
+    (first, last) = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert 0 < first["moe_load_balance"] <= 4 and first["moe_router_z"] > 0, first
+    assert "moe_load_balance" not in last and "valid_loss" not in last

@@ -27,6 +27,9 @@ from jremat.train.metrics import read_rows
 from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
+#: Multi-device runs in subprocesses: CI runs them after the default suite (``-m heavy``).
+pytestmark = pytest.mark.heavy
+
 STEPS, CKPT_EVERY, KILL_AT_CALL = 4, 2, 4  # killed before step 4: steps 1-3 done, checkpoint of step 2 complete
 RUN_TIMEOUT_S = 240  # each launch is bounded; the processes are killed past it
 FAILURE_TIMEOUT_S = 90  # the start-up failures end in seconds

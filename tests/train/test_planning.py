@@ -22,6 +22,7 @@ def test_candidates_become_valid_configs(tiny):
     assert partial.remat_policy == "none" and partial.remat_layer_policies == "1:full"
 
 
+@pytest.mark.heavy
 def test_a_budget_between_full_and_none_fits_the_compiled_step(tiny):
     seq = tiny.max_seq_len
     none_peak = compiled_peak_bytes(apply_candidate(Candidate((), 0), tiny), BATCH, seq)

@@ -6,12 +6,14 @@ from jremat.models import preset
 from jremat.train.policy_memory import compare_policies, config_for_spec, policy_memory, summary_vs_none
 
 
+@pytest.mark.heavy
 def test_summary_vs_none_for_trainers():
     line = summary_vs_none(preset("tiny", remat_policy="full"), batch_size=2)
     assert line.startswith("memory (full, head whole): peak ") and "none:" in line and "saved/layer" in line
 
 
 @pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+@pytest.mark.heavy
 def test_analytic_peak_within_10_percent_at_reference_shapes(policy):
     # The reference model's shapes (gpt2-small, batch 8 x 1024, bf16, the head in 4 chunks as the
     # CLI runs it) on 3 of its 12 layers to keep the compile short: the estimate adds the third
@@ -22,6 +24,7 @@ def test_analytic_peak_within_10_percent_at_reference_shapes(policy):
     assert row.working_set_bytes > 0.3 * row.peak_bytes  # one block's backward: [8, 12, 1024, 1024] buffers
 
 
+@pytest.mark.heavy
 def test_config_for_spec_plans_auto_and_passes_other_specs_through():
     cfg = preset("tiny", n_layers=2)
     same, plan = config_for_spec(cfg, "full", 2)
@@ -36,6 +39,7 @@ def test_without_a_compile_there_is_no_analytic_estimate():
     assert row.saved_bytes_per_layer > 0  # the traced figures are there
 
 
+@pytest.mark.heavy
 def test_nested_specs_are_the_stacks_policy_in_the_report(traced_reports):
     # nested:* is applied by the model's layer stack (RematConfig), not by one function: it gets a row
     cfg = preset("tiny", n_layers=2)

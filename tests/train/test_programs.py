@@ -57,6 +57,7 @@ def test_traced_figures_follow_the_policy(tiny):
     assert traced_step_bytes(full, BATCH) < traced_step_bytes(none, BATCH)
 
 
+@pytest.mark.heavy
 def test_adam_step_memory_counts_donated_state(tiny):
     step, _, _, args = adam_train_step(tiny, BATCH)
     report = adam_step_memory(tiny, BATCH)
@@ -117,6 +118,7 @@ WORKING_SET_CASES = [
 
 
 @pytest.mark.parametrize("attention, policy", WORKING_SET_CASES)
+@pytest.mark.heavy
 def test_analytic_peak_counts_one_blocks_backward_working_set(attention, policy, monkeypatch):
     cfg = preset("tiny", n_layers=4, max_seq_len=256, remat_policy=policy, attention=attention, attention_block_size=64)
     cfg = cfg.replace(remat_head_chunks=4 if policy != "none" else 0)

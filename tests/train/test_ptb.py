@@ -87,6 +87,7 @@ def test_reference_run_trains_and_logs_every_step(reference_run):
     assert reference_run[0]["lr"] == 0.0 and reference_run[2]["lr"] == pytest.approx(3e-3)  # 2 warmup steps
 
 
+@pytest.mark.heavy
 def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, base_args, reference_run, capsys):
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.csv"
     args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--metrics-file", str(metrics)]
@@ -107,6 +108,7 @@ def test_interrupt_then_resume_matches_uninterrupted_run(monkeypatch, tmp_path, 
     assert StateFiles(ckpt).latest_step() == STEPS
 
 
+@pytest.mark.heavy
 def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(monkeypatch, tmp_path, base_args, capsys):
     ckpt = tmp_path / "ck"
 
@@ -197,6 +199,7 @@ def _foreign_checkpoint(directory, ptb_offline_dir, preset_name):
     ckpts.close()
 
 
+@pytest.mark.heavy
 def test_resume_from_a_different_model_shape(tmp_path, base_args, capsys, ptb_offline_dir):
     ckpt = tmp_path / "ck"
     _foreign_checkpoint(ckpt, ptb_offline_dir, "needle")
@@ -304,6 +307,7 @@ def _assert_resume_matches_reference(args, metrics, reference_run, restored_at):
         pytest.param("11", 8, id="between-steps", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.heavy
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path, base_args, reference_run, mode, restored_at):
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     args = base_args + ["--policy", "every_k", "--k", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "4"]
@@ -338,6 +342,7 @@ def _damage(ckpt, step, how):
         pytest.param("data deleted", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.heavy
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     monkeypatch, tmp_path, base_args, reference_run, capsys, how
 ):
@@ -359,6 +364,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     assert len(os.listdir(ckpt / "corrupt")) == 1 and StateFiles(ckpt).latest_step() == STEPS
 
 
+@pytest.mark.heavy
 def test_sigterm_during_training_saves_the_step_and_exits_143(monkeypatch, tmp_path, base_args, capsys):
     ckpt = tmp_path / "ck"
 
@@ -408,6 +414,7 @@ def _start_and_signal(args, signum, wait_for):
         pytest.param(signal.SIGTERM, "schedule:", 143, id="sigterm-during-compile", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.heavy
 def test_a_signal_before_training_ends_the_run_at_once(tmp_path, base_args, signum, wait_for, code):
     returncode, err = _start_and_signal(base_args + ["--ckpt-dir", str(tmp_path / "ck")], signum, wait_for)
     assert returncode == code, err[-2000:]
@@ -428,6 +435,7 @@ def test_two_runs_cannot_write_one_checkpoint_directory(tmp_path, base_args, cap
         holder.close()
 
 
+@pytest.mark.heavy
 def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, base_args, capsys):
     code = f"from jremat.train.state_files import StateFiles; import os, signal; StateFiles({str(tmp_path / 'ck')!r}, lock=True); os.kill(os.getpid(), signal.SIGKILL)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120).returncode == -signal.SIGKILL
@@ -435,6 +443,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path, base_args, capsys):
     assert "took over the lock of a run that ended without releasing it (pid" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_resume_refuses_other_data_and_model_but_takes_another_policy(
     monkeypatch, tmp_path, base_args, capsys, reference_run
 ):
@@ -459,6 +468,7 @@ def test_resume_refuses_other_data_and_model_but_takes_another_policy(
     np.testing.assert_allclose([resumed[s] for s in after], [expected[s] for s in after], rtol=1e-5)
 
 
+@pytest.mark.heavy
 def test_a_signal_during_the_final_save_ends_the_run_with_its_code(monkeypatch, tmp_path, base_args, capsys):
     real_save = StateFiles.save
 
@@ -473,6 +483,7 @@ def test_a_signal_during_the_final_save_ends_the_run_with_its_code(monkeypatch, 
     assert StateFiles(tmp_path / "ck").latest_step() == 3
 
 
+@pytest.mark.heavy
 def test_resume_past_the_last_step_says_so(tmp_path, base_args, capsys):
     args = base_args + ["--ckpt-dir", str(tmp_path / "ck"), "--steps", "3"]
     assert ptb.main(args) == 0
@@ -480,6 +491,7 @@ def test_resume_past_the_last_step_says_so(tmp_path, base_args, capsys):
     assert "at step 3, which --steps 3 already reaches; nothing is left to train" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_no_leftovers(tmp_path, base_args, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert ptb.main(base_args + ["--ckpt-dir", "none", "--steps", "1"]) == 0

@@ -22,6 +22,9 @@ from jremat.train import distributed as dist
 from jremat.train import sharding as sh
 from tests.conftest import REPO, TOLERANCE_XLA_FLAGS
 
+#: Multi-device runs in subprocesses: CI runs them after the default suite (``-m heavy``).
+pytestmark = pytest.mark.heavy
+
 
 def abstract_mesh(**sizes):
     """A device-free mesh with the four axes (for the rule tables, which only read axis sizes)."""
@@ -263,7 +266,8 @@ def test_bad_meshes_and_batches_on_eight_devices(checks):
     e = checks["errors"]
     assert (
         e["product"]
-        == "mesh data=4,fsdp=4 has 16 devices but only 8 are available (cpu); the axis sizes must multiply to 8"
+        == "mesh data=4,fsdp=4 has 16 devices but only 8 are available (cpu); the axis sizes must multiply to 8; "
+        "on a CPU, simulate 16 devices by starting with XLA_FLAGS=--xla_force_host_platform_device_count=16"
     )
     assert "mesh data=2 has 2 devices but 8" in e["too_few"]
     assert e["unknown_axis"].startswith("unknown mesh axis 'model'")

@@ -56,6 +56,7 @@ CRASHING_SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     directory = tmp_path / "ck"
     proc = subprocess.run(

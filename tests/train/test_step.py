@@ -21,6 +21,7 @@ def test_schedule_warms_up_linearly_then_decays_to_a_tenth():
     assert values[14] == pytest.approx(0.1)
 
 
+@pytest.mark.heavy
 def test_accumulating_two_half_batches_equals_one_full_batch():
     cfg = preset("tiny", attn_dropout=0.0, resid_dropout=0.0, remat_policy="none")
     tokens = jax.random.randint(jax.random.key(1), (4, cfg.max_seq_len), 0, cfg.vocab_size)

@@ -93,6 +93,7 @@ def test_nnx_module_class(spec):
     assert count(model) == count(ref_model) == [2]
 
 
+@pytest.mark.heavy
 def test_nnx_method():
     ref_grads, _ = nnx_grads(NnxBlock)
     grads, _ = nnx_grads(NnxBlockMethod)
@@ -127,6 +128,7 @@ def linen_loss(variables, block, x, deterministic=False):
 
 
 @pytest.mark.parametrize("spec", ["full", "every_k:k=2", "skip_cheap", "names:save=hidden"])
+@pytest.mark.heavy
 def test_linen_module_class_with_dropout(spec):
     x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
     variables = LinenModel(LinenBlock).init({"params": jax.random.key(0)}, x, True)
@@ -225,6 +227,7 @@ def test_custom_plan_policy_and_policy_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("wrap", [jremat.checkpoint, jremat.filter_checkpoint])
+@pytest.mark.heavy
 def test_the_trace_cache_keeps_no_argument_alive(wrap):
     """A cached trace holds the arguments' structure, not the arrays of the call that traced it:
     an eager input is freed after the call, and a jit's tracers do not leak out of its trace."""

@@ -36,6 +36,7 @@ X = jax.random.normal(jax.random.key(9), (2, 4))
 
 
 @pytest.mark.parametrize("spec", ["full", "every_k:k=2"])
+@pytest.mark.heavy
 def test_forward_mode_through_tied_remat(spec):
     plain, tied = unrolled(tanh_block), unrolled(jremat.checkpoint(tanh_block, spec))
     t = [jnp.ones_like(w) for w in WS]
@@ -51,6 +52,7 @@ def test_forward_mode_through_tied_remat(spec):
     assert jnp.allclose(jax.jit(jax.grad(tied))(WS, X)[0], jax.jit(jax.grad(plain))(WS, X)[0], rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_forward_mode_through_an_unrolled_gpt():
     from jremat.models import GPT, cross_entropy_loss, preset
 
@@ -117,6 +119,7 @@ def test_names_except_removes_the_excluded_bytes():
     assert excluded <= none - qkv, (excluded, none, qkv)
 
 
+@pytest.mark.heavy
 def test_names_except_saves_memory_on_the_gpt_under_scan():
     from jremat.models import preset
     from tests.conftest import train_step_memory

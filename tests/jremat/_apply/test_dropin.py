@@ -107,6 +107,7 @@ BATCHED = {"vmap(grad)", "grad(vmap)", "jit(vmap(grad))"}
 
 @pytest.mark.parametrize("spec", [None, "dots", "every_k:k=2"])
 @pytest.mark.parametrize("transform", TRANSFORMS.values(), ids=TRANSFORMS.keys())
+@pytest.mark.heavy
 def test_gradients_under_every_composition_of_transforms(remat_engine, spec, transform):
     name = next(k for k, v in TRANSFORMS.items() if v is transform)
     args = (W, jnp.stack([X, 2 * X])) if name in BATCHED else (W,)

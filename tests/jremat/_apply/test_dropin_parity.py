@@ -26,6 +26,7 @@ from tests.conftest import REPO, saved_residuals
 NO_BATCH = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
+@pytest.mark.heavy
 def test_a_pullback_called_again_lowers_no_more_than_jax_checkpoints():
     """20 calls of the pullback of a checkpointed ``jax.jit`` function (JAX's issue 9661), with and
     without ``static_argnums``, under both engines, in a fresh process: jremat lowers no program

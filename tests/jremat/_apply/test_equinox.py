@@ -98,6 +98,7 @@ def checkpointed(layout: str, spec):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.heavy
 def test_unrolled_gradients_equal_no_remat(remat_engine, policy):
     for inference in (False, True):  # dropout on, then off
         got = gradients("unrolled", checkpointed("unrolled", policy), inference)
@@ -110,12 +111,14 @@ SCANNED = [("full", False), ("dots", True), ("every_k:k=2", False), ("skip_cheap
 
 
 @pytest.mark.parametrize(("policy", "inference"), SCANNED)
+@pytest.mark.heavy
 def test_scanned_gradients_equal_no_remat(remat_engine, policy, inference):
     got = gradients("scanned", checkpointed("scanned", policy), inference)
     assert_close(got, no_remat_gradients("scanned", inference))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.heavy
 def test_a_fresh_dropout_key_on_recompute_is_caught(layout):
     broken = gradients(layout, checkpointed(layout, FreshKeyOnRecompute()), inference=False)
     with pytest.raises(AssertionError, match="Mismatched elements"):

@@ -105,6 +105,7 @@ _MODEL_POLICY = [
 
 
 @pytest.mark.parametrize("model, policy", _MODEL_POLICY)
+@pytest.mark.heavy
 def test_gradients_and_state_equal_undecorated(model, policy):
     spec = (WMT_SPECS if model == "wmt" else EXAMPLE_SPECS)[policy]
     loss0, state0, grads0 = reference(model)
@@ -150,6 +151,7 @@ def temp_bytes(case):
 
 
 @pytest.mark.parametrize("model", ["plain", "linen", "nnx", "nnx_call_time_rngs"])
+@pytest.mark.heavy
 def test_full_remat_of_an_unrolled_stack_saves_memory(model):
     build = user_models.CASES[model]
     none = temp_bytes(build(None, batch=256, width=64))

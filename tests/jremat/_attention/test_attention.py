@@ -382,6 +382,7 @@ def _reference_layer_stack_grads():
 
 
 @pytest.mark.parametrize("policy", ["save kernel results", "save nothing"])
+@pytest.mark.heavy
 def test_a_checkpointed_layer_stack_in_a_scan(remat_engine, policy):
     """Checkpointed layers in ``lax.scan`` have the explicit path's gradients, whether the
     backward pass reads the kernel's results or recomputes them (dropout masks included)."""

@@ -192,6 +192,7 @@ TRANSFORMS = {
 
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
 @pytest.mark.parametrize("spec", ["every_k:k=2", "names:save=q+v", "offload:names=q,save=v"])
+@pytest.mark.heavy
 def test_jax_transforms_pass_through_under_both_engines(remat_engine, spec, transform):
     """vmap, jacfwd and a call that is not differentiated (a Linen init) work under remat3 too,
     although JAX 0.10.2's own remat3 checkpoint_name has no batching rule and its custom_remat

@@ -89,6 +89,7 @@ def test_diagnose_remat_flags_temp_that_did_not_follow():
 @pytest.mark.parametrize(
     "policy, scan_layers", [("none", True), ("full", False)], ids=["none-scanned", "full-unrolled-tied"]
 )
+@pytest.mark.heavy
 def test_suite_analysis_options_keep_the_default_buffer_assignment(policy, scan_layers):
     """The suite's memory analyses use :data:`conftest.ANALYSIS_CPU_OPTIONS`; users' use XLA's defaults.
 

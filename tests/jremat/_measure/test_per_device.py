@@ -7,6 +7,9 @@ import pytest
 import jremat
 from tests.jremat._measure.test_collectives import _mesh_checks
 
+#: Multi-device runs in subprocesses: CI runs them after the default suite (``-m heavy``).
+pytestmark = pytest.mark.heavy
+
 LAYERS = 4  # tests/jremat/mesh_checks.py's model (not imported here: it sets the 8-device flag)
 
 
@@ -114,6 +117,13 @@ def test_timeline_under_none_labels_only_a_checkpoints_own_recomputation_not_for
 
 def test_live_memory_on_a_mesh_counts_its_devices_and_reads_one_per_device(checks):
     assert checks["live"]["devices"] == 8 and not checks["live"]["available"]
+    assert "reports no allocator statistics" in checks["live"]["reason"]
+    # From a device that reports its bytes: the one device's share of the step's gradients.
+    read = checks["live"]["read"]
+    assert read["available"] and read["devices"] == 8 and read["device"] == "cpu:0", read
+    assert "per device (cpu:0, one of 8)" in read["text"], read
+    assert checks["live"]["read_growth_bytes"] == checks["live"]["grads_bytes_per_device"]
+    assert checks["live"]["grads_bytes_per_device"] * 8 == checks["live"]["grads_bytes"]  # each an eighth
     live = jremat.LiveMemory(True, "cuda:0", 3000, 1000, devices=8)
     assert live.text() == "live peak 3,000 bytes in use per device (cuda:0, one of 8); 1,000 in use before the run"
     assert jremat.LiveMemory(True, "cuda:0", 3000, 1000).text().startswith("live peak 3,000 bytes in use cuda:0;")

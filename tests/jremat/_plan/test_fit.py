@@ -108,6 +108,7 @@ def test_a_clear_winner_is_the_fastest_measured_even_with_more_recompute(budget,
     assert result.to_json()["winner"]["policy"] == "full"
 
 
+@pytest.mark.heavy
 def test_within_noise_the_tie_rule_chooses_less_recompute_and_says_so(budget, monkeypatch):
     # full is the faster median, but none beats it in one round of three: a coin toss.
     fake_timing(monkeypatch, {"none": [100.0, 95.0, 110.0], "full": [102.0, 103.0, 99.0]})
@@ -139,6 +140,7 @@ def test_the_tie_rule_then_prefers_the_larger_batch():
     assert _fit._decide(picked, far, probes, 0.03) == (("a", 8, 1), ())
 
 
+@pytest.mark.heavy
 def test_the_same_inputs_give_the_same_digest_whatever_the_threads(budget):
     # One finalist: the decision takes no wall-clock time, so it must be the same.
     first = search(budget, policies=("none", "full", "dots"), workers=1, finalists=1)
@@ -156,6 +158,7 @@ def test_finalists_come_from_the_time_model_and_ties_go_to_the_earlier_policy(bu
     assert finalist.predicted_tokens_per_s == max(r.predicted_tokens_per_s for r in result.rows)
 
 
+@pytest.mark.heavy
 def test_a_global_batch_gets_the_fewest_micro_batches_that_fit(budget):
     result = search(budget, global_batch=24)
     for row in result.rows:
@@ -166,6 +169,7 @@ def test_a_global_batch_gets_the_fewest_micro_batches_that_fit(budget):
             assert peak(p.policy, 24 // fewer[-1], fewer[-1]) > budget
 
 
+@pytest.mark.heavy
 def test_a_larger_budget_never_yields_lower_measured_throughput(budget):
     budgets = [budget, budget * 3 // 2, budget * 2]
     results = jremat.fit_search_budgets(
@@ -244,6 +248,7 @@ def test_the_batch_search_stops_within_its_tolerance_in_few_compiles():
     assert len(calls) >= 7  # the exact boundary from batch 2 in 4x steps costs more
 
 
+@pytest.mark.heavy
 def test_a_search_of_three_policies_stays_within_its_compile_count():
     # Boundaries between batch 100 and 200: 1, 16, the line's answer and one probe 3% above it
     # per policy (exact boundaries from batch 2 in 4x steps took 6 or 7 each, 19 in all).

@@ -179,6 +179,7 @@ def _forward_kernels_per_layer(spec, layers, x) -> float:
     return count_forward_passes(jaxpr) / len(layers)
 
 
+@pytest.mark.heavy
 def test_skip_cheap_keeps_the_pallas_kernel_and_runs_it_once(remat_engine, two_layers):
     layers, x = two_layers
     assert [_forward_kernels_per_layer(s, layers, x) for s in ("none", "skip_cheap", "full")] == [1, 1, 2]
@@ -263,6 +264,7 @@ def _ffi_op(program):
 X_W = (jnp.ones((8, 16), jnp.float32), jnp.full((16, 16), 0.25, jnp.float32))
 
 
+@pytest.mark.heavy
 def test_a_declared_ffi_call_is_priced_by_its_declaration(double_ffi_target):
     fn = _with_ffi(double_ffi_target)
     np.testing.assert_array_equal(jax.jit(fn)(*X_W), jnp.tanh(2 * (X_W[0] @ X_W[1])) @ X_W[1])  # a real target
