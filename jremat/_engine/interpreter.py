@@ -215,18 +215,42 @@ def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) 
     Returns:
       The flat list of outputs.
     """
+    position = {id(eqn): i for i, eqn in enumerate(closed_jaxpr.jaxpr.eqns)}
+    return evaluate_tagged_where(closed_jaxpr, lambda eqn: tags.get(position.get(id(eqn), -1)), flat_args)
+
+
+def holds_tag(jaxpr, tag_of: Callable) -> bool:
+    """Whether ``tag_of`` tags an equation of ``jaxpr`` or of a ``scan`` body in it."""
+    return any(
+        tag_of(eqn) is not None or (_jaxpr.is_scan(eqn) and holds_tag(eqn.params["jaxpr"].jaxpr, tag_of))
+        for eqn in jaxpr.eqns
+    )
+
+
+def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -> list:
+    """Evaluate a flattened jaxpr with the outputs of each equation tagged ``tag_of(eqn)`` (``None``:
+    untagged), inside ``scan`` bodies too (a scan whose body holds a tag is re-bound,
+    :func:`rebind_scan`; remat3 saves a name wherever it is).
+
+    Returns:
+      The flat list of outputs.
+    """
     jaxpr = closed_jaxpr.jaxpr
     env = {}
     for v, c in zip(jaxpr.constvars, closed_jaxpr.consts):
         env[v] = c
     for v, a in zip(jaxpr.invars, flat_args):
         env[v] = a
-    for i, eqn in enumerate(jaxpr.eqns):
-        outs = bind_equation(eqn, [_read(env, v) for v in eqn.invars])
-        tag = tags.get(i)
-        if tag is not None:
-            with source_of(eqn):
-                outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        if _jaxpr.is_scan(eqn) and holds_tag(eqn.params["jaxpr"].jaxpr, tag_of):
+            outs = rebind_scan(eqn, invals, lambda body, args: evaluate_tagged_where(body, tag_of, args))
+        else:
+            outs = bind_equation(eqn, invals)
+            tag = tag_of(eqn)
+            if tag is not None:
+                with source_of(eqn):
+                    outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
@@ -239,6 +263,8 @@ __all__ = [
     "evaluate_inlined",
     "evaluate_reemitted",
     "evaluate_tagged",
+    "evaluate_tagged_where",
+    "holds_tag",
     "inline_calls",
     "rebind_scan",
     "trace_flat",

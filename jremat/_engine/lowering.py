@@ -43,13 +43,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
 
 from jremat._engine import interpreter as _interpreter
 from jremat._engine import jax_compat as _jax_compat
 from jremat._engine import jaxpr as _jaxpr
 from jremat._engine import tags as _tags
-from jremat._engine.active import CLASSIC, active_engine, name_tag, offload_function, remat3_flag
+from jremat._engine.active import CLASSIC, active_engine, offload_function, remat3_flag
 from jremat._engine.cache import BoundedCache
 
 # Residuals are attributed to the user's line that called the checkpointed function, not to the
@@ -350,43 +349,14 @@ def _remat3_grouped_dots(fn, callback, args, kwargs):
     """:class:`GroupedDotsSaveable` under remat3: the native dots policy, and the grouped matmuls
     of the checkpoint's program kept by name."""
     closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs)
-    grouped = _holds_grouped_matmul(closed.jaxpr)
-    names = callback.saveable_names | ({GROUPED_MATMUL_TAG} if grouped else set())
+    # Inside scan bodies too: remat3 saves a name wherever it is, as it applies the dots policy
+    # inside loop bodies.
+    tag_of = lambda eqn: GROUPED_MATMUL_TAG if _jaxpr.is_grouped_matmul(eqn) else None
+    names = callback.saveable_names | ({GROUPED_MATMUL_TAG} if _interpreter.holds_tag(closed.jaxpr, tag_of) else set())
     policy = DotsAndNames(saveable_names=frozenset(names), only_if_no_batch_dims=callback.only_if_no_batch_dims)
-    tagged = lambda *leaves: _evaluate_grouped_tagged(closed, leaves)
+    tagged = lambda *leaves: _interpreter.evaluate_tagged_where(closed, tag_of, leaves)
     _, flat, _ = _remat3_rebound(tagged, policy, {}, tuple(jax.tree.leaves((args, kwargs))), {})
     return out_tree, flat, closed.consts
-
-
-def _holds_grouped_matmul(jaxpr) -> bool:
-    """Whether ``jaxpr`` or a ``scan`` body in it runs a grouped matmul (:func:`_jaxpr.is_grouped_matmul`)."""
-    return any(
-        _jaxpr.is_grouped_matmul(eqn) or (_jaxpr.is_scan(eqn) and _holds_grouped_matmul(eqn.params["jaxpr"].jaxpr))
-        for eqn in jaxpr.eqns
-    )
-
-
-def _evaluate_grouped_tagged(closed, flat_args) -> list:
-    """Evaluate ``closed`` with every grouped matmul's output tagged :data:`GROUPED_MATMUL_TAG`,
-    inside ``scan`` bodies too (remat3 saves a name wherever it is, as it applies the dots
-    policy inside loop bodies)."""
-    jaxpr = closed.jaxpr
-    env = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, flat_args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if _jaxpr.is_scan(eqn) and _holds_grouped_matmul(eqn.params["jaxpr"].jaxpr):
-            outs = _interpreter.rebind_scan(eqn, invals, _evaluate_grouped_tagged)
-        else:
-            outs = _interpreter.bind_equation(eqn, invals)
-            if _jaxpr.is_grouped_matmul(eqn):
-                with _interpreter.source_of(eqn):
-                    outs = [name_tag(o, GROUPED_MATMUL_TAG) for o in outs]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [read(v) for v in jaxpr.outvars]
 
 
 def _remat3_callback(fn, callback, args, kwargs):

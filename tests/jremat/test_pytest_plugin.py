@@ -1,5 +1,6 @@
 """The pytest11 plugin: a user's test file using only ``remat_exact`` runs with plain pytest after install."""
 
+import inspect
 import os
 import pathlib
 import subprocess
@@ -8,51 +9,24 @@ import textwrap
 
 import pytest
 
+from tests.jremat.test_testing import FreshKeyOnRecompute
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: The user's conftest registers a remat that is broken on purpose: its backward pass recomputes
-#: with another PRNG key than the forward pass (a dropout mask the backward pass does not see).
-USER_CONFTEST = """
-import jax
-import jax.numpy as jnp
-
-import jremat
-
-
-class FreshKeyOnRecompute(jremat.Policy):
-    def checkpoint_untied(self, fn, *, prevent_cse=True):
-        @jax.custom_vjp
-        def checkpointed(*args):
-            return fn(*args)
-
-        def forward(*args):
-            return fn(*args), args
-
-        def backward(args, cotangent):
-            is_key = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in args]
-            fresh = [jax.random.fold_in(a, 1) if k else a for a, k in zip(args, is_key)]
-            diff = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.inexact)]
-
-            def recomputed(*values):
-                full = list(fresh)
-                for i, v in zip(diff, values):
-                    full[i] = v
-                return fn(*full)
-
-            grads = jax.vjp(recomputed, *[args[i] for i in diff])[1](cotangent)
-            out = [None] * len(args)
-            for i, g in zip(diff, grads):
-                out[i] = g
-            return tuple(out)
-
-        checkpointed.defvjp(forward, backward)
-        return checkpointed
-
+#: with another PRNG key than the forward pass (a dropout mask the backward pass does not see). It
+#: is tests/jremat/test_testing.py's, pasted as source: the project outside this checkout imports
+#: nothing from it.
+USER_CONFTEST = (
+    "import jax\nimport jax.numpy as jnp\n\nimport jremat\nfrom jremat import Policy\n\n\n"
+    + inspect.getsource(FreshKeyOnRecompute)
+    + """
 
 @jremat.register("fresh_key_on_recompute", doc="broken on purpose: another dropout key on recompute")
 def fresh_key_on_recompute():
     return FreshKeyOnRecompute()
 """
+)
 
 USER_TESTS = """
 import jax
