@@ -25,10 +25,13 @@ core imports it at import time. Third-party packages add policies through the
 
 from jremat._apply.registry import BUILTIN_MODULE as BUILTIN_MODULE
 from jremat._apply.registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from jremat._apply.registry import KEEP_COLLECTIVES as KEEP_COLLECTIVES
+from jremat._apply.registry import KEEP_COLLECTIVES_PARAM as KEEP_COLLECTIVES_PARAM
 from jremat._apply.registry import KEEP_GATHERED as KEEP_GATHERED
 from jremat._apply.registry import KEEP_GATHERED_PARAM as KEEP_GATHERED_PARAM
 from jremat._apply.registry import NAME_RE as NAME_RE
 from jremat._apply.registry import REQUIRED as REQUIRED
+from jremat._apply.registry import UNIVERSAL_PARAMS as UNIVERSAL_PARAMS
 from jremat._apply.registry import AlreadyRegisteredError as AlreadyRegisteredError
 from jremat._apply.registry import Param as Param
 from jremat._apply.registry import PolicyEntry as PolicyEntry
@@ -59,6 +62,8 @@ __all__ = [
     "describe",
     "entries",
     "ENTRY_POINT_GROUP",
+    "KEEP_COLLECTIVES",
+    "KEEP_COLLECTIVES_PARAM",
     "KEEP_GATHERED",
     "KEEP_GATHERED_PARAM",
     "load_module",
@@ -75,6 +80,7 @@ __all__ = [
     "scoped",
     "stack_error",
     "stack_fields",
+    "UNIVERSAL_PARAMS",
     "unregister",
     "value_as_text",
 ]

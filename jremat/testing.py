@@ -455,7 +455,7 @@ def _linen_rebuilt(module, chosen: Policy):
 
 
 def assert_no_reissued_collectives(
-    remat_fn: Callable, baseline_fn: Callable, *args: Any, kinds: Iterable[str] = ("all-gather",), **kwargs: Any
+    remat_fn: Callable, baseline_fn: Callable, *args: Any, kinds: Iterable[str] | None = None, **kwargs: Any
 ) -> None:
     """Assert that ``remat_fn`` issues no more collectives of ``kinds`` per step than ``baseline_fn``.
 
@@ -470,7 +470,8 @@ def assert_no_reissued_collectives(
       remat_fn: the function with remat applied.
       baseline_fn: the same function without remat.
       *args: arrays or :class:`jax.ShapeDtypeStruct` (with their ``sharding``).
-      kinds: the collective kinds checked (:data:`jremat._measure.collectives.KINDS`).
+      kinds: the collective kinds checked (default: every kind, :data:`jremat._measure.collectives.KINDS`:
+        all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute).
       **kwargs: keyword arguments of both.
 
     Raises:
@@ -480,7 +481,7 @@ def assert_no_reissued_collectives(
     """
     from jremat._measure import collectives as _collectives
 
-    kinds = tuple(kinds)
+    kinds = _collectives.KINDS if kinds is None else tuple(kinds)
     unknown = [k for k in kinds if k not in _collectives.KINDS]
     if unknown:
         raise ValueError(f"unknown collective kinds {unknown}; valid kinds: {', '.join(_collectives.KINDS)}")

@@ -148,25 +148,26 @@ BUILTIN_POLICY_KEYS: dict[str, tuple[str, ...]] = {name: tuple(keys) for name, k
 BUILTIN_POLICY_KEYS_ALL = frozenset(key for keys in BUILTIN_POLICY_KEYS.values() for key in keys)
 
 
-#: Built-in policies of a layer stack (no keep_gathered key).
+#: Built-in policies of a layer stack (no keep_gathered or keep_collectives key).
 STACK_POLICIES = frozenset({"nested"})
 
 
 def with_universal_keys(params: dict[str, registry.Param], stack: bool) -> dict[str, registry.Param]:
-    """A policy's ``params`` with ``keep_gathered``, the key every policy of one function takes
-    (:data:`jremat.registry.KEEP_GATHERED`); a layer-stack policy (``stack``: registered with
-    ``stack=True``, as the built-ins in :data:`STACK_POLICIES`) takes it not."""
-    return params if stack else params | {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
+    """A policy's ``params`` with ``keep_gathered`` and ``keep_collectives``, the keys every policy
+    of one function takes (:data:`jremat.registry.UNIVERSAL_PARAMS`); a layer-stack policy
+    (``stack``: registered with ``stack=True``, as the built-ins in :data:`STACK_POLICIES`) takes them not."""
+    return params if stack else params | registry.UNIVERSAL_PARAMS
 
 
 def registered_policy_params() -> dict[str, dict[str, registry.Param]]:
-    """Every registered policy's keys, ``keep_gathered`` included where the policy takes it."""
+    """Every registered policy's keys, ``keep_gathered`` and ``keep_collectives`` included where the policy takes them."""
     return {name: with_universal_keys(entry.params, entry.stack) for name, entry in registry.entries().items()}
 
 
-#: The policy-key flag that is a switch: ``--keep-gathered`` is ``keep_gathered=true`` in every ``--policy``
-#: that takes it but ``none`` (which keeps everything, and stays the baseline the reports compare with).
-SWITCH_KEYS = {registry.KEEP_GATHERED: "true"}
+#: The policy-key flags that are switches: ``--keep-gathered`` is ``keep_gathered=true`` (``--keep-collectives``
+#: ``keep_collectives=true``) in every ``--policy`` that takes it but ``none`` (which keeps everything, and
+#: stays the baseline the reports compare with).
+SWITCH_KEYS = {registry.KEEP_GATHERED: "true", registry.KEEP_COLLECTIVES: "true"}
 
 
 def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict[str, str]:
@@ -174,7 +175,7 @@ def policy_key_flags(taken: set[str], keys: Iterable[str] | None = None) -> dict
 
     Args:
       taken: flags the CLI has already; a key whose flag is among them is spelled ``--policy-<key>``.
-      keys: the keys (default: every key of every registered policy, and ``keep_gathered``).
+      keys: the keys (default: every key of every registered policy, ``keep_gathered`` and ``keep_collectives``).
     """
     if keys is None:
         keys = [key for params in registered_policy_params().values() for key in params]

@@ -531,8 +531,9 @@ def gathered_layer_bytes(params: Any, mesh: Mesh) -> int:
 
 
 def keeps_gathered(model_cfg: Any) -> bool:
-    """Whether any policy of ``model_cfg`` (``remat_policy``, ``remat_layer_policies``) sets ``keep_gathered=true``,
-    so that the model must make its gathered weights values of its checkpoints (:class:`GatheredWeights`)."""
+    """Whether any policy of ``model_cfg`` (``remat_policy``, ``remat_layer_policies``) sets ``keep_gathered=true``
+    or ``keep_collectives=true``, so that the model must make its gathered weights values of its checkpoints
+    (:class:`GatheredWeights`)."""
     # Every spelling of true the registry takes (jremat.registry's bool keys).
-    on = re.compile(r"keep_gathered\s*=\s*(true|1|yes)\b", re.IGNORECASE)
+    on = re.compile(r"keep_(gathered|collectives)\s*=\s*(true|1|yes)\b", re.IGNORECASE)
     return any(on.search(spec) for spec in (model_cfg.remat_policy, model_cfg.remat_layer_policies))

@@ -37,8 +37,6 @@ from jremat._program.program import Program
 
 #: The spec key that keeps gathered weights.
 KEY = "keep_gathered"
-#: Primitives that pass a value through without computing (followed both ways from a gather).
-#: What places a value on the mesh: a sharding constraint (auto axes) or a reshard (explicit axes).
 
 
 def gathered_weights(program: Program) -> frozenset[int]:
@@ -51,6 +49,21 @@ def gathered_weights(program: Program) -> frozenset[int]:
       The indices of the ``sharding_constraint`` equations found.
     """
     jaxpr = program.closed_jaxpr.jaxpr
+    from_inputs, feeds_matmul = weight_flow(jaxpr)
+    found = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name not in _jaxpr.PLACEMENT_PRIMITIVES:
+            continue
+        operand = eqn.invars[0]
+        if from_inputs.get(operand, False) and feeds_matmul(eqn.outvars[0]):
+            found.add(i)
+    return frozenset(found)
+
+
+def weight_flow(jaxpr) -> tuple[dict, Callable[[Any], bool]]:
+    """``(from_inputs, feeds_matmul)`` for a jaxpr: which variables come from its inputs alone
+    through shape-only ops and placements (no activation feeds them), and a test of whether a
+    variable feeds a ``dot_general`` through shape-only ops."""
     from_inputs = {v: True for v in jaxpr.invars}
     consumers: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -74,14 +87,7 @@ def gathered_weights(program: Program) -> frozenset[int]:
                 return True
         return False
 
-    found = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name not in _jaxpr.PLACEMENT_PRIMITIVES:
-            continue
-        operand = eqn.invars[0]
-        if from_inputs.get(operand, False) and feeds_matmul(eqn.outvars[0]):
-            found.add(i)
-    return frozenset(found)
+    return from_inputs, feeds_matmul
 
 
 #: The checkpoint name a gathered weight gets, so that the inner policy saves it wherever it is.
@@ -109,43 +115,46 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     return tagged
 
 
-def _saving_gathered(callback: Callable | None) -> Callable:
+def saving_tag(callback: Callable | None, tag: str) -> Callable:
     """A checkpoint-policy callback that saves what ``callback`` saves and every value tagged
-    :data:`GATHERED_TAG`. JAX's own policies (name lists, the dots policies) stay JAX policies,
+    ``tag``. JAX's own policies (name lists, the dots policies) stay JAX policies,
     which remat3 applies inside ``scan`` bodies too; another callback is combined with the tag in
     a function, which remat3 applies at the checkpoint's top level only."""
     policies = jax.checkpoint_policies
     if callback is None or callback is policies.nothing_saveable:
-        return policies.save_only_these_names(GATHERED_TAG)
+        return policies.save_only_these_names(tag)
     if type(callback) in (_engine.DotsSaveable, _engine.DotsAndNames):
         dots = cast(Any, callback)
         dot_names: frozenset[str] = frozenset(getattr(dots, "saveable_names", ()))
-        return _engine.DotsAndNames(
-            saveable_names=dot_names | {GATHERED_TAG}, only_if_no_batch_dims=dots.only_if_no_batch_dims
-        )
+        return _engine.DotsAndNames(saveable_names=dot_names | {tag}, only_if_no_batch_dims=dots.only_if_no_batch_dims)
     if type(callback) is _engine.GroupedDotsSaveable:
         grouped = cast(Any, callback)
         return _engine.GroupedDotsSaveable(
             only_if_no_batch_dims=grouped.only_if_no_batch_dims,
-            saveable_names=grouped.saveable_names | {GATHERED_TAG},
+            saveable_names=grouped.saveable_names | {tag},
         )
     if type(callback) is _engine.SaveOnlyTheseNames:
-        return policies.save_only_these_names(*cast(Any, callback).saveable_names, GATHERED_TAG)
+        return policies.save_only_these_names(*cast(Any, callback).saveable_names, tag)
 
     def either(prim, *avals, **params):
-        if prim.name == _jaxpr.NAME and params.get("name") == GATHERED_TAG:
+        if prim.name == _jaxpr.NAME and params.get("name") == tag:
             return True
         return callback(prim, *avals, **params)
 
     return either
 
 
-class KeepGathered(Policy):
-    """``inner`` plus the gathered weights of every checkpoint (:func:`gathered_weights`).
+def _saving_gathered(callback: Callable | None) -> Callable:
+    """:func:`saving_tag` with :data:`GATHERED_TAG`."""
+    return saving_tag(callback, GATHERED_TAG)
 
-    The gathered weights are tagged :data:`GATHERED_TAG` and ``inner`` checkpoints the tagged
-    function with that tag added to what it saves, so ``inner`` keeps everything else it does:
-    its kernel split, its checks of the names it needs, its saves inside ``scan`` bodies.
+
+class KeepTagged(Policy):
+    """``inner`` plus the values a subclass tags :attr:`tag` in every checkpoint.
+
+    ``inner`` checkpoints the tagged function (:meth:`tagged`) with the tag added to what it
+    saves, so ``inner`` keeps everything else it does: its kernel split, its checks of the names
+    it needs, its saves inside ``scan`` bodies.
 
     Args:
       inner: a :class:`jremat.CallbackPolicy` or :class:`jremat.PlanPolicy`.
@@ -154,18 +163,27 @@ class KeepGathered(Policy):
       ValueError: for another kind of policy (a layer-stack policy, ``none``).
     """
 
+    #: The spec key that asks for this wrapper.
+    key: str = ""
+    #: The checkpoint name the kept values get.
+    tag: str = ""
+
     def __init__(self, inner: Policy):
         if not isinstance(inner, (CallbackPolicy, PlanPolicy)):
             raise ValueError(
-                f"{KEY}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
+                f"{self.key}=true applies to a policy of one function (a callback or plan policy), not {inner!r}"
             )
         self.inner = inner
         saving = copy.copy(inner)
         if isinstance(saving, PlanPolicy):
-            saving.saved_tags = (*saving.saved_tags, GATHERED_TAG)
+            saving.saved_tags = (*saving.saved_tags, self.tag)
         else:
-            saving.callback = _saving_gathered(saving.callback)
+            saving.callback = saving_tag(saving.callback, self.tag)
         self._saving = saving
+
+    def tagged(self, fn: Callable) -> Callable:
+        """``fn`` with the values to keep tagged :attr:`tag`; values and gradients unchanged."""
+        raise NotImplementedError
 
     @property
     def per_call(self) -> bool:  # type: ignore[override]
@@ -184,7 +202,18 @@ class KeepGathered(Policy):
         return getattr(self.inner, "offload_dst", "pinned_host")
 
     def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
-        return self._saving.checkpoint_untied(tag_gathered_weights(fn), prevent_cse=prevent_cse)
+        return self._saving.checkpoint_untied(self.tagged(fn), prevent_cse=prevent_cse)
+
+
+class KeepGathered(KeepTagged):
+    """``inner`` plus the gathered weights of every checkpoint (:func:`gathered_weights`), tagged
+    :data:`GATHERED_TAG` (:class:`KeepTagged`)."""
+
+    key = KEY
+    tag = GATHERED_TAG
+
+    def tagged(self, fn: Callable) -> Callable:
+        return tag_gathered_weights(fn)
 
     def describe_match(self, program: Program) -> list[str]:
         n = len(gathered_weights(program))

@@ -29,6 +29,18 @@ KEEP_GATHERED_PARAM = Param(
     "that the backward pass does not all-gather them again; costs their gathered bytes per device",
 )
 
+#: The key every policy of one function takes: also keep the outputs of collectives (jremat._apply.collectives).
+KEEP_COLLECTIVES = "keep_collectives"
+KEEP_COLLECTIVES_PARAM = Param(
+    "bool",
+    False,
+    "also keep the output of every collective each checkpoint's recomputation would issue again (all-gathers, "
+    "all-to-alls, all-reduces, reduce-scatters written in a shard_map, and the gathered weights of keep_gathered); "
+    "costs their output bytes per device",
+)
+#: The keys every policy of one function takes, by name.
+UNIVERSAL_PARAMS = {KEEP_GATHERED: KEEP_GATHERED_PARAM, KEEP_COLLECTIVES: KEEP_COLLECTIVES_PARAM}
+
 
 class AlreadyRegisteredError(ValueError):
     """A policy name given to :func:`register` is taken."""
@@ -373,15 +385,26 @@ def _build(spec: str, overrides: dict[str, Any]) -> tuple[PolicyEntry, Any, str]
         raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(registry))}")
     entry = registry[name]
     raw_values.update({k: v for k, v in overrides.items() if v is not None})
-    # keep_gathered (jremat._apply.gathered) is a key of every policy of one function.
-    universal = {} if entry.stack or KEEP_GATHERED in entry.params else {KEEP_GATHERED: KEEP_GATHERED_PARAM}
+    # keep_gathered (jremat._apply.gathered) and keep_collectives (jremat._apply.collectives) are
+    # keys of every policy of one function.
+    universal = {} if entry.stack else {k: p for k, p in UNIVERSAL_PARAMS.items() if k not in entry.params}
     kwargs = convert_values(name, {**entry.params, **universal}, raw_values)
-    keep = kwargs.pop(KEEP_GATHERED) if universal else False
+    keep = {key: kwargs.pop(key) for key in universal}
     built = entry.factory(**kwargs)
     given = {k: v for k, v in kwargs.items() if k in raw_values}
-    if universal and KEEP_GATHERED in raw_values:
+    if keep.get(KEEP_COLLECTIVES) and KEEP_GATHERED in raw_values and not keep.get(KEEP_GATHERED):
+        raise ValueError(
+            f"{name}: keep_collectives=true keeps the gathered weights too; drop keep_gathered=false from the spec"
+        )
+    if KEEP_COLLECTIVES in raw_values and KEEP_COLLECTIVES in universal:
+        from jremat._apply.collectives import with_keep_collectives
+
+        built = with_keep_collectives(built, keep[KEEP_COLLECTIVES])
+        given[KEEP_COLLECTIVES] = keep[KEEP_COLLECTIVES]
+    if KEEP_GATHERED in raw_values and KEEP_GATHERED in universal:
         from jremat._apply.gathered import with_keep_gathered
 
-        built = with_keep_gathered(built, keep)
-        given[KEEP_GATHERED] = keep
+        if not keep.get(KEEP_COLLECTIVES):  # keep_collectives keeps them already
+            built = with_keep_gathered(built, keep[KEEP_GATHERED])
+        given[KEEP_GATHERED] = keep[KEEP_GATHERED]
     return entry, built, canonical_spec(name, given, entry.params)

@@ -145,6 +145,42 @@ def rebind_scan(eqn, invals, evaluate_body: Callable) -> list:
     return [*carry, *ys]
 
 
+def rebind_shard_map(eqn, invals, evaluate_body: Callable) -> list:
+    """Run a ``shard_map`` equation with :func:`jax.shard_map` on its mesh and specs, its body
+    evaluated by ``evaluate_body(closed_body, flat_body_args)`` (which may rewrite equations).
+
+    Returns:
+      The outputs, as a list.
+    """
+    params = eqn.params
+    body = jcore.ClosedJaxpr(params["jaxpr"], ())
+    run = jax.shard_map(
+        lambda *xs: tuple(evaluate_body(body, list(xs))),
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=set(params["newly_manual_axes"]),
+        check_vma=params["check_vma"],
+    )
+    return list(run(*invals))
+
+
+def _rebind_body(eqn, invals, evaluate_body: Callable) -> list:
+    """A ``scan`` or ``shard_map`` equation run with its body evaluated by ``evaluate_body``."""
+    if _jaxpr.is_shard_map(eqn):
+        return rebind_shard_map(eqn, invals, evaluate_body)
+    return rebind_scan(eqn, invals, evaluate_body)
+
+
+def _tagged_body(eqn):
+    """The body jaxpr a tag may be placed in: a ``scan``'s or a ``shard_map``'s, else ``None``."""
+    if _jaxpr.is_scan(eqn):
+        return eqn.params["jaxpr"].jaxpr
+    if _jaxpr.is_shard_map(eqn):
+        return eqn.params["jaxpr"]
+    return None
+
+
 def evaluate_inlined(jaxpr, consts, args, after_bind=None, keep_calls: bool = False) -> list:
     """Evaluate ``jaxpr`` with nested call bodies inlined; ``after_bind(eqn, outs)`` may replace
     the outputs of each re-bound equation. With ``keep_calls``, a nested call (``jit``) whose body
@@ -220,17 +256,17 @@ def evaluate_tagged(closed_jaxpr, tags: Mapping[int, str], flat_args: Sequence) 
 
 
 def holds_tag(jaxpr, tag_of: Callable) -> bool:
-    """Whether ``tag_of`` tags an equation of ``jaxpr`` or of a ``scan`` body in it."""
+    """Whether ``tag_of`` tags an equation of ``jaxpr`` or of a ``scan`` or ``shard_map`` body in it."""
     return any(
-        tag_of(eqn) is not None or (_jaxpr.is_scan(eqn) and holds_tag(eqn.params["jaxpr"].jaxpr, tag_of))
+        tag_of(eqn) is not None or ((body := _tagged_body(eqn)) is not None and holds_tag(body, tag_of))
         for eqn in jaxpr.eqns
     )
 
 
 def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -> list:
     """Evaluate a flattened jaxpr with the outputs of each equation tagged ``tag_of(eqn)`` (``None``:
-    untagged), inside ``scan`` bodies too (a scan whose body holds a tag is re-bound,
-    :func:`rebind_scan`; remat3 saves a name wherever it is).
+    untagged), inside ``scan`` and ``shard_map`` bodies too (one whose body holds a tag is re-bound,
+    :func:`rebind_scan`, :func:`rebind_shard_map`; both engines save a name wherever it is).
 
     Returns:
       The flat list of outputs.
@@ -243,8 +279,9 @@ def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -
         env[v] = a
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        if _jaxpr.is_scan(eqn) and holds_tag(eqn.params["jaxpr"].jaxpr, tag_of):
-            outs = rebind_scan(eqn, invals, lambda body, args: evaluate_tagged_where(body, tag_of, args))
+        body = _tagged_body(eqn)
+        if body is not None and holds_tag(body, tag_of):
+            outs = _rebind_body(eqn, invals, lambda body, args: evaluate_tagged_where(body, tag_of, args))
         else:
             outs = bind_equation(eqn, invals)
             tag = tag_of(eqn)
@@ -267,6 +304,7 @@ __all__ = [
     "holds_tag",
     "inline_calls",
     "rebind_scan",
+    "rebind_shard_map",
     "trace_flat",
     "translates",
 ]

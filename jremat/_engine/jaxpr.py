@@ -35,6 +35,7 @@ from jremat._engine import jax_compat as _jax_compat
 NAME = "name"
 #: Loops: ``lax.scan`` (a trip count, its ``length`` parameter) and ``lax.while_loop``.
 SCAN = "scan"
+SHARD_MAP = "shard_map"
 WHILE = "while"
 COND = "cond"
 #: Under jax_remat3 a ``checkpoint_name`` tag is this primitive (:func:`remat3_name_tag`).
@@ -324,6 +325,32 @@ def trip_count(enclosing: Sequence) -> int:
 def is_scan(eqn) -> bool:
     """Whether ``eqn`` is a ``lax.scan``."""
     return eqn.primitive.name == SCAN
+
+
+#: Primitives that issue a collective across a mesh axis (inside ``shard_map``), by the kind of HLO
+#: collective each lowers to.
+COLLECTIVE_PRIMITIVES = {
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_to_all": "all-to-all",
+    "ragged_all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+
+
+def collective_kind(eqn) -> str | None:
+    """The HLO collective kind ``eqn`` issues (:data:`COLLECTIVE_PRIMITIVES`), or ``None``."""
+    return COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
+
+
+def is_shard_map(eqn) -> bool:
+    """Whether ``eqn`` is a :func:`jax.shard_map`."""
+    return eqn.primitive.name == SHARD_MAP
 
 
 def is_loop(eqn) -> bool:

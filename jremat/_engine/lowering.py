@@ -30,7 +30,9 @@ on the flag, never mix engines). Under remat3:
 * name tags are re-emitted as :func:`jremat._engine.active.name_tag` (a remat3 ``checkpoint_name`` that also
   batches, so ``vmap`` and ``jax.jacfwd`` pass through jremat's checkpoints);
 * offloaded names are re-emitted through :func:`jremat._engine.active.offload_function`: the forward pass copies the
-  value to host memory, the residual *is* that host copy, and the backward pass copies it back.
+  value to host memory, the residual *is* that host copy, and the backward pass copies it back;
+* a function holding a ``jax.shard_map`` is checkpointed with the classic engine (JAX 0.10.2's
+  remat3 has no ``shard_map`` rule), from the same single trace.
 
 The engine is detected from what ``jax.checkpoint`` actually emits, never from a version string.
 """
@@ -201,6 +203,33 @@ def _lower(
     classic = None
     remat3_traces = TraceCache()
 
+    def remat3_lowering(fn, args, kwargs):
+        if isinstance(callback, GroupedDotsSaveable):
+            return _remat3_grouped_dots(fn, callback, args, kwargs)
+        if callback is not None and not natively_understood(callback):
+            return _remat3_callback(fn, callback, args, kwargs)
+        if callback is not None:
+            policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
+            return _remat3_rebound(fn, policy, {}, args, kwargs)
+        return _remat3_names(fn, save_names, offload, args, kwargs)
+
+    def lower_remat3(args, kwargs):
+        # The user's function is traced once; a checkpoint holding a shard_map goes to the classic
+        # engine (_holds_shard_map), any other is lowered for remat3 from that trace.
+        closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs, inline=False)
+        replay = lambda *leaves: _interpreter.evaluate_inlined(closed.jaxpr, closed.consts, leaves, keep_calls=True)
+        leaves = tuple(jax.tree.leaves((args, kwargs)))
+        if _holds_shard_map(closed.jaxpr):
+            classic_flat = _classic(replay, save_names, offload, callback, prevent_cse, classic_engine=True)
+
+            def flat(*leaves):
+                with _jax_compat.classic_remat_context():
+                    return classic_flat(*leaves)
+
+            return (out_tree, flat), closed.consts
+        _, flat, _ = remat3_lowering(replay, leaves, {})
+        return (out_tree, flat), closed.consts
+
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
         nonlocal classic
@@ -208,19 +237,17 @@ def _lower(
             if classic is None:
                 classic = _classic(fn, save_names, offload, callback, prevent_cse)
             return classic(*args, **kwargs)
-        if isinstance(callback, GroupedDotsSaveable):
-            lower = lambda: _remat3_grouped_dots(fn, callback, args, kwargs)
-        elif callback is not None and not natively_understood(callback):
-            lower = lambda: _remat3_callback(fn, callback, args, kwargs)
-        elif callback is not None:
-            policy = None if callback is jax.checkpoint_policies.nothing_saveable else callback
-            lower = lambda: _remat3_rebound(fn, policy, {}, args, kwargs)
-        else:
-            lower = lambda: _remat3_names(fn, save_names, offload, args, kwargs)
-        out_tree, flat = remat3_traces.get(args, kwargs, lambda: _split_consts(lower()))
+        out_tree, flat = remat3_traces.get(args, kwargs, lambda: lower_remat3(args, kwargs))
         return jax.tree.unflatten(out_tree, flat(*jax.tree.leaves((args, kwargs))))
 
     return checkpointed
+
+
+def _holds_shard_map(jaxpr) -> bool:
+    """Whether a checkpoint of ``jaxpr`` must use the classic engine: JAX's remat3 has no rule for
+    ``shard_map`` (its trace lacks ``process_shard_map``), so a checkpoint that holds one is applied
+    with the classic engine, which keeps the same policy's values inside it."""
+    return any(_jaxpr.is_shard_map(eqn) for eqn in _jaxpr.equations(jaxpr))
 
 
 class TraceCache:
@@ -259,12 +286,12 @@ class TraceCache:
         return self._entries.get(key, build_value, keep=lambda value: not closes_over_tracer)
 
 
-def _split_consts(lowered: tuple) -> tuple[tuple, Sequence]:
-    out_tree, flat, consts = lowered
-    return (out_tree, flat), consts
-
-
-def _classic(fn, save_names, offload: Mapping[str, tuple[str, str]], callback, prevent_cse):
+def _classic(fn, save_names, offload: Mapping[str, tuple[str, str]], callback, prevent_cse, classic_engine=False):
+    """``jax.checkpoint`` of ``fn`` with the policy (the classic engine's; ``classic_engine``: built
+    under :func:`jremat._engine.jax_compat.classic_remat_context` whatever the flag)."""
+    if classic_engine:
+        with _jax_compat.classic_remat_context():
+            return _classic(fn, save_names, offload, callback, prevent_cse)
     cp = jax.checkpoint_policies
     if callback is None:
         if offload:

@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 
+from jremat._apply import collectives as _kept_collectives
 from jremat._apply import gathered as _gathered
 from jremat._apply import registry
 from jremat._apply.decorator import policy as _decorate_with
@@ -59,6 +60,16 @@ from jremat._program import program as _program
 
 #: Policy attributes holding the tensor names a policy mentions, and the role each gives them.
 NAME_ROLES = (("save", SAVE), ("offload", OFFLOAD), ("exclude", EXCLUDE))
+
+
+def _kept_kinds(policy) -> frozenset[str]:
+    """The collective kinds ``policy`` keeps wherever the model writes them (``keep_gathered``,
+    ``keep_collectives``)."""
+    if isinstance(policy, _kept_collectives.KeepCollectives):
+        return frozenset(_collectives.KINDS)
+    if isinstance(policy, _gathered.KeepGathered):
+        return frozenset({"all-gather"})
+    return frozenset()
 
 
 def mentioned_names(policy: Policy) -> list[tuple[str, str]]:
@@ -304,8 +315,9 @@ def _explain_checkpointed(
                 comms.append(_collectives.compiled_collectives_report(compiled))
             temp_bytes, baseline_temp_bytes = temps
             collectives, baseline_collectives = comms
-            keeps = isinstance(chosen, _gathered.KeepGathered)
-            messages.extend(_collectives.reissued_lines(label, collectives, baseline_collectives, keeps_gathered=keeps))
+            messages.extend(
+                _collectives.reissued_lines(label, collectives, baseline_collectives, kept_kinds=_kept_kinds(chosen))
+            )
             messages.extend(_collectives.tie_lines(label, collectives))
     recomputed = sum(d.count * d.iterations for d in decisions if d.decision in (RECOMPUTE, EXCLUDE))
     messages.extend(_explain_memory.more_than_none_lines(label, saved, base_saved, temp_bytes, baseline_temp_bytes))

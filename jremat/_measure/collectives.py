@@ -373,42 +373,49 @@ def _matmul_flops_per_s(device, matmul_size: int) -> float:
 #: How to avoid re-issuing each kind of collective, for :func:`reissued_lines`.
 HOW_TO_AVOID = {
     "all-gather": (
-        "the recomputation gathers its weights again; keep them with keep_gathered=true on the policy "
-        "(e.g. 'full:keep_gathered=true'), which keeps each checkpoint's gathered weights from its forward to its "
-        "backward pass, per device, as no remat does (a weight XLA gathers implicitly must be gathered in the model "
-        "first: with_sharding_constraint to its gathered placement, or jax.sharding.reshard on a mesh of explicit axes)"
+        "the recomputation gathers again; keep_collectives=true on the policy (e.g. 'full:keep_collectives=true') "
+        "keeps each checkpoint's gathers (written in a shard_map, or a weight's sharding constraint before its "
+        "matmul) from its forward to its backward pass, per device, as no remat does (keep_gathered=true keeps the "
+        "gathered weights alone)"
+    ),
+    "all-to-all": (
+        "the recomputation exchanges again (an expert-parallel dispatch or combine); keep_collectives=true on the "
+        "policy keeps the outputs of the all-to-alls written in a shard_map"
     ),
     "all-reduce": (
-        "the recomputation re-runs a tensor-parallel (row-parallel) matmul whose output XLA all-reduces; save "
-        "that matmul's output (dots, or its checkpoint_name with names:save=...)"
+        "the recomputation reduces again; keep_collectives=true on the policy keeps the outputs of the psums written "
+        "in a shard_map (for a row-parallel matmul whose output XLA all-reduces, save that matmul's output: dots, "
+        "or its checkpoint_name with names:save=...)"
     ),
+    "reduce-scatter": "keep_collectives=true on the policy keeps the outputs of the psum_scatters written in a shard_map",
+    "collective-permute": "keep_collectives=true on the policy keeps the outputs of the ppermutes written in a shard_map",
 }
 
 
-#: The all-gather advice when the policy keeps gathered weights already and they are re-gathered.
-KEPT_YET_REGATHERED = (
-    "the recomputation gathers its weights again, and keep_gathered finds no gathered weight to keep: XLA "
-    "gathers them implicitly; make the gather explicit in the model, before the matmul: "
-    "jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())) on a mesh of auto axes, "
-    "jax.sharding.reshard(w, P()) on a mesh of explicit axes (P(): the weight's gathered placement when only FSDP "
-    "shards it)"
+#: The advice when the policy keeps that kind already and it is re-issued: XLA inserted it.
+KEPT_YET_REISSUED = (
+    "the policy keeps every {kind} written in the model, so XLA inserts these on its own (a sharding mismatch) and "
+    "they are not in the traced program; make each explicit in the model, inside the checkpoint: "
+    "jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)) of a weight to its gathered placement (P() when "
+    "only FSDP shards it; jax.sharding.reshard on a mesh of explicit axes), or the collective in a shard_map"
 )
 
 
 def reissued_lines(
-    label: str, report: CollectivesReport, baseline: CollectivesReport, *, keeps_gathered: bool = False
+    label: str, report: CollectivesReport, baseline: CollectivesReport, *, kept_kinds: frozenset[str] = frozenset()
 ) -> list[str]:
     """One line per collective kind ``report`` issues more of than ``baseline`` (the same program
     without remat), with bytes per device per step and how to avoid them; ``[]`` when none. The
-    cotangent tie's all-reduces are not among them (:func:`tie_lines`). ``keeps_gathered``: the
-    policy has ``keep_gathered=true`` already, so re-gathered weights are ones it cannot find."""
+    cotangent tie's all-reduces are not among them (:func:`tie_lines`). ``kept_kinds``: the kinds
+    the policy keeps already (``keep_gathered``: all-gathers; ``keep_collectives``: every kind), so
+    re-issued ones of those kinds are ones XLA inserted."""
     lines = []
     for kind, (count, size) in report.reissued(baseline).items():
         if count <= 0 and size <= 0:
             continue
-        how = HOW_TO_AVOID.get(kind, "save the values whose recomputation issues them")
-        if kind == "all-gather" and keeps_gathered:
-            how = KEPT_YET_REGATHERED
+        how = HOW_TO_AVOID.get(kind, "keep_collectives=true on the policy")
+        if kind in kept_kinds:
+            how = KEPT_YET_REISSUED.format(kind=kind)
         lines.append(
             f"re-issued collectives ({label}): re-issues {count} {kind}{'s' if count != 1 else ''}, "
             f"{format_bytes(size)} per step per device more than none; {how}"

@@ -167,11 +167,11 @@ def test_a_key_given_twice_with_an_invalid_flag_value_gets_the_keys_own_error(pa
 
 @_EVERY_CLI
 @pytest.mark.parametrize("policy", ["full", "dots"])
-def test_keep_gathered_flag_is_the_spec_key(parse_config, policy):
-    assert parse_config(["--policy", policy, "--keep-gathered"]) == f"{policy}:keep_gathered=true"
-    assert parse_config(["--policy", f"{policy}:keep_gathered=true", "--keep-gathered"]) == (
-        f"{policy}:keep_gathered=true"
-    )
+@pytest.mark.parametrize("key", ["keep_gathered", "keep_collectives"])
+def test_keep_switch_flags_are_the_spec_keys(parse_config, policy, key):
+    flag = "--" + key.replace("_", "-")
+    assert parse_config(["--policy", policy, flag]) == f"{policy}:{key}=true"
+    assert parse_config(["--policy", f"{policy}:{key}=true", flag]) == f"{policy}:{key}=true"
 
 
 @_EVERY_CLI

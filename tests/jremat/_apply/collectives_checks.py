@@ -1,0 +1,234 @@
+"""``keep_collectives`` on 8 simulated devices; run in a subprocess by
+tests/jremat/_apply/test_collectives.py.
+
+``python -m tests.jremat._apply.collectives_checks [CHECK ...]`` prints one JSON object. Checks:
+``counts`` (every model, layout, engine and policy: a direct count of the optimized HLO's
+collectives, independent of jremat, and the gradients against no remat), ``explain`` (what
+``explain_applied`` says of each model under ``full`` and ``full:keep_collectives=true``),
+``assert`` (``assert_no_reissued_collectives`` on the expert-parallel model).
+
+The models, each a residual block of two layers in plain JAX, the collectives written in a
+:func:`jax.shard_map` or left to XLA:
+
+* ``expert_parallel``: an MoE-style block over an ``expert`` axis: each device sends a slice of
+  its tokens to every device (``all_to_all``: dispatch), runs its own expert's GELU MLP on what it
+  received and sends the outputs back (``all_to_all``: combine);
+* ``tensor_parallel``: two of Megatron's MLPs over a ``tensor`` axis (column-parallel ``w1``,
+  row-parallel ``w2``, a ``psum`` of the partial outputs: all-reduce), the second one reading
+  the first one's reduced output, which its backward pass needs;
+* ``fsdp_shard_map``: FSDP written by hand: each weight stored in shards over ``fsdp``,
+  ``all_gather``-ed in the block; the batch over ``fsdp``;
+* ``fsdp_constraint``: FSDP with the gather written as a sharding constraint of each weight to its
+  gathered placement (auto axes);
+* ``fsdp_xla``: FSDP with the gathers left to XLA (weights placed by ``NamedSharding``, no
+  constraint in the block): nothing in the traced program to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tests.compile_flags import FAST_COMPILE_XLA_FLAGS
+from tests.device_checks import run_checks
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_XLA_FLAGS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jremat
+from jremat._engine import jax_compat
+from tests.jremat.mesh_checks import direct_count
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+DEVICES, LAYERS, D, F, TOKENS = 8, 2, 16, 32, 64
+MODELS = ("expert_parallel", "tensor_parallel", "fsdp_shard_map", "fsdp_constraint", "fsdp_xla")
+LAYOUTS = ("unrolled", "scanned")
+ENGINES = ("classic", "remat3")
+POLICIES = (
+    "none",
+    "full",
+    "dots",
+    "full:keep_collectives=true",
+    "dots:keep_collectives=true",
+    "skip_cheap:keep_collectives=true",
+)
+AXIS = {
+    "expert_parallel": "expert",
+    "tensor_parallel": "tensor",
+    "fsdp_shard_map": "fsdp",
+    "fsdp_constraint": "fsdp",
+    "fsdp_xla": "fsdp",
+}
+
+
+def make_mesh(model: str):
+    return jax.make_mesh((DEVICES,), (AXIS[model],), axis_types=(AxisType.Auto,))
+
+
+def block_fn(model: str, mesh):
+    """``block(w, x)`` of ``model`` (module docstring); ``w = (w1, w2)``."""
+    axis = AXIS[model]
+    if model == "expert_parallel":
+
+        def expert(w1, w2, x):
+            # x: this device's tokens [TOKENS / 8, D]; w1 [1, D, F], w2 [1, F, D]: its expert.
+            sent = x.reshape(DEVICES, -1, D)
+            received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)
+            out = jnp.einsum("sf,fd->sd", jax.nn.gelu(jnp.einsum("sd,df->sf", received.reshape(-1, D), w1[0])), w2[0])
+            back = jax.lax.all_to_all(out.reshape(DEVICES, -1, D), axis, 0, 0, tiled=True)
+            return x + back.reshape(x.shape)
+
+        body = jax.shard_map(expert, mesh=mesh, in_specs=(P(axis), P(axis), P(axis)), out_specs=P(axis))
+        return lambda w, x: body(w[0], w[1], x)
+    if model == "tensor_parallel":
+
+        def mlp(w1, w2, x):
+            y = x + jax.lax.psum(jax.nn.gelu(x @ w1) @ w2, axis)
+            return y + jax.lax.psum(jax.nn.gelu(y @ w1) @ w2, axis)
+
+        body = jax.shard_map(mlp, mesh=mesh, in_specs=(P(None, axis), P(axis, None), P()), out_specs=P())
+        return lambda w, x: body(w[0], w[1], x)
+    if model == "fsdp_shard_map":
+
+        def fsdp(w1, w2, x):
+            w1 = jax.lax.all_gather(w1, axis, tiled=True)
+            w2 = jax.lax.all_gather(w2, axis, tiled=True)
+            return x + jax.nn.gelu(x @ w1) @ w2
+
+        body = jax.shard_map(fsdp, mesh=mesh, in_specs=(P(axis), P(axis), P(axis)), out_specs=P(axis))
+        return lambda w, x: body(w[0], w[1], x)
+    gathered = NamedSharding(mesh, P())
+
+    def block(w, x):
+        w1, w2 = w
+        if model == "fsdp_constraint":
+            w1, w2 = (jax.lax.with_sharding_constraint(v, gathered) for v in (w1, w2))
+        return x + jax.nn.gelu(x @ w1) @ w2
+
+    return block
+
+
+def arguments(model: str, mesh, layout: str, seed: int = 0):
+    """``(weights, x)``: a list of per-layer ``(w1, w2)`` (unrolled) or one stacked pair (scanned)."""
+    rng = np.random.RandomState(seed)
+    axis = AXIS[model]
+    if model == "expert_parallel":
+        shapes, specs = ((DEVICES, D, F), (DEVICES, F, D)), (P(axis), P(axis))
+    elif model == "tensor_parallel":
+        shapes, specs = ((D, F), (F, D)), (P(None, axis), P(axis, None))
+    else:
+        shapes, specs = ((D, F), (F, D)), (P(axis), P(axis))
+
+    def put(shape, spec, lead: tuple = ()):
+        value = rng.normal(size=lead + shape) / np.sqrt(shape[-2])
+        return jax.device_put(jnp.asarray(value, jnp.float32), NamedSharding(mesh, P(*(None,) * len(lead), *spec)))
+
+    if layout == "scanned":
+        weights = tuple(put(s, p, (LAYERS,)) for s, p in zip(shapes, specs))
+    else:
+        weights = [tuple(put(s, p) for s, p in zip(shapes, specs)) for _ in range(LAYERS)]
+    x_spec = P() if model == "tensor_parallel" else P(axis)
+    x = jax.device_put(jnp.asarray(rng.normal(size=(TOKENS, D)), jnp.float32), NamedSharding(mesh, x_spec))
+    return weights, x
+
+
+def loss_fn(model: str, mesh, layout: str, policy: str):
+    """The loss of the two-layer stack, each block checkpointed under ``policy``."""
+    block = block_fn(model, mesh)
+    if policy != "none":
+        # jremat's tie rule: straight-line code is tied, a scan of several steps is not.
+        block = jremat.checkpoint(block, policy, prevent_cse=layout == "unrolled")
+
+    def loss(weights, x):
+        if layout == "scanned":
+            x, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, weights)
+        else:
+            for w in weights:
+                x = block(w, x)
+        return jnp.mean(x**2)
+
+    return loss
+
+
+def _max_rel(tree, reference) -> float:
+    diffs = [
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
+    ]
+    return max(diffs) / max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(reference))
+
+
+def check_counts() -> dict:
+    """``{model/layout/engine/policy: {"hlo": {kind: [count, bytes]}, "grad_rel_error": e}}``."""
+    rows = {}
+    for model in MODELS:
+        mesh = make_mesh(model)
+        for layout in LAYOUTS:
+            weights, x = arguments(model, mesh, layout)
+            for engine in ENGINES:
+                with jax_compat.remat3_enabled(engine == "remat3"):
+                    reference = None
+                    for policy in POLICIES:
+                        grad = jax.jit(jax.grad(loss_fn(model, mesh, layout, policy)))
+                        hlo = grad.lower(weights, x).compile().as_text()
+                        value = grad(weights, x)
+                        reference = value if reference is None else reference
+                        rows[f"{model}/{layout}/{engine}/{policy}"] = {
+                            "hlo": direct_count(hlo),
+                            "grad_rel_error": _max_rel(value, reference),
+                        }
+    return rows
+
+
+def check_explain() -> dict:
+    """``{model/policy: text}``: ``explain_applied`` (compiled) of the unrolled stack of each model."""
+    out = {}
+    for model in MODELS:
+        mesh = make_mesh(model)
+        weights, x = arguments(model, mesh, "unrolled")
+        for policy in ("full", "full:keep_collectives=true"):
+            explanation = jremat.explain_applied(
+                loss_fn(model, mesh, "unrolled", policy),
+                weights,
+                x,
+                policy=policy,
+                baseline=loss_fn(model, mesh, "unrolled", "none"),
+            )
+            out[f"{model}/{policy}"] = explanation.text()
+    return out
+
+
+def check_assert() -> dict:
+    """``jremat.testing.assert_no_reissued_collectives`` (every kind by default) on the unrolled
+    expert-parallel model: ``{policy: message or ""}``."""
+    import jremat.testing
+
+    mesh = make_mesh("expert_parallel")
+    weights, x = arguments("expert_parallel", mesh, "unrolled")
+    out = {}
+    for policy in ("full", "full:keep_collectives=true"):
+        try:
+            jremat.testing.assert_no_reissued_collectives(
+                jax.grad(loss_fn("expert_parallel", mesh, "unrolled", policy)),
+                jax.grad(loss_fn("expert_parallel", mesh, "unrolled", "none")),
+                weights,
+                x,
+            )
+            out[policy] = ""
+        except AssertionError as e:
+            out[policy] = str(e)
+    return out
+
+
+CHECKS = {"counts": check_counts, "explain": check_explain, "assert": check_assert}
+
+if __name__ == "__main__":
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""``keep_collectives``: no collective re-issued by a recomputation, whoever wrote it.
+
+The 8-device figures come from one subprocess (tests/jremat/_apply/collectives_checks.py): a
+direct count of the optimized HLO's collectives, independent of jremat, for every model, layout,
+engine and policy. The finding, tagging and engine fallback are tested here on one device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jremat
+from jremat._apply import collectives as _collectives
+from jremat._engine import jax_compat
+from jremat._measure import collectives as _measure
+from tests.jremat._apply.collectives_checks import ENGINES, LAYOUTS, MODELS
+from tests.jremat._measure.test_collectives import _mesh_checks
+
+#: The kind of collective each model's recomputation re-issues.
+KIND = {
+    "expert_parallel": "all-to-all",
+    "tensor_parallel": "all-reduce",
+    "fsdp_shard_map": "all-gather",
+    "fsdp_constraint": "all-gather",
+    "fsdp_xla": "all-gather",
+}
+KEEPING = ("full:keep_collectives=true", "dots:keep_collectives=true", "skip_cheap:keep_collectives=true")
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return _mesh_checks("counts", "explain", "assert", module="tests.jremat._apply.collectives_checks")
+
+
+def _count(checks, model, layout, engine, policy, kind=None) -> int:
+    return checks["counts"][f"{model}/{layout}/{engine}/{policy}"]["hlo"].get(kind or KIND[model], [0, 0])[0]
+
+
+@pytest.mark.heavy  # the 8-device subprocess
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "fsdp_xla"])
+def test_keep_collectives_reissues_none_of_the_collectives_the_model_writes(checks, model, layout, engine):
+    none = _count(checks, model, layout, engine, "none")
+    assert _count(checks, model, layout, engine, "full") > none  # full re-issues them
+    for policy in KEEPING:
+        assert _count(checks, model, layout, engine, policy) == none, policy
+    if model == "fsdp_shard_map":  # the backward pass's own reduce-scatters stay
+        assert _count(checks, model, layout, engine, "full:keep_collectives=true", "reduce-scatter") == _count(
+            checks, model, layout, engine, "none", "reduce-scatter"
+        )
+
+
+@pytest.mark.heavy  # the same subprocess
+def test_gradients_equal_no_remat_under_every_policy_model_layout_and_engine(checks):
+    errors = {key: row["grad_rel_error"] for key, row in checks["counts"].items()}
+    assert len(errors) == len(MODELS) * len(LAYOUTS) * len(ENGINES) * 6
+    assert max(errors.values()) < 1e-6, {k: e for k, e in errors.items() if e >= 1e-6}
+
+
+@pytest.mark.heavy  # the same subprocess
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gathers_xla_inserts_are_not_kept_and_explain_says_so_in_one_line(checks, engine):
+    # Unrolled: full re-gathers, and the key finds nothing to keep (not a wrong count of zero).
+    full = _count(checks, "fsdp_xla", "unrolled", engine, "full")
+    assert full > _count(checks, "fsdp_xla", "unrolled", engine, "none")
+    assert _count(checks, "fsdp_xla", "unrolled", engine, "full:keep_collectives=true") == full
+    text = checks["explain"]["fsdp_xla/full:keep_collectives=true"]
+    lines = [line for line in text.splitlines() if line.startswith("re-issued collectives")]
+    assert len(lines) == 1 and "re-issues 4 all-gathers" in lines[0]
+    assert "XLA inserts these on its own" in lines[0] and "with_sharding_constraint" in lines[0]
+    assert "no collective to keep" in text
+
+
+@pytest.mark.heavy  # the same subprocess
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "fsdp_xla"])
+def test_explain_names_each_reissued_kind_and_the_key(checks, model):
+    full = checks["explain"][f"{model}/full"]
+    line = next(line for line in full.splitlines() if line.startswith("re-issued collectives"))
+    assert KIND[model] in line and "per step per device" in line and "keep_collectives=true" in line
+    kept = checks["explain"][f"{model}/full:keep_collectives=true"]
+    assert not [line for line in kept.splitlines() if line.startswith("re-issued collectives")]
+    assert f"keeps the outputs of 2 {KIND[model]}s" in kept
+
+
+@pytest.mark.heavy  # the same subprocess
+def test_assert_no_reissued_collectives_checks_all_to_alls_by_default(checks):
+    assert "re-issues 2 all-to-alls" in checks["assert"]["full"]
+    assert checks["assert"]["full:keep_collectives=true"] == ""
+
+
+# --- one device ------------------------------------------------------------------------------
+
+
+def _expert_block(mesh):
+    def inner(w, x):
+        y = jax.lax.all_to_all(x.reshape(1, -1, x.shape[-1]), "i", 0, 0, tiled=True).reshape(x.shape)
+        y = jnp.tanh(y @ w[0]) + jax.lax.psum(jnp.sum(y), "i")
+        return jax.lax.all_to_all(y.reshape(1, -1, y.shape[-1]), "i", 0, 0, tiled=True).reshape(y.shape)
+
+    return jax.shard_map(inner, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"))
+
+
+@pytest.fixture
+def expert_block():
+    mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    w = jnp.asarray(np.random.RandomState(0).normal(size=(1, 8, 8)), jnp.float32)
+    x = jnp.asarray(np.random.RandomState(1).normal(size=(4, 8)), jnp.float32)
+    return _expert_block(mesh), w, x
+
+
+def test_collective_counts_finds_them_inside_shard_map_and_scan_bodies(expert_block):
+    block, w, x = expert_block
+    program = jremat.trace_program(block, w, x)
+    assert _collectives.collective_counts(program) == {"all-to-all": 2, "all-reduce": 1}
+
+    def scanned(ws, x):
+        return jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)[0]
+
+    program = jremat.trace_program(scanned, jnp.stack([w, w]), x)
+    assert _collectives.collective_counts(program) == {"all-to-all": 2, "all-reduce": 1}  # per body, not per trip
+
+
+def test_describe_match_names_what_is_kept_or_that_nothing_is(expert_block):
+    block, w, x = expert_block
+    policy = jremat.resolve("full:keep_collectives=true")
+    assert isinstance(policy, _collectives.KeepCollectives)
+    assert policy.describe_match(jremat.trace_program(block, w, x))[-1] == (
+        "keeps the outputs of 1 all-reduce, 2 all-to-alls"
+    )
+    dense = jremat.trace_program(lambda w, x: jnp.tanh(x @ w[0]), w, x)
+    assert "no collective to keep" in policy.describe_match(dense)[-1]
+
+
+@pytest.mark.heavy  # three policies' gradients under each engine
+@pytest.mark.parametrize("remat3", [False, True])
+def test_the_tagged_block_saves_each_collective_output_and_keeps_gradients(expert_block, remat3):
+    block, w, x = expert_block
+    loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)
+    with jax_compat.remat3_enabled(remat3):
+        expected = jax.grad(loss(block), (0, 1))(w, x)
+        for spec in ("full", "full:keep_collectives=true", "dots:keep_collectives=true"):
+            got = jax.grad(loss(jremat.checkpoint(block, spec)), (0, 1))(w, x)
+            for a, b in zip(got, expected):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        shapes = {
+            spec: sorted(r.shape for r in jremat.saved_residuals_report(jremat.checkpoint(block, spec), w, x).residuals)
+            for spec in ("full", "full:keep_collectives=true")
+        }
+        # The dispatch all-to-all's output [1, 4, 8] is kept in place of its input x (the combine's
+        # and the psum's outputs are not read by the backward pass).
+        assert shapes == {"full": [(1, 8, 8), (4, 8)], "full:keep_collectives=true": [(1, 4, 8), (1, 8, 8)]}
+
+
+def test_a_checkpoint_holding_a_shard_map_is_differentiated_under_remat3(expert_block):
+    # JAX's remat3 has no shard_map rule; jremat applies such a checkpoint with the classic engine.
+    block, w, x = expert_block
+    with jax_compat.remat3_enabled(True):
+        grad = jax.grad(lambda w: jnp.sum(jremat.checkpoint(block, "full")(w, x)))(w)
+        reference = jax.grad(lambda w: jnp.sum(block(w, x)))(w)
+    np.testing.assert_allclose(grad, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_keep_collectives_is_a_key_of_every_policy_of_one_function():
+    assert jremat.registry.resolve_spec("full:keep_collectives=true").spec == "full:keep_collectives=true"
+    assert isinstance(jremat.resolve("every_k:k=2,keep_collectives=true"), _collectives.KeepCollectives)
+    assert not isinstance(jremat.resolve("full:keep_collectives=false"), _collectives.KeepCollectives)
+    with pytest.raises(ValueError, match="keep_collectives=true keeps the gathered weights too"):
+        jremat.resolve("full:keep_gathered=false,keep_collectives=true")
+    with pytest.raises(ValueError, match="keep_collectives"):
+        jremat.resolve("nested:keep_collectives=true")
+
+
+def test_reissued_lines_name_every_kind_and_what_xla_inserted():
+    def report(kind, n):
+        one = _measure.Collective(kind, _measure.RECOMPUTE, 64, 1, "c", "e", "checkpoint")
+        return _measure.CollectivesReport(collectives=(one,) * n, devices=8)
+
+    base = _measure.CollectivesReport(collectives=(), devices=8)
+    for kind in _measure.KINDS:
+        (line,) = _measure.reissued_lines("f", report(kind, 2), base)
+        assert f"re-issues 2 {kind}s" in line and "keep_collectives=true" in line
+        (kept,) = _measure.reissued_lines("f", report(kind, 2), base, kept_kinds=frozenset({kind}))
+        assert "XLA inserts these on its own" in kept
