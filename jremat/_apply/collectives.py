@@ -8,7 +8,7 @@ the backward pass reads it instead:
 
 * the collectives written inside :func:`jax.shard_map` (``all_gather``, ``all_to_all``,
   ``psum``/``pmean``/``pmax``/``pmin``, ``psum_scatter``, ``ppermute``; kinds in
-  :data:`jremat._engine.jaxpr.COLLECTIVE_PRIMITIVES`), wherever they are: at the checkpoint's top
+  :data:`COLLECTIVE_PRIMITIVES`), wherever they are: at the checkpoint's top
   level, inside ``shard_map`` and ``lax.scan`` bodies;
 * the gathered weights the model writes (:func:`jremat._apply.gathered.gathered_weights`: a
   sharding constraint or reshard of an input that feeds a matmul), which is ``keep_gathered``.
@@ -43,6 +43,26 @@ KEY = "keep_collectives"
 #: The checkpoint name a collective's output gets, so that the inner policy saves it wherever it is.
 COLLECTIVE_TAG = "jremat_collective"
 
+#: Primitives that issue a collective across a mesh axis (inside ``shard_map``), by the kind of HLO
+#: collective each lowers to.
+COLLECTIVE_PRIMITIVES = {
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_to_all": "all-to-all",
+    "ragged_all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+
+
+def collective_kind(eqn) -> str | None:
+    """The HLO collective kind ``eqn`` issues (:data:`COLLECTIVE_PRIMITIVES`), or ``None``."""
+    return COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
+
 
 def collective_counts(program: Program) -> dict[str, int]:
     """Collective equations of ``program`` that :class:`KeepCollectives` keeps, by HLO kind:
@@ -58,7 +78,7 @@ def collective_counts(program: Program) -> dict[str, int]:
     counts: dict[str, int] = {}
     tagged_inside = lambda eqn, _: _jaxpr.is_scan(eqn) or _jaxpr.is_shard_map(eqn)  # as tag_collectives reaches
     for eqn in _jaxpr.equations(program.closed_jaxpr.jaxpr, enter=tagged_inside):
-        kind = _jaxpr.collective_kind(eqn)
+        kind = collective_kind(eqn)
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
     gathered = len(gathered_weights(program))
@@ -81,7 +101,7 @@ def tag_collectives(fn: Callable) -> Callable:
         gathered = {id(eqns[i]) for i in gathered_weights(prog)}
 
         def tag_of(eqn):
-            return COLLECTIVE_TAG if id(eqn) in gathered or _jaxpr.collective_kind(eqn) is not None else None
+            return COLLECTIVE_TAG if id(eqn) in gathered or collective_kind(eqn) is not None else None
 
         return prog.out_tree, lambda *leaves: _interpreter.evaluate_tagged_where(prog.closed_jaxpr, tag_of, leaves)
 
@@ -134,4 +154,13 @@ def with_keep_collectives(policy: Policy, keep: bool) -> Policy:
     return KeepCollectives(policy)
 
 
-__all__ = ["COLLECTIVE_TAG", "KEY", "KeepCollectives", "collective_counts", "tag_collectives", "with_keep_collectives"]
+__all__ = [
+    "COLLECTIVE_PRIMITIVES",
+    "COLLECTIVE_TAG",
+    "collective_kind",
+    "KEY",
+    "KeepCollectives",
+    "collective_counts",
+    "tag_collectives",
+    "with_keep_collectives",
+]

@@ -327,27 +327,6 @@ def is_scan(eqn) -> bool:
     return eqn.primitive.name == SCAN
 
 
-#: Primitives that issue a collective across a mesh axis (inside ``shard_map``), by the kind of HLO
-#: collective each lowers to.
-COLLECTIVE_PRIMITIVES = {
-    "all_gather": "all-gather",
-    "all_gather_invariant": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "psum": "all-reduce",
-    "psum_invariant": "all-reduce",
-    "pmax": "all-reduce",
-    "pmin": "all-reduce",
-    "all_to_all": "all-to-all",
-    "ragged_all_to_all": "all-to-all",
-    "ppermute": "collective-permute",
-}
-
-
-def collective_kind(eqn) -> str | None:
-    """The HLO collective kind ``eqn`` issues (:data:`COLLECTIVE_PRIMITIVES`), or ``None``."""
-    return COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
-
-
 def is_shard_map(eqn) -> bool:
     """Whether ``eqn`` is a :func:`jax.shard_map`."""
     return eqn.primitive.name == SHARD_MAP
