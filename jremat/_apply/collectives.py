@@ -8,7 +8,7 @@ the backward pass reads it instead:
 
 * the collectives written inside :func:`jax.shard_map` (``all_gather``, ``all_to_all``,
   ``psum``/``pmean``/``pmax``/``pmin``, ``psum_scatter``, ``ppermute``; kinds in
-  :data:`COLLECTIVE_PRIMITIVES`), wherever they are: at the checkpoint's top
+  :data:`jremat._engine.jaxpr.COLLECTIVE_PRIMITIVES`), wherever they are: at the checkpoint's top
   level, inside ``shard_map`` and ``lax.scan`` bodies;
 * the gathered weights the model writes (:func:`jremat._apply.gathered.gathered_weights`: a
   sharding constraint or reshard of an input that feeds a matmul), which is ``keep_gathered``.
@@ -43,25 +43,10 @@ KEY = "keep_collectives"
 #: The checkpoint name a collective's output gets, so that the inner policy saves it wherever it is.
 COLLECTIVE_TAG = "jremat_collective"
 
-#: Primitives that issue a collective across a mesh axis (inside ``shard_map``), by the kind of HLO
-#: collective each lowers to.
-COLLECTIVE_PRIMITIVES = {
-    "all_gather": "all-gather",
-    "all_gather_invariant": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "psum": "all-reduce",
-    "psum_invariant": "all-reduce",
-    "pmax": "all-reduce",
-    "pmin": "all-reduce",
-    "all_to_all": "all-to-all",
-    "ragged_all_to_all": "all-to-all",
-    "ppermute": "collective-permute",
-}
-
 
 def collective_kind(eqn) -> str | None:
-    """The HLO collective kind ``eqn`` issues (:data:`COLLECTIVE_PRIMITIVES`), or ``None``."""
-    return COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
+    """The HLO collective kind ``eqn`` issues (:data:`jremat._engine.jaxpr.COLLECTIVE_PRIMITIVES`), or ``None``."""
+    return _jaxpr.COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
 
 
 def collective_counts(program: Program) -> dict[str, int]:
@@ -155,7 +140,6 @@ def with_keep_collectives(policy: Policy, keep: bool) -> Policy:
 
 
 __all__ = [
-    "COLLECTIVE_PRIMITIVES",
     "COLLECTIVE_TAG",
     "collective_kind",
     "KEY",

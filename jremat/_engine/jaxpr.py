@@ -327,6 +327,15 @@ def is_scan(eqn) -> bool:
     return eqn.primitive.name == SCAN
 
 
+#: Primitives that issue a collective across a mesh axis (in a ``shard_map``), by the HLO collective each lowers to.
+COLLECTIVE_PRIMITIVES = (
+    dict.fromkeys(("all_gather", "all_gather_invariant"), "all-gather")
+    | dict.fromkeys(("psum", "psum_invariant", "pmax", "pmin"), "all-reduce")
+    | dict.fromkeys(("all_to_all", "ragged_all_to_all"), "all-to-all")
+    | {"reduce_scatter": "reduce-scatter", "ppermute": "collective-permute"}
+)
+
+
 def is_shard_map(eqn) -> bool:
     """Whether ``eqn`` is a :func:`jax.shard_map`."""
     return eqn.primitive.name == SHARD_MAP
