@@ -26,15 +26,21 @@ its backward pass, as the step without remat keeps them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jremat._apply.gathered import KeepTagged, gathered_weights
 from jremat._apply.policy import NoRemat, Policy
 from jremat._engine import interpreter as _interpreter
 from jremat._engine import jaxpr as _jaxpr
+from jremat._engine.active import name_tag
 from jremat._program import program as _program
 from jremat._program.program import Program
 
@@ -66,15 +72,140 @@ def collective_counts(program: Program) -> dict[str, int]:
         kind = collective_kind(eqn)
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
-    gathered = len(gathered_weights(program))
+    gathered = len(gathered_weights(program)) + len(xla_gathers(program).placed)
     if gathered:
         counts["all-gather"] = counts.get("all-gather", 0) + gathered
     return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaGathers:
+    """The weights of a checkpoint that XLA gathers on its own (no gather in the traced program).
+
+    Attributes:
+      placed: input leaf index -> the :class:`jax.sharding.NamedSharding` it is gathered to.
+      unplaced: one line per weight whose gathered placement cannot be found, naming it.
+    """
+
+    placed: dict[int, Any]
+    unplaced: tuple[str, ...]
+
+
+def _input_names(program: Program) -> list[str]:
+    """A readable name per input leaf of ``program`` (``args[0]['w1']``), or ``input i``."""
+    n = len(program.closed_jaxpr.jaxpr.invars)
+    if program.in_tree is None:
+        return [f"input {i}" for i in range(n)]
+    paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(program.in_tree, range(n)))[0]
+    names = []
+    for path, _ in paths:
+        (where, *rest) = path or (None,)
+        head = "args" if getattr(where, "idx", None) == 0 else "kwargs"
+        names.append(head + jax.tree_util.keystr(tuple(rest)))
+    return names
+
+
+def xla_gathers(program: Program) -> XlaGathers:
+    """The weights of ``program`` that XLA gathers on its own, and where to.
+
+    A weight here is an input (floating, at least 2-D) used only as an operand of matmuls
+    (through shape-only ops); when both operands of a matmul are such inputs, the one of lower
+    rank (of equal rank: neither can be told from the other, and both are named unplaced). Its
+    gathered placement comes from the mesh its type carries (else the mesh in context): on a mesh
+    of one axis of size above 1 (auto axes) it is gathered whole (``P()``, FSDP's gather); on a
+    mesh of several such axes the placement depends on shardings that are not in the traced
+    program (auto axes: a jit argument's type holds no spec), and the weight is named unplaced.
+    On a mesh of explicit axes XLA inserts no gather a program did not write (``reshard``).
+
+    Args:
+      program: a checkpointed function's traced :class:`jremat.Program`.
+
+    Returns:
+      An :class:`XlaGathers`.
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    consumers: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                consumers.setdefault(v, []).append(eqn)
+
+    def matmuls_reached(var, depth: int = 0) -> list | None:
+        """The matmuls ``var`` feeds through shape-only ops, or ``None`` if it has any other use."""
+        found = []
+        for eqn in consumers.get(var, ()):
+            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
+                found.append(eqn)
+            elif eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES and depth < 8:
+                for out in eqn.outvars:
+                    inner = matmuls_reached(out, depth + 1)
+                    if inner is None:
+                        return None
+                    found.extend(inner)
+            else:
+                return None
+        return found
+
+    candidates: dict[int, list] = {}
+    for i, v in enumerate(jaxpr.invars):
+        aval = v.aval
+        if getattr(aval, "ndim", 0) >= 2 and jnp.issubdtype(aval.dtype, jnp.floating):
+            dots = matmuls_reached(v)
+            if dots:
+                candidates[i] = dots
+    origin_of: dict = {}
+    for i in candidates:
+        stack = [jaxpr.invars[i]]
+        while stack:
+            var = stack.pop()
+            origin_of[var] = i
+            for eqn in consumers.get(var, ()):
+                if eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES:
+                    stack.extend(eqn.outvars)
+    names = _input_names(program)
+    ambiguous: set[int] = set()
+    dropped: set[int] = set()
+    for dots in candidates.values():
+        for dot in dots:
+            lhs, rhs = (origin_of.get(v) for v in dot.invars[:2])
+            if lhs is None or rhs is None or lhs == rhs:
+                continue
+            pair = [lhs, rhs]
+            ranks = [jaxpr.invars[i].aval.ndim for i in pair]
+            if ranks[0] == ranks[1]:
+                ambiguous.update(pair)
+            else:
+                dropped.add(pair[0] if ranks[0] > ranks[1] else pair[1])  # the activation
+    placed, unplaced = {}, []
+    for i in sorted(set(candidates) - dropped):
+        aval = jaxpr.invars[i].aval
+        where = f"{names[i]} ({aval.str_short()})"
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is None or mesh.empty:
+            mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or AxisType.Explicit in mesh.axis_types:
+            continue
+        split = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+        if split and i in ambiguous:
+            unplaced.append(
+                f"{where}: a matmul of two inputs of rank {aval.ndim}; which one is the weight is not known"
+            )
+        elif len(split) == 1:
+            placed[i] = NamedSharding(mesh, PartitionSpec())
+        elif split:
+            axes = ",".join(f"{a}={mesh.shape[a]}" for a in split)
+            unplaced.append(
+                f"{where}: on a mesh of several axes ({axes}) where XLA gathers it is not in the traced program; "
+                "gather it in the model (jax.lax.with_sharding_constraint to its gathered placement)"
+            )
+    return XlaGathers(placed=placed, unplaced=tuple(unplaced))
+
+
 def tag_collectives(fn: Callable) -> Callable:
     """``fn`` with the output of each collective and each gathered weight tagged
-    :data:`COLLECTIVE_TAG` (:func:`collective_counts`); values and gradients unchanged.
+    :data:`COLLECTIVE_TAG` (:func:`collective_counts`); values and gradients unchanged. The
+    weights XLA would gather on its own that :func:`xla_gathers` places are gathered first (a
+    sharding constraint to their placement), and tagged.
 
     ``fn`` is traced once per input signature and its program evaluated with the tags (not
     called again: a second call would draw a Linen module's random values anew).
@@ -84,11 +215,21 @@ def tag_collectives(fn: Callable) -> Callable:
     def build(prog: Program):
         eqns = prog.closed_jaxpr.jaxpr.eqns
         gathered = {id(eqns[i]) for i in gathered_weights(prog)}
+        placed = xla_gathers(prog).placed
 
         def tag_of(eqn):
             return COLLECTIVE_TAG if id(eqn) in gathered or collective_kind(eqn) is not None else None
 
-        return prog.out_tree, lambda *leaves: _interpreter.evaluate_tagged_where(prog.closed_jaxpr, tag_of, leaves)
+        def run(*leaves):
+            # The gathers XLA would insert, made values of the program: a sharding constraint of
+            # each weight to its gathered placement, tagged.
+            gathered_leaves = [
+                name_tag(jax.lax.with_sharding_constraint(x, placed[i]), COLLECTIVE_TAG) if i in placed else x
+                for i, x in enumerate(leaves)
+            ]
+            return _interpreter.evaluate_tagged_where(prog.closed_jaxpr, tag_of, gathered_leaves)
+
+        return prog.out_tree, run
 
     @functools.wraps(fn)
     def tagged(*args, **kwargs):
@@ -118,14 +259,16 @@ class KeepCollectives(KeepTagged):
     def describe_match(self, program: Program) -> list[str]:
         counts = collective_counts(program)
         lines = self.inner.describe_match(program)
+        unplaced = [f"cannot keep the gather of {line}" for line in xla_gathers(program).unplaced]
         if not counts:
             return [
                 *lines,
-                "no collective to keep (none written in a shard_map, no sharding constraint on an input that "
-                "feeds a matmul); collectives XLA inserts on its own are not in the traced program",
+                "no collective to keep (none written in a shard_map, no gathered weight); other collectives XLA "
+                "inserts on its own are not in the traced program",
+                *unplaced,
             ]
         found = ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in sorted(counts.items()))
-        return [*lines, f"keeps the outputs of {found}"]
+        return [*lines, f"keeps the outputs of {found}", *unplaced]
 
 
 def with_keep_collectives(policy: Policy, keep: bool) -> Policy:
@@ -147,4 +290,6 @@ __all__ = [
     "collective_counts",
     "tag_collectives",
     "with_keep_collectives",
+    "xla_gathers",
+    "XlaGathers",
 ]

@@ -5,7 +5,9 @@ tests/jremat/_apply/test_collectives.py.
 ``counts`` (every model, layout, engine and policy: a direct count of the optimized HLO's
 collectives, independent of jremat, and the gradients against no remat), ``explain`` (what
 ``explain_applied`` says of each model under ``full`` and ``full:keep_collectives=true``),
-``assert`` (``assert_no_reissued_collectives`` on the expert-parallel model).
+``assert`` (``assert_no_reissued_collectives`` on the expert-parallel model), ``unplaced`` (the
+XLA-gathered model on a mesh of two axes), ``fsdp_target`` (docs/sharding.md's FSDP target at
+d 512, f 2048, 262,144 tokens; not run by the tests).
 
 The models, each a residual block of two layers in plain JAX, the collectives written in a
 :func:`jax.shard_map` or left to XLA:
@@ -21,7 +23,8 @@ The models, each a residual block of two layers in plain JAX, the collectives wr
 * ``fsdp_constraint``: FSDP with the gather written as a sharding constraint of each weight to its
   gathered placement (auto axes);
 * ``fsdp_xla``: FSDP with the gathers left to XLA (weights placed by ``NamedSharding``, no
-  constraint in the block): nothing in the traced program to keep.
+  constraint in the block): ``keep_collectives`` gathers the weights in the checkpoint itself
+  (:func:`jremat._apply.collectives.xla_gathers`).
 """
 
 from __future__ import annotations
@@ -228,7 +231,80 @@ def check_assert() -> dict:
     return out
 
 
-CHECKS = {"counts": check_counts, "explain": check_explain, "assert": check_assert}
+def check_unplaced() -> dict:
+    """The XLA-gathered model on ``fsdp=4,tensor=2`` (weights over both axes): what ``describe``
+    says under ``full:keep_collectives=true`` and the all-gathers per policy (unrolled)."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.RandomState(0)
+
+    def put(shape, spec):
+        value = jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    weights = [(put((D, F), P("fsdp", "tensor")), put((F, D), P("tensor", "fsdp"))) for _ in range(LAYERS)]
+    x = put((TOKENS, D), P("fsdp"))
+    block = block_fn("fsdp_xla", mesh)
+    program = jremat.trace_program(block, weights[0], x)
+    out = {"describe": jremat.resolve("full:keep_collectives=true").describe_match(program)}
+    for policy in ("none", "full", "full:keep_collectives=true"):
+        checkpointed = block if policy == "none" else jremat.checkpoint(block, policy)
+
+        def loss(weights, x, checkpointed=checkpointed):
+            for w in weights:
+                x = checkpointed(w, x)
+            return jnp.mean(x**2)
+
+        hlo = jax.jit(jax.grad(loss)).lower(weights, x).compile().as_text()
+        out[policy] = direct_count(hlo).get("all-gather", [0, 0])
+    return out
+
+
+def check_fsdp_target() -> dict:
+    """docs/sharding.md's target (not run by the tests): FSDP with the gathers left to XLA at d 512,
+    f 2048, 4 layers, 262,144 tokens on ``fsdp=8``, compiled only: per layout and policy, the
+    compiled temp per device and the direct count of all-gathers."""
+    d, f, layers, tokens = 512, 2048, 4, 262_144
+    mesh = make_mesh("fsdp_xla")
+    block = block_fn("fsdp_xla", mesh)
+    rows = {}
+    for layout in LAYOUTS:
+        lead = (layers,) if layout == "scanned" else ()
+        w = tuple(
+            jax.ShapeDtypeStruct(
+                lead + shape, jnp.float32, sharding=NamedSharding(mesh, P(*(None,) * len(lead), "fsdp"))
+            )
+            for shape in ((d, f), (f, d))
+        )
+        weights = w if layout == "scanned" else [w] * layers
+        x = jax.ShapeDtypeStruct((tokens, d), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+        for policy in ("none", "full", "full:keep_collectives=true"):
+            checkpointed = (
+                block if policy == "none" else jremat.checkpoint(block, policy, prevent_cse=layout == "unrolled")
+            )
+
+            def loss(weights, x, checkpointed=checkpointed, layout=layout):
+                if layout == "scanned":
+                    x, _ = jax.lax.scan(lambda h, w: (checkpointed(w, h), None), x, weights)
+                else:
+                    for w in weights:
+                        x = checkpointed(w, x)
+                return jnp.mean(x**2)
+
+            compiled = jax.jit(jax.grad(loss)).lower(weights, x).compile()
+            rows[f"{layout}/{policy}"] = {
+                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                "all_gathers": direct_count(compiled.as_text()).get("all-gather", [0, 0]),
+            }
+    return rows
+
+
+CHECKS = {
+    "counts": check_counts,
+    "explain": check_explain,
+    "assert": check_assert,
+    "unplaced": check_unplaced,
+    "fsdp_target": check_fsdp_target,
+}
 
 if __name__ == "__main__":
     sys.exit(run_checks(CHECKS, sys.argv[1:]))

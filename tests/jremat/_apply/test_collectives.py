@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jremat
@@ -31,7 +32,7 @@ KEEPING = ("full:keep_collectives=true", "dots:keep_collectives=true", "skip_che
 
 @pytest.fixture(scope="module")
 def checks():
-    return _mesh_checks("counts", "explain", "assert", module="tests.jremat._apply.collectives_checks")
+    return _mesh_checks("counts", "explain", "assert", "unplaced", module="tests.jremat._apply.collectives_checks")
 
 
 def _count(checks, model, layout, engine, policy, kind=None) -> int:
@@ -41,12 +42,16 @@ def _count(checks, model, layout, engine, policy, kind=None) -> int:
 @pytest.mark.heavy  # the 8-device subprocess
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("model", [m for m in MODELS if m != "fsdp_xla"])
-def test_keep_collectives_reissues_none_of_the_collectives_the_model_writes(checks, model, layout, engine):
+@pytest.mark.parametrize("model", MODELS)
+def test_keep_collectives_reissues_none_of_the_models_collectives(checks, model, layout, engine):
     none = _count(checks, model, layout, engine, "none")
-    assert _count(checks, model, layout, engine, "full") > none  # full re-issues them
+    full = _count(checks, model, layout, engine, "full")
     for policy in KEEPING:
-        assert _count(checks, model, layout, engine, policy) == none, policy
+        kept = _count(checks, model, layout, engine, policy)
+        # As many as without remat (fewer where XLA gathers a scanned weight twice without remat).
+        assert kept <= none and kept < full, (policy, kept, none, full)
+    if (model, layout) != ("fsdp_xla", "scanned"):
+        assert none == _count(checks, model, layout, engine, "full:keep_collectives=true")
     if model == "fsdp_shard_map":  # the backward pass's own reduce-scatters stay
         assert _count(checks, model, layout, engine, "full:keep_collectives=true", "reduce-scatter") == _count(
             checks, model, layout, engine, "none", "reduce-scatter"
@@ -61,21 +66,20 @@ def test_gradients_equal_no_remat_under_every_policy_model_layout_and_engine(che
 
 
 @pytest.mark.heavy  # the same subprocess
-@pytest.mark.parametrize("engine", ENGINES)
-def test_gathers_xla_inserts_are_not_kept_and_explain_says_so_in_one_line(checks, engine):
-    # Unrolled: full re-gathers, and the key finds nothing to keep (not a wrong count of zero).
-    full = _count(checks, "fsdp_xla", "unrolled", engine, "full")
-    assert full > _count(checks, "fsdp_xla", "unrolled", engine, "none")
-    assert _count(checks, "fsdp_xla", "unrolled", engine, "full:keep_collectives=true") == full
-    text = checks["explain"]["fsdp_xla/full:keep_collectives=true"]
-    lines = [line for line in text.splitlines() if line.startswith("re-issued collectives")]
-    assert len(lines) == 1 and "re-issues 4 all-gathers" in lines[0]
-    assert "XLA inserts these on its own" in lines[0] and "with_sharding_constraint" in lines[0]
-    assert "no collective to keep" in text
+def test_gathers_xla_inserts_on_a_mesh_of_two_axes_are_named_not_miscounted(checks):
+    unplaced = checks["unplaced"]
+    assert unplaced["full"][0] > unplaced["none"][0]
+    assert unplaced["full:keep_collectives=true"] == unplaced["full"]  # nothing kept, nothing claimed
+    lines = [line for line in unplaced["describe"] if line.startswith("cannot keep the gather of")]
+    assert [line.split(" (")[0] for line in lines] == [
+        "cannot keep the gather of args[0][0]",
+        "cannot keep the gather of args[0][1]",
+    ]
+    assert all("several axes (fsdp=4,tensor=2)" in line for line in lines)
 
 
 @pytest.mark.heavy  # the same subprocess
-@pytest.mark.parametrize("model", [m for m in MODELS if m != "fsdp_xla"])
+@pytest.mark.parametrize("model", MODELS)
 def test_explain_names_each_reissued_kind_and_the_key(checks, model):
     full = checks["explain"][f"{model}/full"]
     line = next(line for line in full.splitlines() if line.startswith("re-issued collectives"))
@@ -161,6 +165,38 @@ def test_a_checkpoint_holding_a_shard_map_is_differentiated_under_remat3(expert_
         grad = jax.grad(lambda w: jnp.sum(jremat.checkpoint(block, "full")(w, x)))(w)
         reference = jax.grad(lambda w: jnp.sum(block(w, x)))(w)
     np.testing.assert_allclose(grad, reference, rtol=1e-6, atol=1e-6)
+
+
+def _abstract(mesh_shape: tuple[int, ...]):
+    names = ("fsdp", "tensor")[: len(mesh_shape)]
+    mesh = AbstractMesh(mesh_shape, names, axis_types=(AxisType.Auto,) * len(mesh_shape))
+    return lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
+
+
+def test_xla_gathers_tells_weights_from_activations_and_places_them_on_one_axis():
+    s = _abstract((8,))
+    residual = lambda w, x: x + jax.nn.gelu(x @ w[0]) @ w[1]
+    found = _collectives.xla_gathers(jremat.trace_program(residual, (s(16, 32), s(32, 16)), s(64, 16)))
+    assert sorted(found.placed) == [0, 1] and found.unplaced == ()  # x feeds the residual add too
+    assert all(sharding.spec == P() for sharding in found.placed.values())
+    # Both operands only feed the matmul: the lower rank is the weight; of equal rank, neither is known.
+    found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: jnp.tanh(x @ w), s(16, 16), s(4, 64, 16)))
+    assert sorted(found.placed) == [0]
+    found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: x @ w, s(16, 16), s(64, 16)))
+    assert found.placed == {} and [line.split(" ")[0] for line in found.unplaced] == ["args[0]", "args[1]"]
+
+
+def test_xla_gathers_names_the_weights_it_cannot_place():
+    s = _abstract((4, 2))
+    found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: jnp.tanh(x @ w), s(16, 16), s(4, 64, 16)))
+    assert found.placed == {}
+    assert found.unplaced == (
+        "args[0] (float32[16,16]): on a mesh of several axes (fsdp=4,tensor=2) where XLA gathers it is not in the "
+        "traced program; gather it in the model (jax.lax.with_sharding_constraint to its gathered placement)",
+    )
+    # One device: no gather to find.
+    one = jremat.trace_program(lambda w, x: jnp.tanh(x @ w), jnp.ones((16, 16)), jnp.ones((4, 64, 16)))
+    assert _collectives.xla_gathers(one) == _collectives.XlaGathers(placed={}, unplaced=())
 
 
 def test_keep_collectives_is_a_key_of_every_policy_of_one_function():
