@@ -56,7 +56,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Throughput at a memory budget: the (policy, batch) that trains fastest, measured.
     # (All of it, with the batch search and budgets, is the namespace jremat.fit.)
     "jremat.fit": (),
-    "jremat._plan.fit": ("fit_search", "fit_search_budgets", "keep_gathered_variants", "measure_throughput"),
+    "jremat._plan.fit": (
+        "fit_search",
+        "fit_search_budgets",
+        "keep_collectives_variants",
+        "keep_gathered_variants",
+        "measure_throughput",
+    ),
     "jremat._plan.time_model": ("calibrate_time_model", "with_collective_rates"),
     "jremat._plan.fit_types": ("FitError", "FitProbe", "FitResult", "FitRow", "FitStep", "TimeModel"),
     # FLOPs of traced programs (scan bodies times their length).
@@ -163,6 +169,7 @@ if TYPE_CHECKING:
     from jremat._measure.timeline import memory_timeline as memory_timeline
     from jremat._plan.fit import fit_search as fit_search
     from jremat._plan.fit import fit_search_budgets as fit_search_budgets
+    from jremat._plan.fit import keep_collectives_variants as keep_collectives_variants
     from jremat._plan.fit import keep_gathered_variants as keep_gathered_variants
     from jremat._plan.fit import measure_throughput as measure_throughput
     from jremat._plan.fit_types import FitError as FitError

@@ -9,7 +9,13 @@ gives, the time model ranks candidates (:func:`calibrate_time_model`), and :clas
 level (``jremat.fit_search is jremat.fit.fit_search``). See ``docs/fit.md``.
 """
 
-from jremat._plan.fit import fit_search, fit_search_budgets, keep_gathered_variants, measure_throughput
+from jremat._plan.fit import (
+    fit_search,
+    fit_search_budgets,
+    keep_collectives_variants,
+    keep_gathered_variants,
+    measure_throughput,
+)
 from jremat._plan.fit_types import TIE_RULE, FitError, FitProbe, FitResult, FitRow, FitStep, StepBuilder, TimeModel
 from jremat._plan.probe import SEARCH_GROWTH, compile_figures, largest_fitting
 from jremat._plan.time_model import calibrate_time_model, with_collective_rates
@@ -30,6 +36,7 @@ __all__ = [
     "compile_figures",
     "fit_search",
     "fit_search_budgets",
+    "keep_collectives_variants",
     "keep_gathered_variants",
     "largest_fitting",
     "measure_throughput",

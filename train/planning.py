@@ -55,12 +55,23 @@ def keep_gathered_of(values: dict) -> bool | None:
     Raises:
       ValueError: a value that is not a boolean.
     """
-    if registry.KEEP_GATHERED not in values:
+    return _bool_key(values, registry.KEEP_GATHERED)
+
+
+def keep_collectives_of(values: dict) -> bool | None:
+    """The ``keep_collectives`` key of an ``auto`` spec's raw values, as :func:`keep_gathered_of`.
+
+    Raises:
+      ValueError: a value that is not a boolean.
+    """
+    return _bool_key(values, registry.KEEP_COLLECTIVES)
+
+
+def _bool_key(values: dict, key: str) -> bool | None:
+    if key not in values:
         return None
-    param = {registry.KEEP_GATHERED: registry.KEEP_GATHERED_PARAM}
-    return convert_values("auto", param, {registry.KEEP_GATHERED: values[registry.KEEP_GATHERED]})[
-        registry.KEEP_GATHERED
-    ]
+    param = {key: registry.UNIVERSAL_PARAMS[key]}
+    return convert_values("auto", param, {key: values[key]})[key]
 
 
 def plan_for_budget(
@@ -74,6 +85,7 @@ def plan_for_budget(
     offload_cost_per_byte: float | None = None,
     regather_flops: float = 0.0,
     keep_gathered: bool | None = None,
+    keep_key: str = "keep_gathered",
     devices: int = 1,
 ) -> LayerPlan:
     """The least-recompute layer plan for ``cfg`` whose compiled step peak fits ``budget``.
@@ -95,6 +107,7 @@ def plan_for_budget(
         candidates, and re-gathering is priced.
       keep_gathered: only plans that keep (``True``) or re-gather (``False``) the gathered weights,
         as in :func:`jremat.plan_layers`; ``None`` (default): the cheaper.
+      keep_key: the key the keeping plans set, as in :func:`jremat.plan_layers`.
       devices: the devices of the step's mesh, as in :func:`jremat.plan_layers`.
 
     Returns:
@@ -125,8 +138,15 @@ def plan_for_budget(
         offload_cost_per_byte=offload_cost_per_byte if offload else None,
         regather_flops=regather_flops,
         keep_gathered=keep_gathered,
+        keep_key=keep_key,
         devices=devices,
     )
 
 
-__all__ = ["apply_candidate", "compiled_peak_bytes", "keep_gathered_of", "plan_for_budget"]
+__all__ = [
+    "apply_candidate",
+    "compiled_peak_bytes",
+    "keep_collectives_of",
+    "keep_gathered_of",
+    "plan_for_budget",
+]

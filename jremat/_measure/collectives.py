@@ -261,8 +261,8 @@ def hlo_collectives(hlo_text: str, devices: int = 1) -> CollectivesReport:
 
 
 _price_lock = threading.Lock()
-#: Kinds :func:`collective_s_per_byte` times; the others are priced as an all-gather.
-TIMED_KINDS = ("all-gather", "all-reduce", "reduce-scatter")
+#: Kinds :func:`collective_s_per_byte` times; a collective-permute is priced as an all-gather.
+TIMED_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
 
 def _devices_for_price(kind: str, devices, name: str) -> tuple:
@@ -279,7 +279,7 @@ def collective_s_per_byte(kind: str = "all-gather", devices=None, *, transfer_by
 
     Times the collective over all ``devices`` (one mesh axis through them) on ``transfer_bytes``
     per device, in the report's byte convention (the result; a reduce-scatter's operand).
-    ``all-to-all`` and ``collective-permute`` are priced as an all-gather. It does not credit the
+    ``collective-permute`` is priced as an all-gather. It does not credit the
     overlap of communication with compute. Measured once per argument set and cached; threads
     asking at once wait for one measurement. :func:`jremat.fit_search` prices a step's
     collectives with it.
@@ -354,6 +354,11 @@ def _measured_s_per_byte(kind: str, devices: tuple, transfer_bytes: int) -> floa
     if kind == "all-gather":  # each device ends with the whole array: transfer_bytes of result
         data = jax.device_put(jnp.ones((per_device - per_device % n,), jnp.float32), split)
         step = jax.jit(lambda x: x + 0, out_shardings=whole)
+    elif kind == "all-to-all":  # rows split to columns split: each device's result is its share
+        side = max(n, math.isqrt(per_device * n) // n * n)
+        data = jax.device_put(jnp.ones((side, side), jnp.float32), split)
+        step = jax.jit(lambda x: x + 0, out_shardings=NamedSharding(mesh, PartitionSpec(None, "devices")))
+        return best_s(lambda: step(data)) / (side * side // n * 4)
     else:  # [n, m] split over devices, summed over n: all-reduce (whole) or reduce-scatter (split)
         m = per_device if kind == "all-reduce" else per_device - per_device % n
         data = jax.device_put(jnp.ones((n, m), jnp.float32), split)

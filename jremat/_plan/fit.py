@@ -25,7 +25,8 @@ are the traced (global) FLOPs over the device count; the collectives the compile
 (:func:`jremat.collective_s_per_byte`), so a policy that gathers weights again in the backward
 pass is predicted slower than one that keeps them; and when the steps all-gather (FSDP), the
 ``keep_gathered=true`` variant of every policy spec that takes the key (:func:`keep_gathered_variants`)
-is a candidate too.
+is a candidate too, and when they issue all-to-alls (an expert-parallel MoE) or
+collective-permutes, the ``keep_collectives=true`` variant (:func:`keep_collectives_variants`).
 """
 
 from __future__ import annotations
@@ -46,26 +47,43 @@ from jremat._plan.time_model import calibrate_time_model, with_collective_rates
 from jremat._spec.budget import Budget, as_budget, format_bytes
 
 
-def keep_gathered_variants(policies: Sequence[str]) -> list[str]:
-    """The ``keep_gathered=true`` variant of each policy spec that takes the key and does not set it.
+def key_variants(policies: Sequence[str], key: str) -> list[str]:
+    """The ``key=true`` variant of each policy spec that takes ``key`` (a key every policy of one
+    function takes, :data:`jremat.registry.UNIVERSAL_PARAMS`) and does not set it.
 
-    Those are the registered policies of one function (:data:`jremat.registry.KEEP_GATHERED`), but
-    ``none`` (it keeps everything already) and ``auto`` (its layer plans choose it per layer); labels that
-    are not policy specs have none.
+    Those are the registered policies of one function, but ``none`` (it keeps everything already)
+    and ``auto`` (its layer plans choose it per layer); labels that are not policy specs have none.
+
+    Raises:
+      ValueError: a key that is not one of :data:`jremat.registry.UNIVERSAL_PARAMS`.
     """
+    if key not in registry.UNIVERSAL_PARAMS:
+        raise ValueError(f"unknown key {key!r}; valid keys: {', '.join(registry.UNIVERSAL_PARAMS)}")
     out = []
     for label in policies:
         try:
             name, values = registry.parse_spec(label)
             entry = registry.entries().get(name)
-            if entry is None or entry.stack or name in ("none", "auto") or registry.KEEP_GATHERED in values:
+            if entry is None or entry.stack or name in ("none", "auto") or key in values:
                 continue
-            variant = registry.normalize_spec(label, **{registry.KEEP_GATHERED: True})
+            variant = registry.normalize_spec(label, **{key: True})
         except ValueError:
             continue
         if variant not in policies and variant not in out:
             out.append(variant)
     return out
+
+
+def keep_gathered_variants(policies: Sequence[str]) -> list[str]:
+    """The ``keep_gathered=true`` variant of each policy spec that takes the key and does not set it
+    (:func:`key_variants`)."""
+    return key_variants(policies, registry.KEEP_GATHERED)
+
+
+def keep_collectives_variants(policies: Sequence[str]) -> list[str]:
+    """The ``keep_collectives=true`` variant of each policy spec that takes the key and does not set
+    it (:func:`key_variants`)."""
+    return key_variants(policies, registry.KEEP_COLLECTIVES)
 
 
 def _digest(budget: int, global_batch, probes, finalists, winner: FitProbe) -> str:
@@ -167,6 +185,7 @@ def fit_search_budgets(
     batch_tolerance: float = 0.03,
     noise_tolerance: float = 0.03,
     keep_gathered: bool | None = None,
+    keep_collectives: bool | None = None,
 ) -> list[FitResult]:
     """:func:`fit_search` for several budgets at once, smallest first, timed in one session.
 
@@ -202,7 +221,7 @@ def fit_search_budgets(
     def predicted(p: FitProbe) -> float:
         return p.batch_size * tokens_per_example / model().probe_s(p)
 
-    policies = _with_keep_gathered(search, list(policies), global_batch, keep_gathered)
+    policies = _with_kept_variants(search, list(policies), global_batch, keep_gathered, keep_collectives)
     chosen: dict[int, _Chosen] = {}
     earlier: list[tuple] = []  # the finalists of the smaller budgets: they fit this one too
     for budget in sorted(set(budget_list)):
@@ -263,14 +282,30 @@ def _check_settings(
             raise FitError(f"{name} must be a fraction in [0, 1), got {value!r}")
 
 
-def _with_keep_gathered(search: _Search, policies: list[str], global_batch: int | None, keep_gathered: bool | None):
-    """``policies``, then their ``keep_gathered=true`` variants when ``keep_gathered`` (``None``:
-    when the first policy's step all-gathers)."""
-    variants = keep_gathered_variants(policies) if keep_gathered is not False else []
-    if variants and keep_gathered is None:  # on the first probe of the search: does the step all-gather?
+#: The collectives whose re-issue only ``keep_collectives`` avoids (an all-gather: ``keep_gathered`` too;
+#: an all-reduce: every data-parallel step's gradient reduction issues them).
+_KEEP_COLLECTIVES_KINDS = frozenset({"all-to-all", "collective-permute"})
+
+
+def _with_kept_variants(
+    search: _Search,
+    policies: list[str],
+    global_batch: int | None,
+    keep_gathered: bool | None,
+    keep_collectives: bool | None,
+) -> list[str]:
+    """``policies``, then their ``keep_gathered=true`` variants when ``keep_gathered``, then their
+    ``keep_collectives=true`` variants when ``keep_collectives`` (``None``: when the first
+    policy's step all-gathers; issues all-to-alls or collective-permutes)."""
+    gathered = keep_gathered_variants(policies) if keep_gathered is not False else []
+    collectives = keep_collectives_variants(policies) if keep_collectives is not False else []
+    if (gathered and keep_gathered is None) or (collectives and keep_collectives is None):
+        # On the first probe of the search: which collectives does the step issue?
         first = search.probe(policies[0], 1 if global_batch is None else global_batch, 1)
-        keep_gathered = any(kind == "all-gather" for kind, _, _ in first.collectives)
-    return policies + variants if keep_gathered else policies
+        kinds = {kind for kind, _, _ in first.collectives}
+        keep_gathered = "all-gather" in kinds if keep_gathered is None else keep_gathered
+        keep_collectives = bool(kinds & _KEEP_COLLECTIVES_KINDS) if keep_collectives is None else keep_collectives
+    return policies + (gathered if keep_gathered else []) + (collectives if keep_collectives else [])
 
 
 def _fitting(
@@ -452,6 +487,10 @@ def fit_search(
       keep_gathered: also search the ``keep_gathered=true`` variant of every policy spec that
         takes the key (:func:`keep_gathered_variants`), after ``policies``; ``None`` (default):
         when the first policy's step issues all-gathers (weights stored sharded, FSDP).
+      keep_collectives: also search the ``keep_collectives=true`` variant of every policy spec
+        that takes the key (:func:`keep_collectives_variants`), after those; ``None`` (default):
+        when the first policy's step issues all-to-alls or collective-permutes (an
+        expert-parallel MoE, a ring written in a ``shard_map``).
 
     Returns:
       A :class:`FitResult`.
@@ -468,6 +507,8 @@ def fit_search(
 __all__ = [
     "fit_search",
     "fit_search_budgets",
+    "keep_collectives_variants",
     "keep_gathered_variants",
+    "key_variants",
     "measure_throughput",
 ]

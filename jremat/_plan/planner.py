@@ -260,6 +260,10 @@ class Candidate:
     remat_layers: int
     offload: tuple[str, ...] = ()
     keep_gathered: bool = False
+    #: The spec key that keeps a rematerialized layer's collectives: ``keep_gathered`` (FSDP's
+    #: gathered weights) or ``keep_collectives`` (every collective, an expert-parallel MoE's
+    #: all-to-alls too).
+    keep_key: str = "keep_gathered"
 
     def spec(self) -> str:
         """The policy spec of a rematerialized layer."""
@@ -267,8 +271,8 @@ class Candidate:
             spec = "offload:names=" + "+".join(self.offload) + (",save=" + "+".join(self.save) if self.save else "")
         else:
             spec = "names:save=" + "+".join(self.save) if self.save else "full"
-        if self.keep_gathered:  # jremat._apply.gathered: keep the layer's gathered weights (a mesh)
-            spec += (":" if spec == "full" else ",") + "keep_gathered=true"
+        if self.keep_gathered:  # keep the layer's gathered weights or collectives (a mesh)
+            spec += (":" if spec == "full" else ",") + f"{self.keep_key}=true"
         return spec
 
     def describe(self, n_layers: int) -> str:
@@ -363,6 +367,7 @@ def plan_layers(
     regather_flops: float = 0.0,
     devices: int = 1,
     keep_gathered: bool | None = None,
+    keep_key: str = "keep_gathered",
 ) -> LayerPlan:
     """The least-recompute layer plan whose measured step peak fits ``budget``.
 
@@ -394,6 +399,9 @@ def plan_layers(
         ``False``: only plans that gather them again; ``None`` (default): both when
         ``regather_flops`` is positive, the cheaper that fits chosen.
         :attr:`LayerPlan.gathered_choice` says which the plan does and why.
+      keep_key: the key the keeping plans set (``"keep_gathered"``, or ``"keep_collectives"``
+        where ``regather_flops`` prices other collectives too, as an expert-parallel MoE's
+        all-to-alls).
 
     Raises:
       ValueError: on a bad budget, when no plan fits (with the smallest achievable peak; with
@@ -408,7 +416,7 @@ def plan_layers(
     costs = tuple(costs)
     none_cand, full_cand = Candidate((), 0), Candidate((), n_layers)
     none_peak, full_peak = int(measure_peak_bytes(none_cand)), int(measure_peak_bytes(full_cand))
-    kept_cand = Candidate((), n_layers, (), True)
+    kept_cand = Candidate((), n_layers, (), True, keep_key)
     keeping = (False, True) if keep_gathered is None else (keep_gathered,)
     if regather_flops <= 0 and keep_gathered is None:
         keeping = (False,)
@@ -437,7 +445,9 @@ def plan_layers(
     candidates = [none_cand]
     for subset in save_sets(costs):
         moved = tuple(c.name for c in costs if c.offloaded and c.name not in subset)
-        candidates.extend(Candidate(subset, g, moved, keep) for keep in keeping for g in range(1, n_layers + 1))
+        candidates.extend(
+            Candidate(subset, g, moved, keep, keep_key) for keep in keeping for g in range(1, n_layers + 1)
+        )
     budget_bytes = budget.resolve(none_peak, floor_bytes=full_peak if budget.fraction is not None else 0)
     try:
         solution = solve(
@@ -463,7 +473,9 @@ def plan_layers(
         full_peak_bytes=full_peak,
         step_flops=step_flops,
         devices=devices,
-        gathered_choice=_gathered_choice(solution.candidate, keep_gathered, regather_flops, budget_bytes, kept_peak),
+        gathered_choice=_gathered_choice(
+            solution.candidate, keep_gathered, regather_flops, budget_bytes, kept_peak, keep_key
+        ),
     )
 
 
@@ -473,27 +485,28 @@ def _gathered_choice(
     regather_flops: float,
     budget_bytes: int,
     kept_peak_bytes: int,
+    keep_key: str = "keep_gathered",
 ) -> str:
     """:attr:`LayerPlan.gathered_choice` of ``chosen``."""
     if chosen.remat_layers == 0 or (regather_flops <= 0 and keep_gathered is None):
         return ""
+    weights = keep_key == "keep_gathered"
+    kept, again = ("gathered weights", "re-gathers weights") if weights else ("collectives", "re-issues collectives")
+    unit = "re-gathering a layer's weights" if weights else "re-issuing a layer's collectives"
     if keep_gathered is not None:
-        verb, value = ("keeps gathered weights", "true") if keep_gathered else ("re-gathers weights", "false")
-        return f"{verb}, as asked (keep_gathered={value})"
+        verb, value = (f"keeps {kept}", "true") if keep_gathered else (again, "false")
+        return f"{verb}, as asked ({keep_key}={value})"
     if chosen.keep_gathered:
         return (
-            f"keeps gathered weights: cheaper than re-gathering them ({regather_flops:,.0f} FLOP-equivalents "
+            f"keeps {kept}: cheaper than {unit.split(' a layer')[0]} them ({regather_flops:,.0f} FLOP-equivalents "
             "per layer) within the budget"
         )
     if kept_peak_bytes > budget_bytes:
         return (
-            f"re-gathers weights: keeping them does not fit the budget of {budget_bytes:,} B "
+            f"{again}: keeping them does not fit the budget of {budget_bytes:,} B "
             f"(full remat keeping them peaks at {kept_peak_bytes:,} B)"
         )
-    return (
-        f"re-gathers weights: cheaper than keeping them within the budget (re-gathering a layer's weights "
-        f"priced at {regather_flops:,.0f} FLOP-equivalents)"
-    )
+    return f"{again}: cheaper than keeping them within the budget ({unit} priced at {regather_flops:,.0f} FLOP-equivalents)"
 
 
 __all__ = [

@@ -382,6 +382,7 @@ def check_price() -> dict:
         "threads_measured": after_threads - before,  # the collective and the matmul, once each
         "again_measured": measurements() - after_threads,
         "all-reduce": jremat.collective_flops_per_byte("all-reduce"),
+        "all-to-all": jremat.collective_s_per_byte("all-to-all"),
     }
 
 

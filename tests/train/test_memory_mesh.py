@@ -154,6 +154,29 @@ def test_auto_keep_gathered_true_keeps_and_false_regathers_on_a_mesh(mesh_run):
     _check_auto_keep_gathered(*mesh_run)
 
 
+def test_expert_parallel_mesh_keeps_the_all_to_alls_and_auto_prices_them():
+    argv = ["--preset", "tiny", "--moe-experts", "8", "--moe-top-k", "2", "--mesh", "expert=8", "--json"]
+    policies = [
+        "none",
+        "full",
+        "full:keep_collectives=true",
+        "auto:budget=0.6",
+        "auto:budget=0.6,keep_collectives=false",
+    ]
+    proc = _run_memory([*argv, *(a for p in policies for a in ("--policy", p))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout)
+    by_policy = {row["policy"]: row for row in rows[:3]}
+    exchanged = {p: r["reissued_beyond_none"].get("all-to-all", {"count": 0})["count"] for p, r in by_policy.items()}
+    assert exchanged["full"] > 0 and exchanged["full:keep_collectives=true"] == 0
+    auto, regathering = rows[3], rows[4]
+    # The all-to-alls are priced: auto keeps them; told not to, it re-issues them.
+    assert "keep_collectives=true" in auto["policy"] and "all-to-all" not in auto["reissued_beyond_none"]
+    assert "keep_collectives" not in regathering["policy"]
+    assert "; keeps collectives: cheaper than re-issuing them" in proc.stderr
+    assert "; re-issues collectives, as asked (keep_collectives=false)" in proc.stderr
+
+
 @pytest.mark.slow  # the planner's keep_gathered choice is engine-free (tests/jremat/_plan/test_planner.py)
 def test_auto_keep_gathered_on_a_mesh_under_remat3():
     _check_auto_keep_gathered(*_mesh_run(remat3="1"))

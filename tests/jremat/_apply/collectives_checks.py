@@ -6,7 +6,8 @@ tests/jremat/_apply/test_collectives.py.
 collectives, independent of jremat, and the gradients against no remat), ``explain`` (what
 ``explain_applied`` says of each model under ``full`` and ``full:keep_collectives=true``),
 ``assert`` (``assert_no_reissued_collectives`` on the expert-parallel model), ``unplaced`` (the
-XLA-gathered model on a mesh of two axes), ``fsdp_target`` (docs/sharding.md's FSDP target at
+XLA-gathered model on a mesh of two axes), ``user_models`` (the expert-parallel block as a Flax
+NNX and an Equinox module), ``fsdp_target`` (docs/sharding.md's FSDP target at
 d 512, f 2048, 262,144 tokens; not run by the tests).
 
 The models, each a residual block of two layers in plain JAX, the collectives written in a
@@ -20,6 +21,8 @@ The models, each a residual block of two layers in plain JAX, the collectives wr
   the first one's reduced output, which its backward pass needs;
 * ``fsdp_shard_map``: FSDP written by hand: each weight stored in shards over ``fsdp``,
   ``all_gather``-ed in the block; the batch over ``fsdp``;
+* ``fsdp_tp_shard_map``: both on ``fsdp=4,tensor=2``: each weight's FSDP shard
+  ``all_gather``-ed, then the two tensor-parallel MLPs (all-gathers and all-reduces);
 * ``fsdp_constraint``: FSDP with the gather written as a sharding constraint of each weight to its
   gathered placement (auto axes);
 * ``fsdp_xla``: FSDP with the gathers left to XLA (weights placed by ``NamedSharding``, no
@@ -52,7 +55,7 @@ from tests.jremat.mesh_checks import direct_count
 jax.config.update("jax_default_matmul_precision", "highest")
 
 DEVICES, LAYERS, D, F, TOKENS = 8, 2, 16, 32, 64
-MODELS = ("expert_parallel", "tensor_parallel", "fsdp_shard_map", "fsdp_constraint", "fsdp_xla")
+MODELS = ("expert_parallel", "tensor_parallel", "fsdp_shard_map", "fsdp_tp_shard_map", "fsdp_constraint", "fsdp_xla")
 LAYOUTS = ("unrolled", "scanned")
 ENGINES = ("classic", "remat3")
 POLICIES = (
@@ -67,12 +70,15 @@ AXIS = {
     "expert_parallel": "expert",
     "tensor_parallel": "tensor",
     "fsdp_shard_map": "fsdp",
+    "fsdp_tp_shard_map": "fsdp",
     "fsdp_constraint": "fsdp",
     "fsdp_xla": "fsdp",
 }
 
 
 def make_mesh(model: str):
+    if model == "fsdp_tp_shard_map":
+        return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
     return jax.make_mesh((DEVICES,), (AXIS[model],), axis_types=(AxisType.Auto,))
 
 
@@ -108,6 +114,18 @@ def block_fn(model: str, mesh):
 
         body = jax.shard_map(fsdp, mesh=mesh, in_specs=(P(axis), P(axis), P(axis)), out_specs=P(axis))
         return lambda w, x: body(w[0], w[1], x)
+    if model == "fsdp_tp_shard_map":
+
+        def fsdp_tp(w1, w2, x):
+            # Each weight's FSDP shard gathered, then Megatron's MLP over tensor (two, as above).
+            w1 = jax.lax.all_gather(w1, "fsdp", axis=0, tiled=True)
+            w2 = jax.lax.all_gather(w2, "fsdp", axis=1, tiled=True)
+            y = x + jax.lax.psum(jax.nn.gelu(x @ w1) @ w2, "tensor")
+            return y + jax.lax.psum(jax.nn.gelu(y @ w1) @ w2, "tensor")
+
+        specs = (P("fsdp", "tensor"), P("tensor", "fsdp"), P("fsdp"))
+        body = jax.shard_map(fsdp_tp, mesh=mesh, in_specs=specs, out_specs=P("fsdp"))
+        return lambda w, x: body(w[0], w[1], x)
     gathered = NamedSharding(mesh, P())
 
     def block(w, x):
@@ -127,6 +145,8 @@ def arguments(model: str, mesh, layout: str, seed: int = 0):
         shapes, specs = ((DEVICES, D, F), (DEVICES, F, D)), (P(axis), P(axis))
     elif model == "tensor_parallel":
         shapes, specs = ((D, F), (F, D)), (P(None, axis), P(axis, None))
+    elif model == "fsdp_tp_shard_map":
+        shapes, specs = ((D, F), (F, D)), (P("fsdp", "tensor"), P("tensor", "fsdp"))
     else:
         shapes, specs = ((D, F), (F, D)), (P(axis), P(axis))
 
@@ -231,6 +251,68 @@ def check_assert() -> dict:
     return out
 
 
+def check_user_models() -> dict:
+    """The expert-parallel block as a Flax NNX module (``@jremat.policy`` on the class) and as an
+    Equinox module (``jremat.filter_checkpoint``), two layers unrolled: ``{kind/spec: {"all_to_all":
+    direct count, "grad_rel_error": e}}``."""
+    import equinox as eqx
+    from flax import nnx
+
+    mesh = make_mesh("expert_parallel")
+    block = block_fn("expert_parallel", mesh)
+    (layer0, layer1), x = arguments("expert_parallel", mesh, "unrolled")
+
+    class NnxExperts(nnx.Module):
+        def __init__(self, w):
+            self.w1, self.w2 = nnx.Param(w[0]), nnx.Param(w[1])
+
+        def __call__(self, x):
+            return block((self.w1[...], self.w2[...]), x)
+
+    class EqxExperts(eqx.Module):
+        w1: jax.Array
+        w2: jax.Array
+
+        def __call__(self, x):
+            return block((self.w1, self.w2), x)
+
+    def nnx_grad(spec):
+        cls = NnxExperts if spec == "none" else jremat.policy(spec)(NnxExperts)
+        graphdef, state = nnx.split([cls(layer0), cls(layer1)])
+
+        def loss(state, x):
+            for layer in nnx.merge(graphdef, state):
+                x = layer(x)
+            return jnp.mean(x**2)
+
+        return jax.jit(jax.grad(loss)), state
+
+    def eqx_grad(spec):
+        call = EqxExperts.__call__ if spec == "none" else jremat.filter_checkpoint(EqxExperts.__call__, spec)
+        layers = [EqxExperts(*layer0), EqxExperts(*layer1)]
+
+        def loss(layers, x):
+            for layer in layers:
+                x = call(layer, x)
+            return jnp.mean(x**2)
+
+        return jax.jit(jax.grad(loss)), layers
+
+    out = {}
+    for kind, make in (("nnx", nnx_grad), ("equinox", eqx_grad)):
+        reference = None
+        for spec in ("none", "full", "full:keep_collectives=true"):
+            grad, params = make(spec)
+            value = grad(params, x)
+            reference = value if reference is None else reference
+            hlo = grad.lower(params, x).compile().as_text()
+            out[f"{kind}/{spec}"] = {
+                "all_to_all": direct_count(hlo).get("all-to-all", [0, 0])[0],
+                "grad_rel_error": _max_rel(value, reference),
+            }
+    return out
+
+
 def check_unplaced() -> dict:
     """The XLA-gathered model on ``fsdp=4,tensor=2`` (weights over both axes): what ``describe``
     says under ``full:keep_collectives=true`` and the all-gathers per policy (unrolled)."""
@@ -303,6 +385,7 @@ CHECKS = {
     "explain": check_explain,
     "assert": check_assert,
     "unplaced": check_unplaced,
+    "user_models": check_user_models,
     "fsdp_target": check_fsdp_target,
 }
 

@@ -16,7 +16,7 @@ import jremat
 from jremat._apply import collectives as _collectives
 from jremat._engine import jax_compat
 from jremat._measure import collectives as _measure
-from tests.jremat._apply.collectives_checks import ENGINES, LAYOUTS, MODELS
+from tests.jremat._apply.collectives_checks import ENGINES, LAYERS, LAYOUTS, MODELS
 from tests.jremat._measure.test_collectives import _mesh_checks
 
 #: The kind of collective each model's recomputation re-issues.
@@ -24,6 +24,7 @@ KIND = {
     "expert_parallel": "all-to-all",
     "tensor_parallel": "all-reduce",
     "fsdp_shard_map": "all-gather",
+    "fsdp_tp_shard_map": "all-gather",
     "fsdp_constraint": "all-gather",
     "fsdp_xla": "all-gather",
 }
@@ -32,7 +33,9 @@ KEEPING = ("full:keep_collectives=true", "dots:keep_collectives=true", "skip_che
 
 @pytest.fixture(scope="module")
 def checks():
-    return _mesh_checks("counts", "explain", "assert", "unplaced", module="tests.jremat._apply.collectives_checks")
+    return _mesh_checks(
+        "counts", "explain", "assert", "unplaced", "user_models", module="tests.jremat._apply.collectives_checks"
+    )
 
 
 def _count(checks, model, layout, engine, policy, kind=None) -> int:
@@ -52,6 +55,11 @@ def test_keep_collectives_reissues_none_of_the_models_collectives(checks, model,
         assert kept <= none and kept < full, (policy, kept, none, full)
     if (model, layout) != ("fsdp_xla", "scanned"):
         assert none == _count(checks, model, layout, engine, "full:keep_collectives=true")
+    if model == "fsdp_tp_shard_map":  # both kinds at once: the all-reduces are kept too
+        reduces = {p: _count(checks, model, layout, engine, p, "all-reduce") for p in ("none", "full", *KEEPING)}
+        tie = LAYERS if layout == "unrolled" else 0  # the cotangent tie's 4-byte all-reduce per checkpoint
+        limit = reduces["none"] + tie
+        assert reduces["full"] > limit and all(reduces[p] <= limit for p in KEEPING), reduces
     if model == "fsdp_shard_map":  # the backward pass's own reduce-scatters stay
         assert _count(checks, model, layout, engine, "full:keep_collectives=true", "reduce-scatter") == _count(
             checks, model, layout, engine, "none", "reduce-scatter"
@@ -63,6 +71,15 @@ def test_gradients_equal_no_remat_under_every_policy_model_layout_and_engine(che
     errors = {key: row["grad_rel_error"] for key, row in checks["counts"].items()}
     assert len(errors) == len(MODELS) * len(LAYOUTS) * len(ENGINES) * 6
     assert max(errors.values()) < 1e-6, {k: e for k, e in errors.items() if e >= 1e-6}
+
+
+@pytest.mark.heavy  # the same subprocess
+@pytest.mark.parametrize("kind", ["nnx", "equinox"])
+def test_keep_collectives_on_flax_nnx_and_equinox_modules(checks, kind):
+    rows = {key.split("/", 1)[1]: row for key, row in checks["user_models"].items() if key.startswith(kind + "/")}
+    assert len(rows) == 3
+    assert rows["full"]["all_to_all"] > rows["none"]["all_to_all"] == rows["full:keep_collectives=true"]["all_to_all"]
+    assert max(row["grad_rel_error"] for row in rows.values()) < 1e-6
 
 
 @pytest.mark.heavy  # the same subprocess

@@ -372,3 +372,4 @@ def test_collective_price_is_measured_once_and_shared_by_threads(checks):
     assert price["threads_measured"] == 2  # one timed all-gather and one timed matmul for the four threads
     assert price["again"] == price["all-gather"][0] and price["again_measured"] == 0  # cached: nothing timed again
     assert price["all-reduce"] > 0
+    assert price["all-to-all"] > 0  # timed (a reshard XLA lowers to an all-to-all), not an all-gather's

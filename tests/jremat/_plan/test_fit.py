@@ -9,6 +9,7 @@ independent of this machine's speed.
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -322,6 +323,36 @@ def test_the_calibrated_model_uses_powers_of_two():
 def test_keep_gathered_variants_are_of_single_function_policies_that_do_not_set_it():
     policies = ["none", "full", "every_k:k=2", "dots", "full:keep_gathered=true", "auto:budget=5", "my label", "nested"]
     assert jremat.keep_gathered_variants(policies) == ["every_k:k=2,keep_gathered=true", "dots:keep_gathered=true"]
+
+
+def test_keep_collectives_variants_are_of_single_function_policies_that_do_not_set_it():
+    policies = ["none", "full", "dots:keep_collectives=true", "skip_cheap", "auto:budget=5", "nested"]
+    assert jremat.keep_collectives_variants(policies) == [
+        "full:keep_collectives=true",
+        "skip_cheap:keep_collectives=true",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "searched"),
+    [
+        ((), ["full"]),
+        (("all-gather", "all-reduce"), ["full", "full:keep_gathered=true"]),
+        (("all-reduce",), ["full"]),
+        (("all-to-all", "all-reduce"), ["full", "full:keep_collectives=true"]),
+        (("all-gather", "collective-permute"), ["full", "full:keep_gathered=true", "full:keep_collectives=true"]),
+    ],
+)
+def test_the_search_adds_the_variants_the_first_steps_collectives_call_for(kinds, searched):
+    from jremat._plan.fit import _with_kept_variants
+
+    class FirstProbe:
+        def probe(self, policy, batch, micro):
+            return types.SimpleNamespace(collectives=tuple((kind, 1, 4) for kind in kinds))
+
+    assert _with_kept_variants(FirstProbe(), ["full"], None, None, None) == searched
+    # Given, each key is searched or not whatever the step issues.
+    assert _with_kept_variants(FirstProbe(), ["full"], None, False, True) == ["full", "full:keep_collectives=true"]
 
 
 def test_one_device_has_no_collectives_and_no_keep_gathered_candidates(budget):

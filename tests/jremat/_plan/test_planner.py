@@ -253,7 +253,7 @@ def test_regather_price_is_rounded_as_the_fit_search_rounds_its_rates(monkeypatc
     first = jremat.collective_flops_per_byte("all-gather", devices)
     assert first == jremat.collective_flops_per_byte("all-gather", devices) == 2.0**8
     # The fit search's time model prices the same collective at the same rate (one draw per kind timed).
-    draws = iter([2.0**-30 * 1.2] * 3)
+    draws = iter([2.0**-30 * 1.2] * len(_collectives.TIMED_KINDS))
     fit_rate = dict(with_collective_rates(TimeModel(2.0**38, 1.0), devices).collective_s_per_byte)
     assert fit_rate["all-gather"] * 2.0**38 == first
 
