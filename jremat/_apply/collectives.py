@@ -13,12 +13,15 @@ the backward pass reads it instead:
 * the gathered weights the model writes (:func:`jremat._apply.gathered.gathered_weights`: a
   sharding constraint or reshard of an input that feeds a matmul), which is ``keep_gathered``.
 
+* the weights XLA gathers on its own (placed by ``NamedSharding``, no gather in the model):
+  found by :func:`xla_gathers` and, on a mesh of one split axis, gathered whole inside the
+  checkpoint and kept; where their placement cannot be found, :meth:`KeepCollectives.describe_match`
+  names each in one line.
+
 The backward pass's own collectives (the transposes: a ``psum``'s broadcast, an all-to-all back)
-are not recomputation and stay. A collective XLA inserts on its own (a weight sharded by
-``NamedSharding`` and gathered where a matmul uses it, with no constraint in the model) is not
-a value of the traced program and cannot be kept: make it explicit in the model
-(``jax.lax.with_sharding_constraint`` to its gathered placement), as :func:`jremat.explain_applied`
-says for each one it finds re-issued in the compiled step.
+are not recomputation and stay. Other collectives XLA inserts on its own (around activations, a
+1-D parameter's gather) are not values of the traced program and cannot be kept:
+:func:`jremat.explain_applied` names each kind it finds re-issued in the compiled step.
 
 Memory: each checkpoint keeps its collectives' outputs (per device) from its forward pass to
 its backward pass, as the step without remat keeps them.
@@ -109,8 +112,9 @@ def xla_gathers(program: Program) -> XlaGathers:
     """The weights of ``program`` that XLA gathers on its own, and where to.
 
     A weight here is an input (floating, at least 2-D) used only as an operand of matmuls
-    (through shape-only ops); when both operands of a matmul are such inputs, the one of lower
-    rank (of equal rank: neither can be told from the other, and both are named unplaced). Its
+    (through shape-only ops), whose other operand is computed (an activation feeds the residual
+    stream or a norm too); when both operands of a matmul are such inputs, which one is the
+    weight is not guessed and both are named unplaced. Its
     gathered placement comes from the mesh its type carries (else the mesh in context): on a mesh
     of one axis of size above 1 (auto axes) it is gathered whole (``P()``, FSDP's gather); on a
     mesh of several such axes the placement depends on shardings that are not in the traced
@@ -163,21 +167,16 @@ def xla_gathers(program: Program) -> XlaGathers:
                 if eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES:
                     stack.extend(eqn.outvars)
     names = _input_names(program)
+    # A matmul of two such inputs: which is the weight (and which the activation, that gathering
+    # whole would replicate) is not guessed.
     ambiguous: set[int] = set()
-    dropped: set[int] = set()
     for dots in candidates.values():
         for dot in dots:
             lhs, rhs = (origin_of.get(v) for v in dot.invars[:2])
-            if lhs is None or rhs is None or lhs == rhs:
-                continue
-            pair = [lhs, rhs]
-            ranks = [jaxpr.invars[i].aval.ndim for i in pair]
-            if ranks[0] == ranks[1]:
-                ambiguous.update(pair)
-            else:
-                dropped.add(pair[0] if ranks[0] > ranks[1] else pair[1])  # the activation
+            if lhs is not None and rhs is not None and lhs != rhs:
+                ambiguous.update((lhs, rhs))
     placed, unplaced = {}, []
-    for i in sorted(set(candidates) - dropped):
+    for i in sorted(candidates):
         aval = jaxpr.invars[i].aval
         where = f"{names[i]} ({aval.str_short()})"
         mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
@@ -187,9 +186,7 @@ def xla_gathers(program: Program) -> XlaGathers:
             continue
         split = [a for a in mesh.axis_names if mesh.shape[a] > 1]
         if split and i in ambiguous:
-            unplaced.append(
-                f"{where}: a matmul of two inputs of rank {aval.ndim}; which one is the weight is not known"
-            )
+            unplaced.append(f"{where}: a matmul of two inputs used only there; which one is the weight is not known")
         elif len(split) == 1:
             placed[i] = NamedSharding(mesh, PartitionSpec())
         elif split:

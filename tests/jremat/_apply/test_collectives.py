@@ -190,29 +190,30 @@ def _abstract(mesh_shape: tuple[int, ...]):
     return lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
 
 
-def test_xla_gathers_tells_weights_from_activations_and_places_them_on_one_axis():
+def test_xla_gathers_tells_weights_from_activations_and_gathers_them_whole_on_one_axis():
     s = _abstract((8,))
     residual = lambda w, x: x + jax.nn.gelu(x @ w[0]) @ w[1]
     found = _collectives.xla_gathers(jremat.trace_program(residual, (s(16, 32), s(32, 16)), s(64, 16)))
     assert sorted(found.placed) == [0, 1] and found.unplaced == ()  # x feeds the residual add too
     assert all(sharding.spec == P() for sharding in found.placed.values())
-    # Both operands only feed the matmul: the lower rank is the weight; of equal rank, neither is known.
+    # Both operands only feed the matmul: which one is the weight is not guessed (gathering the
+    # activation whole would replicate it); both are named.
     found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: jnp.tanh(x @ w), s(16, 16), s(4, 64, 16)))
-    assert sorted(found.placed) == [0]
-    found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: x @ w, s(16, 16), s(64, 16)))
     assert found.placed == {} and [line.split(" ")[0] for line in found.unplaced] == ["args[0]", "args[1]"]
+    assert "which one is the weight is not known" in found.unplaced[0]
 
 
 def test_xla_gathers_names_the_weights_it_cannot_place():
     s = _abstract((4, 2))
-    found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: jnp.tanh(x @ w), s(16, 16), s(4, 64, 16)))
+    residual = lambda w, x: x + jnp.tanh(x @ w)
+    found = _collectives.xla_gathers(jremat.trace_program(residual, s(16, 16), s(4, 64, 16)))
     assert found.placed == {}
     assert found.unplaced == (
         "args[0] (float32[16,16]): on a mesh of several axes (fsdp=4,tensor=2) where XLA gathers it is not in the "
         "traced program; gather it in the model (jax.lax.with_sharding_constraint to its gathered placement)",
     )
     # One device: no gather to find.
-    one = jremat.trace_program(lambda w, x: jnp.tanh(x @ w), jnp.ones((16, 16)), jnp.ones((4, 64, 16)))
+    one = jremat.trace_program(residual, jnp.ones((16, 16)), jnp.ones((4, 64, 16)))
     assert _collectives.xla_gathers(one) == _collectives.XlaGathers(placed={}, unplaced=())
 
 
