@@ -421,6 +421,8 @@ def reissued_lines(
         how = HOW_TO_AVOID.get(kind, "keep_collectives=true on the policy")
         if kind in kept_kinds:
             how = KEPT_YET_REISSUED.format(kind=kind)
+            if kept_kinds == {"all-gather"}:  # keep_gathered alone
+                how += "; or keep_collectives=true, which gathers such weights itself on a mesh of one split axis"
         lines.append(
             f"re-issued collectives ({label}): re-issues {count} {kind}{'s' if count != 1 else ''}, "
             f"{format_bytes(size)} per step per device more than none; {how}"
