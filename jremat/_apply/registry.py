@@ -35,8 +35,8 @@ KEEP_COLLECTIVES_PARAM = Param(
     "bool",
     False,
     "also keep the output of every collective each checkpoint's recomputation would issue again (all-gathers, "
-    "all-to-alls, all-reduces, reduce-scatters written in a shard_map, and the gathered weights of keep_gathered); "
-    "costs their output bytes per device",
+    "all-to-alls, all-reduces, reduce-scatters written in a shard_map, the gathered weights of keep_gathered, and "
+    "the weights XLA gathers on a mesh of one split axis); costs their output bytes per device",
 )
 #: The keys every policy of one function takes, by name.
 UNIVERSAL_PARAMS = {KEEP_GATHERED: KEEP_GATHERED_PARAM, KEEP_COLLECTIVES: KEEP_COLLECTIVES_PARAM}

@@ -137,7 +137,7 @@ def direct_count(hlo: str) -> dict:
     return found
 
 
-def _max_rel(tree, reference) -> float:
+def max_rel_error(tree, reference) -> float:
     diffs = [
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
@@ -196,7 +196,7 @@ def check_collectives() -> dict:
                         },
                         "devices": report.devices,
                         "temp": compiled.memory_analysis().temp_size_in_bytes,
-                        "grad_rel_error": _max_rel(grads, reference),
+                        "grad_rel_error": max_rel_error(grads, reference),
                     }
             jax.config.update("jax_remat3", False)
             if mesh_name == "fsdp" and layout == "unrolled":
@@ -204,9 +204,9 @@ def check_collectives() -> dict:
                 # pass does not) is caught by the gradients alone.
                 broken = loss_fn(mesh, layout, "none", block=broken_remat(block_fn(mesh), 1.001))
                 wrong = _compile(broken, weights, x)(weights, x)
-                out["broken_grad_rel_error"] = _max_rel(wrong, reference)
+                out["broken_grad_rel_error"] = max_rel_error(wrong, reference)
                 exact = loss_fn(mesh, layout, "none")
-                out["broken_loss_rel_error"] = _max_rel(jax.jit(broken)(weights, x), jax.jit(exact)(weights, x))
+                out["broken_loss_rel_error"] = max_rel_error(jax.jit(broken)(weights, x), jax.jit(exact)(weights, x))
     return out
 
 

@@ -50,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 import jremat
 from jremat._engine import jax_compat
-from tests.jremat.mesh_checks import direct_count
+from tests.jremat.mesh_checks import direct_count, max_rel_error
+from tests.jremat.mesh_checks import loss_fn as stack_loss
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -164,29 +165,8 @@ def arguments(model: str, mesh, layout: str, seed: int = 0):
 
 
 def loss_fn(model: str, mesh, layout: str, policy: str):
-    """The loss of the two-layer stack, each block checkpointed under ``policy``."""
-    block = block_fn(model, mesh)
-    if policy != "none":
-        # jremat's tie rule: straight-line code is tied, a scan of several steps is not.
-        block = jremat.checkpoint(block, policy, prevent_cse=layout == "unrolled")
-
-    def loss(weights, x):
-        if layout == "scanned":
-            x, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, weights)
-        else:
-            for w in weights:
-                x = block(w, x)
-        return jnp.mean(x**2)
-
-    return loss
-
-
-def _max_rel(tree, reference) -> float:
-    diffs = [
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
-    ]
-    return max(diffs) / max(float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(reference))
+    """The loss of the two-layer stack, each block checkpointed under ``policy`` (tied unrolled)."""
+    return stack_loss(mesh, layout, policy, block=block_fn(model, mesh))
 
 
 def check_counts() -> dict:
@@ -206,7 +186,7 @@ def check_counts() -> dict:
                         reference = value if reference is None else reference
                         rows[f"{model}/{layout}/{engine}/{policy}"] = {
                             "hlo": direct_count(hlo),
-                            "grad_rel_error": _max_rel(value, reference),
+                            "grad_rel_error": max_rel_error(value, reference),
                         }
     return rows
 
@@ -308,7 +288,7 @@ def check_user_models() -> dict:
             hlo = grad.lower(params, x).compile().as_text()
             out[f"{kind}/{spec}"] = {
                 "all_to_all": direct_count(hlo).get("all-to-all", [0, 0])[0],
-                "grad_rel_error": _max_rel(value, reference),
+                "grad_rel_error": max_rel_error(value, reference),
             }
     return out
 
@@ -329,13 +309,7 @@ def check_unplaced() -> dict:
     program = jremat.trace_program(block, weights[0], x)
     out = {"describe": jremat.resolve("full:keep_collectives=true").describe_match(program)}
     for policy in ("none", "full", "full:keep_collectives=true"):
-        checkpointed = block if policy == "none" else jremat.checkpoint(block, policy)
-
-        def loss(weights, x, checkpointed=checkpointed):
-            for w in weights:
-                x = checkpointed(w, x)
-            return jnp.mean(x**2)
-
+        loss = stack_loss(mesh, "unrolled", policy, block=block)
         hlo = jax.jit(jax.grad(loss)).lower(weights, x).compile().as_text()
         out[policy] = direct_count(hlo).get("all-gather", [0, 0])
     return out
@@ -360,19 +334,7 @@ def check_fsdp_target() -> dict:
         weights = w if layout == "scanned" else [w] * layers
         x = jax.ShapeDtypeStruct((tokens, d), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
         for policy in ("none", "full", "full:keep_collectives=true"):
-            checkpointed = (
-                block if policy == "none" else jremat.checkpoint(block, policy, prevent_cse=layout == "unrolled")
-            )
-
-            def loss(weights, x, checkpointed=checkpointed, layout=layout):
-                if layout == "scanned":
-                    x, _ = jax.lax.scan(lambda h, w: (checkpointed(w, h), None), x, weights)
-                else:
-                    for w in weights:
-                        x = checkpointed(w, x)
-                return jnp.mean(x**2)
-
-            compiled = jax.jit(jax.grad(loss)).lower(weights, x).compile()
+            compiled = jax.jit(jax.grad(stack_loss(mesh, layout, policy, block=block))).lower(weights, x).compile()
             rows[f"{layout}/{policy}"] = {
                 "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                 "all_gathers": direct_count(compiled.as_text()).get("all-gather", [0, 0]),
