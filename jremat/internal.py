@@ -10,8 +10,9 @@ Without JAX:
   ``jremat.train``.
 - :func:`missing_modules`, :func:`train_extra_message`: whether the ``[train]`` extra is installed,
   and the error that says how to install it.
-- :data:`BUILTIN_PARAMS`, :data:`DEFAULT_MIN_FLOPS_PER_BYTE`: the keys of the built-in policies,
-  checked before JAX is imported, and ``skip_cheap``'s default threshold.
+- :data:`BUILTIN_PARAMS`, :data:`DEFAULT_MIN_FLOPS_PER_BYTE`, :data:`SELECTIVE_MODULES`: the keys
+  of the built-in policies, checked before JAX is imported, ``skip_cheap``'s default threshold
+  and what ``selective`` may recompute.
 - :func:`convert_values`: a policy's key values checked and converted by its parameters.
 - :func:`as_budget`: a budget, parsed if it is text.
 
@@ -29,6 +30,7 @@ import importlib as _importlib
 
 from jremat._apply.keys import BUILTIN_PARAMS as BUILTIN_PARAMS
 from jremat._apply.keys import DEFAULT_MIN_FLOPS_PER_BYTE as DEFAULT_MIN_FLOPS_PER_BYTE
+from jremat._apply.keys import SELECTIVE_MODULES as SELECTIVE_MODULES
 from jremat._checkout import alias_installed as alias_installed
 from jremat._extras import missing_modules as missing_modules
 from jremat._extras import train_extra_message as train_extra_message
@@ -49,6 +51,7 @@ __all__ = sorted(
     [
         "BUILTIN_PARAMS",
         "DEFAULT_MIN_FLOPS_PER_BYTE",
+        "SELECTIVE_MODULES",
         "alias_installed",
         "as_budget",
         "convert_values",

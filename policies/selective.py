@@ -38,10 +38,17 @@ matmul's output (``jax.lax.ragged_dot``) to another grouped matmul's rows (the a
 an expert's two matmuls, its name tags included), in a model that tags its MoE tensors
 (:data:`jremat.names.MOE_NAMES`) or not.
 
+``modules`` chooses what is recomputed, by Megatron-LM's ``--recompute-modules`` names:
+``core_attn`` (the attention core), ``moe_act`` (the experts' activation), or both (the default,
+``selective:modules=core_attn+moe_act``). ``selective:modules=moe_act`` keeps the attention's
+``[seq, seq]`` tensors, as a Megatron-LM run with ``--recompute-modules moe_act`` does: where the
+sequence is short beside the head width, the scores product costs more to recompute than the
+memory it frees is worth.
+
 Every other computed value is saveable; JAX then keeps those the backward pass needs. Values
 derived only from PRNG keys (dropout masks) are never saved: they are regenerated from the
-threaded key. A checkpointed function with neither an attention core nor an expert activation
-is an error naming what was looked for (``selective`` would keep everything there, like
+threaded key. A checkpointed function with none of the chosen modules is an error naming what was
+looked for (``selective`` would keep everything there, like
 ``none``); in a layer stack checkpointed per sublayer, the MLP sublayer needs none as long as
 the attention sublayer has one.
 """
@@ -53,6 +60,7 @@ import dataclasses
 from jax.extend import core as jcore
 
 from jremat import Plan, PlanPolicy, Program, attention, kernels, names, register
+from jremat.internal import BUILTIN_PARAMS, SELECTIVE_MODULES
 from jremat.internal import jaxpr as _jaxpr
 
 #: Names of the attention core's inputs (paths start after them) and output (paths end at it).
@@ -69,13 +77,17 @@ BY_TAG = "tag"
 BY_STRUCTURE = "structure"
 #: A fused attention kernel (blockwise, cuDNN): no ``[seq, seq]`` tensor to drop.
 BY_FUSED_KERNEL = "fused kernel"
-#: What ``selective`` looks for, for error messages.
-LOOKED_FOR = (
-    f"values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
+#: The ``modules`` key's values (Megatron-LM's ``--recompute-modules`` names).
+CORE_ATTN, MOE_ACT = SELECTIVE_MODULES
+#: What ``selective`` looks for, per module, for error messages.
+LOOKED_FOR = {
+    CORE_ATTN: f"an attention core: values tagged {names.QUERY}/{names.KEY}/{names.VALUE} and "
     f"{names.ATTN_CONTEXT} (jremat.names), or by structure a scores dot_general, a softmax over it "
-    "(exp, reduce_sum, divide or multiply by the reciprocal; scaling and masking allowed) and the dot_general of the probabilities with the values; "
-    "or a mixture of experts' activation between two grouped matmuls (jax.lax.ragged_dot)"
-)
+    "(exp, reduce_sum, divide or multiply by the reciprocal; scaling and masking allowed) and the dot_general "
+    "of the probabilities with the values",
+    MOE_ACT: "a mixture of experts' activation between two grouped matmuls (jax.lax.ragged_dot)",
+}
+MISSING = {CORE_ATTN: "no attention core", MOE_ACT: "no experts' activation"}
 
 
 def _elementwise(eqn) -> bool:
@@ -300,10 +312,14 @@ def _kept_kernel_call(eqn) -> bool:
 
 
 class Selective(PlanPolicy):
-    """Save everything except the attention core; never save dropout masks."""
+    """Save everything except the attention core and the experts' activation (those of
+    ``modules``); never save dropout masks."""
 
     # An attention kernel's output and statistics, split inside a scan body too (jremat.kernels).
     saved_tags = (names.KERNEL_RESIDUALS,)
+
+    def __init__(self, modules: tuple[str, ...] = SELECTIVE_MODULES):
+        self.modules = tuple(modules)
 
     def checkpoint_untied(self, fn, *, prevent_cse=True):
         # A Pallas attention kernel's forward rule runs in the ordinary program, so that its
@@ -311,15 +327,22 @@ class Selective(PlanPolicy):
         # kernel's (megablox gmm) too, so that its output is kept.
         return super().checkpoint_untied(kernels.split_kernels(fn, _kept_kernel_call), prevent_cse=prevent_cse)
 
+    def _recomputed(self, program: Program) -> tuple[AttentionCore, frozenset[int]]:
+        """The attention core and the experts' activation this policy recomputes (per :attr:`modules`)."""
+        found = find_attention_core(program) if CORE_ATTN in self.modules else AttentionCore(frozenset(), None, 0)
+        activations = moe_activations(program) if MOE_ACT in self.modules else frozenset()
+        return found, activations
+
     def plan(self, program: Program) -> Plan:
-        found = find_attention_core(program)
-        activations = moe_activations(program)
+        found, activations = self._recomputed(program)
+        looked_for = "; or ".join(LOOKED_FOR[m] for m in self.modules)
         names.check_requirement(
             ("selective", "attention core"),
             found.matched_by is not None or bool(activations),
-            "policy 'selective': the checkpointed function has no attention core, so selective would keep "
-            f"everything, like 'none'; it looks for {LOOKED_FOR}. Use 'full', 'dots' or 'every_k:k=K' here, "
-            "or apply selective only where there is attention",
+            f"policy 'selective' (modules={'+'.join(self.modules)}): the checkpointed function has "
+            f"{' and '.join(MISSING[m] for m in self.modules)}, so selective would keep everything, like 'none'; "
+            f"it looks for {looked_for}. Use 'full', 'dots' or 'every_k:k=K' here, or apply selective only where there is "
+            "attention or a mixture of experts",
         )
         core = found.equations | activations
         return Plan(
@@ -331,7 +354,7 @@ class Selective(PlanPolicy):
         )
 
     def describe_match(self, program: Program) -> list[str]:
-        activations = moe_activations(program)
+        found, activations = self._recomputed(program)
         moe = (
             [
                 f"expert activation found by structure (between grouped matmuls): {len(activations)} equations, "
@@ -341,12 +364,14 @@ class Selective(PlanPolicy):
             if activations
             else []
         )
-        return self._describe_attention(program, bool(activations)) + moe
+        attention_lines = (
+            self._describe_attention(program, found, bool(activations)) if CORE_ATTN in self.modules else []
+        )
+        return attention_lines + moe
 
-    def _describe_attention(self, program: Program, has_moe: bool) -> list[str]:
-        found = find_attention_core(program)
+    def _describe_attention(self, program: Program, found: AttentionCore, has_moe: bool) -> list[str]:
         if found.matched_by is None:
-            return [] if has_moe else [f"no attention core: looked for {LOOKED_FOR}"]
+            return [] if has_moe else [f"no attention core: looked for {LOOKED_FOR[CORE_ATTN]}"]
         if found.matched_by == BY_FUSED_KERNEL:
             lines = []
             if attention.BLOCKWISE in found.kernels:
@@ -388,9 +413,11 @@ class Selective(PlanPolicy):
     "selective",
     doc="Megatron-style selective recomputation: save everything except the attention core (scores, "
     "softmax, attention dropout, probabilities x V: between the q/k/v and attn_context tags, or found by "
-    "structure in untagged models), which is recomputed from the saved q, k, v; dropout masks are never "
-    "saved; an error where the function has no attention core.",
+    "structure in untagged models), which is recomputed from the saved q, k, v, and a mixture of experts' "
+    "activation between its grouped matmuls; modules= chooses which (core_attn, moe_act); dropout masks are "
+    "never saved; an error where the function has none of them.",
+    params=BUILTIN_PARAMS["selective"],
 )
-def selective_policy() -> Selective:
-    """Build the ``selective`` policy."""
-    return Selective()
+def selective_policy(modules: tuple[str, ...]) -> Selective:
+    """Build the ``selective`` policy recomputing ``modules`` (:data:`SELECTIVE_MODULES`)."""
+    return Selective(modules)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jcore
 
 import jremat
 import jremat.testing
@@ -277,3 +278,56 @@ def traced_reports(monkeypatch):
     fresh = functools.lru_cache(maxsize=256)(programs._step_memory_report.__wrapped__)
     monkeypatch.setattr(programs, "_step_memory_report", fresh)
     return fresh
+
+
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _live_runs(jaxpr, counted, used_outputs=None) -> tuple[int, list[bool]]:
+    """How many equations of the ``counted`` primitives computing ``jaxpr``'s used outputs run (a ``scan``
+    body's times its length) after dead-code elimination (a recomputation nothing reads is not
+    run, as XLA runs it not), and which of ``jaxpr``'s inputs they read: ``(runs, reads)``.
+
+    Written here on purpose, apart from ``jremat.kernels.count_grouped_matmuls`` and jremat's
+    liveness: the truth of the tests."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
+    live = {v for v, u in zip(jaxpr.outvars, used) if u and not isinstance(v, jcore.Literal)}
+    runs = 0
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in live for v in eqn.outvars]
+        if not any(outs) and not eqn.effects:
+            continue
+        reads = [True] * len(eqn.invars)
+        if eqn.primitive.name in counted:
+            runs += 1
+        elif eqn.primitive.name == "scan":
+            body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+            body_used = list(outs)
+            while True:  # a carry the body reads is an output of the previous iteration
+                body_runs, reads = _live_runs(body, counted, body_used)
+                grown = [i for i in range(n_carry) if reads[n_consts + i] and not body_used[i]]
+                if not grown:
+                    break
+                for i in grown:
+                    body_used[i] = True
+            runs += eqn.params["length"] * body_runs
+        else:
+            subs = [getattr(eqn.params[k], "jaxpr", eqn.params[k]) for k in _CALL_PARAMS if k in eqn.params]
+            call = subs[0] if len(subs) == 1 else None
+            if call is not None and len(call.invars) == len(eqn.invars) and len(call.outvars) == len(eqn.outvars):
+                body_runs, reads = _live_runs(call, counted, outs)
+                runs += body_runs
+            else:  # while, cond: everything inside runs
+                for value in eqn.params.values():
+                    for item in value if isinstance(value, (tuple, list)) else (value,):
+                        if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                            runs += _live_runs(item, counted)[0]
+        live.update(v for v, r in zip(eqn.invars, reads) if r and not isinstance(v, jcore.Literal))
+    return runs, [v in live for v in jaxpr.invars]
+
+
+def live_runs(jaxpr, counted) -> int:
+    """Equations of the primitives named in ``counted`` that a traced program (a gradient) runs:
+    a ``scan`` body's times its length, after dead-code elimination (:func:`_live_runs`)."""
+    return _live_runs(jaxpr, tuple(counted))[0]

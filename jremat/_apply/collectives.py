@@ -30,7 +30,6 @@ its backward pass, as the step without remat keeps them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -207,7 +206,6 @@ def tag_collectives(fn: Callable) -> Callable:
     ``fn`` is traced once per input signature and its program evaluated with the tags (not
     called again: a second call would draw a Linen module's random values anew).
     """
-    cache = _program.ProgramCache()
 
     def build(prog: Program):
         eqns = prog.closed_jaxpr.jaxpr.eqns
@@ -228,12 +226,7 @@ def tag_collectives(fn: Callable) -> Callable:
 
         return prog.out_tree, run
 
-    @functools.wraps(fn)
-    def tagged(*args, **kwargs):
-        out_tree, run = cache.traced(fn, args, kwargs, build)
-        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((args, kwargs))))
-
-    return tagged
+    return _program.run_traced_once(fn, build)
 
 
 class KeepCollectives(KeepTagged):

@@ -22,7 +22,6 @@ explicit axes, where a sharding constraint does not gather), as the reference mo
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -101,18 +100,12 @@ def tag_gathered_weights(fn: Callable) -> Callable:
     ``fn`` is traced once per input signature and its program evaluated with the tags (not called
     again: a second call would draw a Linen module's random values anew).
     """
-    cache = _program.ProgramCache()
 
     def build(prog: Program):
         tags = dict.fromkeys(gathered_weights(prog), GATHERED_TAG)
         return prog.out_tree, lambda *leaves: _program.evaluate_tagged(prog, tags, leaves)
 
-    @functools.wraps(fn)
-    def tagged(*args, **kwargs):
-        out_tree, run = cache.traced(fn, args, kwargs, build)
-        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((args, kwargs))))
-
-    return tagged
+    return _program.run_traced_once(fn, build)
 
 
 def saving_tag(callback: Callable | None, tag: str) -> Callable:

@@ -55,6 +55,22 @@ def _parse_layer(raw: str) -> str:
 
 _MIN_FLOPS_PER_BYTE_HELP = "recompute FLOPs per saved byte below which an op is cheap"
 
+#: What ``selective`` may recompute, by Megatron-LM's ``--recompute-modules`` names: the attention
+#: core and the experts' activation.
+SELECTIVE_MODULES = ("core_attn", "moe_act")
+
+
+def _parse_modules(raw: str) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(m for m in raw.split("+") if m))
+    unknown = [m for m in chosen if m not in SELECTIVE_MODULES]
+    if not chosen or unknown:
+        raise ValueError(
+            f"policy 'selective': modules={raw!r}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+            f"valid: {', '.join(SELECTIVE_MODULES)}, joined by '+'"
+        )
+    return chosen
+
+
 #: Every built-in policy's keys, by policy name (an empty table: the policy takes no keys).
 BUILTIN_PARAMS: dict[str, dict[str, Param]] = {
     "auto": {
@@ -87,6 +103,14 @@ BUILTIN_PARAMS: dict[str, dict[str, Param]] = {
         "names": Param("names", REQUIRED, "tensor names to offload to host, joined by '+'"),
         "save": Param("names", (), "tensor names to keep on the device, joined by '+'"),
     },
-    "selective": {},
+    "selective": {
+        "modules": Param(
+            "names",
+            SELECTIVE_MODULES,
+            "what to recompute, joined by '+': core_attn (the attention core), moe_act (the experts' activation)",
+            parse=_parse_modules,
+            format="+".join,
+        )
+    },
     "skip_cheap": {"min_flops_per_byte": Param("float", DEFAULT_MIN_FLOPS_PER_BYTE, _MIN_FLOPS_PER_BYTE_HELP, min=0.0)},
 }

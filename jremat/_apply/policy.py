@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -184,8 +183,6 @@ class PlanPolicy(Policy):
         """Choose what to keep for ``program``; must depend on nothing but ``program``."""
 
     def checkpoint_untied(self, fn, *, prevent_cse=True):
-        cache = _program.ProgramCache()
-
         def build(prog: _program.Program):
             chosen = check_plan(self.plan(prog), prog, self.spec or type(self).__name__)
             # A value only side effects use (jax.debug.print's argument) is not a residual;
@@ -203,12 +200,7 @@ class PlanPolicy(Policy):
             )
             return prog.out_tree, tagged
 
-        @functools.wraps(fn)
-        def rematerialized(*args, **kwargs):
-            out_tree, tagged = cache.traced(fn, args, kwargs, build)
-            return jax.tree.unflatten(out_tree, tagged(*jax.tree.leaves((args, kwargs))))
-
-        return rematerialized
+        return _program.run_traced_once(fn, build)
 
 
 def check_plan(plan: Plan, program: _program.Program, policy_name: str) -> Plan:

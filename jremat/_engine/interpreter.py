@@ -119,6 +119,49 @@ def bind_equation(eqn, invals) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def bind_named(eqn, invals, names: Sequence[str]) -> list:
+    """:func:`bind_equation` with output ``k`` tagged ``names[k]``, also where the equation's own
+    derivative reads it (:data:`jremat._engine.jaxpr.OUTPUT_READING_DERIVATIVES`).
+
+    A name tag after ``exp`` or ``top_k`` names a copy of the output that the primitive's own
+    derivative (``t * exp(x)``, ``top_k``'s gather by its indices) does not read. A checkpoint that
+    saves the name would then run the primitive again in the backward pass and keep its input for
+    it too: a softmax's shifted scores beside its ``exp``, a whole row of router logits beside
+    ``k`` indices. Here the primitive is bound inside a ``custom_jvp`` whose rule evaluates the
+    primitive's own derivative with the outputs tagged where they are made: values and
+    derivatives unchanged, the saved output the one read. The classic engine differentiates
+    through that rule; remat3 differentiates the recomputation it records, where the primitive
+    runs again (docs/remat-engines.md).
+    """
+    if eqn.primitive.name not in _jaxpr.OUTPUT_READING_DERIVATIVES:
+        with source_of(eqn):
+            return [name_tag(o, n) for o, n in zip(bind_equation(eqn, invals), names)]
+
+    @jax.custom_jvp
+    def named(*args):
+        with source_of(eqn):
+            return [name_tag(o, n) for o, n in zip(bind_equation(eqn, args), names)]
+
+    @named.defjvp
+    def named_derivative(primals, tangents):
+        traced = jax.make_jaxpr(lambda p, t: jax.jvp(lambda *a: bind_equation(eqn, a), p, t))(primals, tangents)
+        n_out = len(names)
+        primal_outs = {v: k for k, v in enumerate(traced.jaxpr.outvars[:n_out]) if not isinstance(v, jcore.Literal)}
+        env = dict(zip(traced.jaxpr.constvars, traced.consts))
+        env.update(zip(traced.jaxpr.invars, [*primals, *tangents]))
+        for inner in traced.jaxpr.eqns:
+            outs = bind_equation(inner, [_read(env, v) for v in inner.invars])
+            for v, o in zip(inner.outvars, outs):
+                if v in primal_outs:
+                    with source_of(eqn):
+                        o = name_tag(o, names[primal_outs[v]])
+                env[v] = o
+        results = [_read(env, v) for v in traced.jaxpr.outvars]
+        return results[:n_out], results[n_out:]
+
+    return list(named(*invals))
+
+
 def rebind_scan(eqn, invals, evaluate_body: Callable) -> list:
     """Run a ``scan`` equation with ``lax.scan``, its body evaluated by
     ``evaluate_body(closed_body, flat_body_args)`` (which may re-emit or rewrite equations).
@@ -283,11 +326,11 @@ def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -
         if body is not None and holds_tag(body, tag_of):
             outs = _rebind_body(eqn, invals, lambda body, args: evaluate_tagged_where(body, tag_of, args))
         else:
-            outs = bind_equation(eqn, invals)
             tag = tag_of(eqn)
-            if tag is not None:
-                with source_of(eqn):
-                    outs = [name_tag(o, n) for o, n in zip(outs, _tags.output_names(tag, len(outs)))]
+            if tag is None:
+                outs = bind_equation(eqn, invals)
+            else:
+                outs = bind_named(eqn, invals, _tags.output_names(tag, len(eqn.outvars)))
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o

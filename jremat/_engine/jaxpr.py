@@ -69,6 +69,9 @@ MAX = "max"
 REDUCE_MAX = "reduce_max"
 #: What a softmax computes: an ``exp``, summed, divided by the sum.
 SOFTMAX_PRIMITIVES = frozenset({EXP, REDUCE_SUM, DIV})
+#: Primitives whose derivative reads their own output (``exp``'s is ``t * exp(x)``, ``top_k``'s its indices): a
+#: saved output of one is tagged where that derivative reads it (:func:`jremat._engine.interpreter.bind_named`).
+OUTPUT_READING_DERIVATIVES = frozenset({EXP, "tanh", "logistic", "top_k"})
 #: How a softmax divides by its sum: a division, or a product with the reciprocal.
 NORMALIZING_PRIMITIVES = frozenset({DIV, MUL})
 

@@ -25,9 +25,11 @@ Op classification (used by every policy that counts or prices ops):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
@@ -210,6 +212,23 @@ class ProgramCache(_engine.TraceCache):
             return build(program), program.closed_jaxpr.consts
 
         return self.get(args, kwargs, trace)
+
+
+def run_traced_once(fn: Callable, build: Callable[[Program], tuple[Any, Callable]]) -> Callable:
+    """``fn`` traced once per input signature and run as ``build`` says.
+
+    ``build(program)`` returns ``(out_tree, run)``: ``run(*flat_inputs)`` gives the flat outputs.
+    ``fn`` is not called again for a signature seen before (a second call would draw a Linen
+    module's random values anew).
+    """
+    cache = ProgramCache()
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        out_tree, run = cache.traced(fn, args, kwargs, build)
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((args, kwargs))))
+
+    return wrapped
 
 
 def feeds_only_effects(program: Program) -> frozenset[int]:

@@ -8,12 +8,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.extend import core as jcore
 
 import jremat
 from jremat import names
+from jremat._engine.jax_compat import saved_residuals
 from jremat.testing import RematMismatch, assert_remat_exact
-from tests.conftest import run_under_engine, single_function_policies
+from tests.conftest import live_runs, run_under_engine, single_function_policies
 from tests.jremat import moe_user_models as moe
 from tests.jremat.test_testing import FreshKeyOnRecompute
 
@@ -22,56 +22,9 @@ from tests.jremat.test_testing import FreshKeyOnRecompute
 GROUPED_MATMUL_PRIMITIVES = ("ragged_dot_general", "pallas_call")
 
 
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-
-def live_grouped_matmuls(jaxpr, used_outputs=None) -> tuple[int, list[bool]]:
-    """How many grouped matmul equations computing ``jaxpr``'s used outputs run (a ``scan``
-    body's times its length) after dead-code elimination (a recomputation nothing reads is not
-    run, as XLA runs it not), and which of ``jaxpr``'s inputs they read: ``(runs, reads)``.
-
-    Written here on purpose, apart from ``jremat.kernels.count_grouped_matmuls`` and jremat's
-    liveness: the truth of the tests."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    used = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
-    live = {v for v, u in zip(jaxpr.outvars, used) if u and not isinstance(v, jcore.Literal)}
-    runs = 0
-    for eqn in reversed(jaxpr.eqns):
-        outs = [v in live for v in eqn.outvars]
-        if not any(outs) and not eqn.effects:
-            continue
-        reads = [True] * len(eqn.invars)
-        if eqn.primitive.name in GROUPED_MATMUL_PRIMITIVES:
-            runs += 1
-        elif eqn.primitive.name == "scan":
-            body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
-            body_used = list(outs)
-            while True:  # a carry the body reads is an output of the previous iteration
-                body_runs, reads = live_grouped_matmuls(body, body_used)
-                grown = [i for i in range(n_carry) if reads[n_consts + i] and not body_used[i]]
-                if not grown:
-                    break
-                for i in grown:
-                    body_used[i] = True
-            runs += eqn.params["length"] * body_runs
-        else:
-            subs = [getattr(eqn.params[k], "jaxpr", eqn.params[k]) for k in _CALL_PARAMS if k in eqn.params]
-            call = subs[0] if len(subs) == 1 else None
-            if call is not None and len(call.invars) == len(eqn.invars) and len(call.outvars) == len(eqn.outvars):
-                body_runs, reads = live_grouped_matmuls(call, outs)
-                runs += body_runs
-            else:  # while, cond: everything inside runs
-                for value in eqn.params.values():
-                    for item in value if isinstance(value, (tuple, list)) else (value,):
-                        if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                            runs += live_grouped_matmuls(item)[0]
-        live.update(v for v, r in zip(eqn.invars, reads) if r and not isinstance(v, jcore.Literal))
-    return runs, [v in live for v in jaxpr.invars]
-
-
 def grouped_matmuls(jaxpr) -> int:
-    """Grouped matmuls a traced gradient runs (:func:`live_grouped_matmuls`)."""
-    return live_grouped_matmuls(jaxpr)[0]
+    """Grouped matmuls a traced gradient runs (:func:`tests.conftest.live_runs`)."""
+    return live_runs(jaxpr, GROUPED_MATMUL_PRIMITIVES)
 
 
 def gradient_grouped_matmuls(layer_policy, layout, ffn=moe.moe_ffn) -> int:
@@ -278,3 +231,60 @@ def test_selective_finds_the_reference_models_expert_activation():
         saved[spec] = jremat.saved_residuals_report(loss, *args, param_argnums=(0,)).computed_bytes
     activation_bytes = cfg.n_layers * batch * cfg.max_seq_len * cfg.moe_top_k * cfg.d_ff * 4
     assert saved["none"] - saved["selective"] >= activation_bytes, saved
+
+
+def test_selective_modules_choose_what_is_recomputed():
+    """``modules`` (Megatron-LM's --recompute-modules names) on the reference MoE model: moe_act keeps
+    the attention's [seq, seq] tensors, core_attn the experts' activation outputs; each recomputes
+    less than the default (both) and saves less than none."""
+    from jremat.models import preset
+    from jremat.train.programs import loss_program
+
+    cfg = preset("tiny", moe_experts=4, moe_top_k=2, attn_dropout=0.0, resid_dropout=0.0)
+    batch = 2
+    saved, flops = {}, {}
+    for spec in ("none", "selective", "selective:modules=moe_act", "selective:modules=core_attn"):
+        loss, args = loss_program(cfg.replace(remat_policy=spec), batch, cfg.max_seq_len)
+        saved[spec] = jremat.saved_residuals_report(loss, *args, param_argnums=(0,)).computed_bytes
+        flops[spec] = jremat.jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(*args))
+    activation_bytes = cfg.n_layers * batch * cfg.max_seq_len * cfg.moe_top_k * cfg.d_ff * 4
+    scores_bytes = cfg.n_layers * batch * cfg.n_heads * cfg.max_seq_len**2 * 4  # one [b, h, s, s] float32 per layer
+    assert saved["selective:modules=moe_act"] - saved["selective"] >= scores_bytes, saved
+    assert saved["selective:modules=core_attn"] - saved["selective"] >= activation_bytes, saved
+    assert saved["selective:modules=moe_act"] < saved["none"], saved
+    assert flops["none"] < flops["selective:modules=moe_act"] < flops["selective"], flops
+    assert flops["none"] < flops["selective:modules=core_attn"] < flops["selective"], flops
+
+
+def test_selective_modules_without_what_they_name_is_an_error():
+    """A module the checkpointed function lacks is an error naming it, not a silent 'none'."""
+    attention = lambda x: jax.nn.softmax(x @ x.T) @ x
+    with pytest.raises(jremat.PolicyDoesNotApply, match=r"modules=moe_act.*mixture of experts' activation"):
+        jax.grad(lambda x: jnp.sum(jremat.checkpoint(attention, "selective:modules=moe_act")(x)))(jnp.ones((4, 4)))
+    (router, w_in, w_out), (x, key) = (p[0] for p in moe.params()), moe.inputs()
+    layer = jremat.checkpoint(moe.moe_ffn, "selective:modules=core_attn")
+    with pytest.raises(jremat.PolicyDoesNotApply, match=r"modules=core_attn.*an attention core"):
+        jax.grad(lambda r: jnp.sum(layer(r, w_in, w_out, x, key) ** 2))(router)
+    with pytest.raises(ValueError, match=r"modules='moe': unknown 'moe'; valid: core_attn, moe_act"):
+        jremat.registry.resolve("selective:modules=moe")
+
+
+def test_the_routing_keeps_top_ks_indices_not_the_router_logits(remat_engine):
+    """A policy that saves ``top_k``'s outputs keeps the indices its derivative reads: under the
+    classic engine the backward pass runs no ``top_k`` and keeps no ``[tokens, experts]`` logits;
+    remat3 differentiates its recorded recomputation, which runs ``top_k`` again from the logits."""
+    tokens, experts = 16, 64
+    x, router = jnp.ones((tokens, 8)), jnp.linspace(-1.0, 1.0, 8 * experts).reshape(8, experts)
+
+    def route(router, x):
+        values, indices = jax.lax.top_k(x @ router, 2)
+        return jnp.sum(jax.nn.softmax(values) * jnp.take_along_axis(x, indices % 8, axis=1))
+
+    layer = jremat.checkpoint(route, "every_k:k=1")
+    runs = live_runs(jax.make_jaxpr(jax.grad(layer))(router, x), ("top_k",))
+    logits_kept = [a for a, _ in saved_residuals(layer, router, x) if a.shape == (tokens, experts)]
+    if remat_engine == "classic":
+        assert runs == 1 and not logits_kept, (runs, logits_kept)
+    else:
+        assert runs == 2 and logits_kept, (runs, logits_kept)
+    assert jnp.array_equal(jax.grad(layer)(router, x), jax.grad(route)(router, x))

@@ -31,6 +31,10 @@ def test_the_targets_read_the_rows():
     assert "re-run no grouped matmul: MISSED (none runs 12; dots 12, skip_cheap 14)" in lines
     assert "recompute <= 2% of the step's FLOPs: met (1.50%)" in lines
     assert "by at least the experts' activation outputs" in lines and ": met (it is" in lines
+    assert "selective:modules=moe_act" not in lines  # a variant not measured gets no target lines
+    rows.append(_row("selective:modules=moe_act", 8 * activation, 1012.0, 12, 4 * activation))
+    lines = "\n".join(moe_table.markdown("tiny", cfg, 8, rows))
+    assert "`selective:modules=moe_act`'s recompute <= 2% of the step's FLOPs: met (1.20%)" in lines
     rows[3] = _row("selective", 10 * activation - 1, 1030.0, 12, 5 * activation - 1)
     lines = "\n".join(moe_table.markdown("tiny", cfg, 8, rows))
     assert (
