@@ -15,6 +15,7 @@ imports go one way (lowering imports the interpreter).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -119,6 +120,22 @@ def bind_equation(eqn, invals) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+#: Whether :func:`bind_named` tags outputs where their derivative reads them (off while a
+#: checkpoint is traced for remat3: :func:`remat3_tags`).
+_DERIVATIVE_TAGS: contextvars.ContextVar[bool] = contextvars.ContextVar("jremat_derivative_tags", default=True)
+
+
+@contextlib.contextmanager
+def remat3_tags() -> Iterator[None]:
+    """Inside: :func:`bind_named` tags outputs after their primitive only. remat3 runs a
+    ``custom_jvp``'s primal function outside its remat trace, where a tag saves nothing."""
+    token = _DERIVATIVE_TAGS.set(False)
+    try:
+        yield
+    finally:
+        _DERIVATIVE_TAGS.reset(token)
+
+
 def bind_named(eqn, invals, names: Sequence[str]) -> list:
     """:func:`bind_equation` with output ``k`` tagged ``names[k]``, also where the equation's own
     derivative reads it (:data:`jremat._engine.jaxpr.OUTPUT_READING_DERIVATIVES`).
@@ -129,11 +146,11 @@ def bind_named(eqn, invals, names: Sequence[str]) -> list:
     it too: a softmax's shifted scores beside its ``exp``, a whole row of router logits beside
     ``k`` indices. Here the primitive is bound inside a ``custom_jvp`` whose rule evaluates the
     primitive's own derivative with the outputs tagged where they are made: values and
-    derivatives unchanged, the saved output the one read. The classic engine differentiates
-    through that rule; remat3 differentiates the recomputation it records, where the primitive
-    runs again (docs/remat-engines.md).
+    derivatives unchanged, the saved output the one read. Only under the classic engine: remat3
+    records its recomputation from the tags themselves and differentiates that, so there the
+    primitive runs again (docs/remat-engines.md).
     """
-    if eqn.primitive.name not in _jaxpr.OUTPUT_READING_DERIVATIVES:
+    if eqn.primitive.name not in _jaxpr.OUTPUT_READING_DERIVATIVES or not _DERIVATIVE_TAGS.get():
         with source_of(eqn):
             return [name_tag(o, n) for o, n in zip(bind_equation(eqn, invals), names)]
 
@@ -338,6 +355,8 @@ def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -
 
 
 __all__ = [
+    "bind_named",
+    "remat3_tags",
     "bind_equation",
     "bind_translated",
     "evaluate_inlined",

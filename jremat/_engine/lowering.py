@@ -216,7 +216,8 @@ def _lower(
     def lower_remat3(args, kwargs):
         # The user's function is traced once; a checkpoint holding a shard_map goes to the classic
         # engine (_holds_shard_map), any other is lowered for remat3 from that trace.
-        closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs, inline=False)
+        with _interpreter.remat3_tags():
+            closed, _, out_tree = _interpreter.trace_flat(fn, args, kwargs, inline=False)
         replay = lambda *leaves: _interpreter.evaluate_inlined(closed.jaxpr, closed.consts, leaves, keep_calls=True)
         leaves = tuple(jax.tree.leaves((args, kwargs)))
         if _holds_shard_map(closed.jaxpr):
