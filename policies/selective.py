@@ -364,10 +364,11 @@ class Selective(PlanPolicy):
             if activations
             else []
         )
-        attention_lines = (
-            self._describe_attention(program, found, bool(activations)) if CORE_ATTN in self.modules else []
-        )
-        return attention_lines + moe
+        if CORE_ATTN in self.modules:
+            return self._describe_attention(program, found, bool(activations)) + moe
+        return moe + [
+            f"attention core kept (modules={'+'.join(self.modules)}): not looked for, kept like any other value"
+        ]
 
     def _describe_attention(self, program: Program, found: AttentionCore, has_moe: bool) -> list[str]:
         if found.matched_by is None:

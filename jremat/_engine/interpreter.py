@@ -355,9 +355,8 @@ def evaluate_tagged_where(closed_jaxpr, tag_of: Callable, flat_args: Sequence) -
 
 
 __all__ = [
-    "bind_named",
-    "remat3_tags",
     "bind_equation",
+    "bind_named",
     "bind_translated",
     "evaluate_inlined",
     "evaluate_reemitted",
@@ -367,6 +366,7 @@ __all__ = [
     "inline_calls",
     "rebind_scan",
     "rebind_shard_map",
+    "remat3_tags",
     "trace_flat",
     "translates",
 ]

@@ -254,6 +254,11 @@ def test_selective_modules_choose_what_is_recomputed():
     assert saved["selective:modules=moe_act"] < saved["none"], saved
     assert flops["none"] < flops["selective:modules=moe_act"] < flops["selective"], flops
     assert flops["none"] < flops["selective:modules=core_attn"] < flops["selective"], flops
+    loss, args = loss_program(cfg.replace(remat_policy="selective:modules=moe_act"), batch, cfg.max_seq_len)
+    matched = jremat.explain_applied(loss, *args, policy="selective:modules=moe_act", compile=False).matched
+    assert any("expert activation found by structure" in m for m in matched), matched
+    assert any("attention core kept (modules=moe_act)" in m for m in matched), matched
+    assert not any("attention core found" in m for m in matched), matched
 
 
 def test_selective_modules_without_what_they_name_is_an_error():
