@@ -11,9 +11,8 @@ import pytest
 
 import jremat
 from jremat import names
-from jremat._engine.jax_compat import saved_residuals
 from jremat.testing import RematMismatch, assert_remat_exact
-from tests.conftest import live_runs, run_under_engine, single_function_policies
+from tests.conftest import live_runs, run_under_engine, saved_residuals, single_function_policies
 from tests.jremat import moe_user_models as moe
 from tests.jremat.test_testing import FreshKeyOnRecompute
 
