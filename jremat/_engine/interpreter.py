@@ -150,14 +150,17 @@ def bind_named(eqn, invals, names: Sequence[str]) -> list:
     records its recomputation from the tags themselves and differentiates that, so there the
     primitive runs again (docs/remat-engines.md).
     """
-    if eqn.primitive.name not in _jaxpr.OUTPUT_READING_DERIVATIVES or not _DERIVATIVE_TAGS.get():
+
+    def bound_then_named(args) -> list:
         with source_of(eqn):
-            return [name_tag(o, n) for o, n in zip(bind_equation(eqn, invals), names)]
+            return [name_tag(o, n) for o, n in zip(bind_equation(eqn, args), names)]
+
+    if eqn.primitive.name not in _jaxpr.OUTPUT_READING_DERIVATIVES or not _DERIVATIVE_TAGS.get():
+        return bound_then_named(invals)
 
     @jax.custom_jvp
     def named(*args):
-        with source_of(eqn):
-            return [name_tag(o, n) for o, n in zip(bind_equation(eqn, args), names)]
+        return bound_then_named(args)
 
     @named.defjvp
     def named_derivative(primals, tangents):
