@@ -192,7 +192,7 @@ def make_block_fn(
         layer's parameters inside each sublayer's checkpoint, e.g. a sharding constraint to their
         gathered (FSDP-unsharded) placement: the gathered weights are then values of the
         checkpoint, which a policy with ``keep_gathered=true`` keeps for the backward pass instead
-        of gathering them again (``train.sharding.GatheredWeights``).
+        of gathering them again (``train.gathered.GatheredWeights``).
       expert_parallel: ``None`` (default) or, for an MoE model on a mesh with an ``expert`` axis,
         the layout its MoE layers run in (:class:`models.moe.ExpertParallel`).
     """
@@ -227,6 +227,10 @@ class GPT(nnx.Module):
         attribute, so it is part of the graph definition.
       weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied to
         each layer's parameters in its sublayers (see :func:`make_block_fn`), likewise static.
+      head_weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied
+        once to the final LayerNorm's and head's parameters (``{"ln_f": ..., "head": ...}``) before
+        the loss's chunks (:func:`cross_entropy_loss`), likewise static: each chunk then reads
+        that one gathered copy.
       expert_parallel: ``None`` (default) or the :class:`models.moe.ExpertParallel` layout of an
         MoE model's layers on a mesh with an ``expert`` axis (see :func:`make_block_fn`), likewise static.
 
@@ -241,6 +245,7 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs,
         activation_sharding=None,
         weight_sharding=None,
+        head_weight_sharding=None,
         expert_parallel: ExpertParallel | None = None,
     ):
         if expert_parallel is not None and not cfg.moe_experts:
@@ -248,6 +253,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.activation_sharding = activation_sharding
         self.weight_sharding = weight_sharding
+        self.head_weight_sharding = head_weight_sharding
         self.expert_parallel = expert_parallel
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -328,11 +334,13 @@ def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: j
     if chunks == 0:
         total = _summed_token_loss(model.head(model.ln_f(x)), targets)
     else:
-        head_graphdef, head_params = nnx.split((model.ln_f, model.head))
+        head_graphdef, head_state = nnx.split({"ln_f": model.ln_f, "head": model.head})
+        gather = model.head_weight_sharding
+        head_params = gather(head_state) if gather is not None else head_state
 
         def chunk_loss(params, x_chunk, target_chunk):
-            ln_f, head = nnx.merge(head_graphdef, params)
-            return _summed_token_loss(head(ln_f(x_chunk)), target_chunk)
+            head = nnx.merge(head_graphdef, params)
+            return _summed_token_loss(head["head"](head["ln_f"](x_chunk)), target_chunk)
 
         total = jremat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
     return total / targets.size

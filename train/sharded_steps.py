@@ -22,16 +22,14 @@ import jremat
 from jremat import compiled_memory_report, format_bytes
 from jremat.models import GPT, ModelConfig, cross_entropy_loss
 from jremat.train.experts import expert_parallel
+from jremat.train.gathered import gathered_layer_bytes, weight_gathers
 from jremat.train.sharding import (
     FSDP_AXIS,
     ActivationSharding,
-    GatheredWeights,
     batch_sharding,
     check_batch,
     device_count,
     format_mesh,
-    gathered_layer_bytes,
-    keeps_gathered,
     replicated,
     state_shardings,
 )
@@ -42,8 +40,8 @@ from jremat.train.sharding import (
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
     """``(graphdef, params)`` of :class:`models.GPT` with sequence-parallel activations, as shapes (nothing allocated).
 
-    Under ``fsdp`` with a policy that sets ``keep_gathered=true`` the model also constrains each
-    layer's weights to their gathered placement in its checkpoints (:class:`GatheredWeights`).
+    Under ``fsdp`` with a policy that sets ``keep_gathered=true`` or ``keep_collectives=true`` the model
+    also constrains its weights to their gathered placement (:func:`train.gathered.weight_gathers`).
     An MoE model on a mesh with an ``expert`` axis runs its MoE layers expert-parallel
     (:func:`train.experts.expert_parallel`).
 
@@ -52,8 +50,8 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
 
     The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
     """
-    # A policy that keeps gathered weights needs them as values of the checkpoints (GatheredWeights).
-    gathered = GatheredWeights(mesh) if keeps_gathered(model_cfg) and mesh.shape[FSDP_AXIS] > 1 else None
+    # A policy that keeps gathered weights needs them as values of the checkpoints.
+    gathered, head_gathered = weight_gathers(model_cfg, mesh)
     experts = expert_parallel(mesh, model_cfg)
     graphdef, shapes = nnx.split(
         nnx.eval_shape(
@@ -62,6 +60,7 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
                 rngs=nnx.Rngs(0),
                 activation_sharding=ActivationSharding(mesh),
                 weight_sharding=gathered,
+                head_weight_sharding=head_gathered,
                 expert_parallel=experts,
             )
         )
@@ -230,7 +229,7 @@ def live_grad_step_memory(model_cfg: ModelConfig, mesh: Mesh, batch_size: int, s
 
 def regather_price(model_cfg: ModelConfig, mesh: Mesh) -> tuple[int, float]:
     """``(bytes, FLOP-equivalents)`` of gathering one layer's weights again in the backward pass, per
-    device, under ``fsdp`` (:func:`train.sharding.gathered_layer_bytes` times the all-gather's price
+    device, under ``fsdp`` (:func:`train.gathered.gathered_layer_bytes` times the all-gather's price
     measured on ``mesh``, :func:`jremat.collective_flops_per_byte`); ``(0, 0.0)`` without ``fsdp``."""
     if mesh.shape[FSDP_AXIS] <= 1:
         return 0, 0.0

@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -294,7 +293,7 @@ def rule_spec(logical: Sequence[str], mesh: Any) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _path_names(path) -> tuple[str, ...]:
+def path_names(path) -> tuple[str, ...]:
     """The string keys of a pytree key path, without NNX's trailing ``value`` attribute."""
     names = []
     for entry in path:
@@ -314,7 +313,7 @@ def param_logical_axes(path, ndim: int) -> tuple[str | None, ...]:
     a leading ``layers`` axis. A leaf no rule matches (or whose rank does not fit) gets
     unnamed axes: only the ``fsdp`` rule applies to it.
     """
-    names = _path_names(path)
+    names = path_names(path)
     best: tuple[str, ...] | None = None
     best_len = 0
     for suffix, axes in PARAM_LOGICAL_AXES:
@@ -479,61 +478,3 @@ class ActivationSharding:
         """Constrain ``x`` (rank 3) to :attr:`sharding`, dropping mesh axes that do not divide its dims."""
         spec = logical_to_spec(ACTIVATION_AXES, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-
-
-@dataclasses.dataclass(frozen=True)
-class GatheredWeights:
-    """``params -> params``: one layer's parameters constrained to their gathered placement.
-
-    Hashable (a static attribute of the model's graph definition, ``GPT(weight_sharding=...)``).
-    Each parameter gets its tensor-parallel placement (:data:`LOGICAL_AXIS_RULES`) without
-    ``fsdp``: the all-gather FSDP needs, made a value of the layer's checkpoints, which a policy
-    with ``keep_gathered=true`` keeps for the backward pass instead of gathering it again (at the
-    cost of the gathered weights, per device, from each layer's forward to its backward pass).
-    """
-
-    mesh: Mesh
-
-    def __call__(self, params: Any) -> Any:
-        """``params`` (one layer's, unstacked), each leaf constrained to its gathered placement."""
-
-        def one(path, leaf):
-            shape = tuple(getattr(leaf, "shape", ()))
-            if not shape or not jnp.issubdtype(getattr(leaf, "dtype", jnp.int32), jnp.floating):
-                return leaf
-            spec = logical_to_spec(param_logical_axes(path, len(shape)), shape, self.mesh)
-            return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
-
-        return jax.tree_util.tree_map_with_path(one, params)
-
-
-def gathered_layer_bytes(params: Any, mesh: Mesh) -> int:
-    """Per-device bytes of one layer's weight matrices gathered to their placement without ``fsdp``
-    (what :class:`GatheredWeights` makes a value of the layer's checkpoints), from the model's
-    parameters (arrays or shape structs; the stacked ``blocks``, layer axis first)."""
-    total = 0
-
-    def one(path, leaf):
-        nonlocal total
-        names = _path_names(path)
-        shape = tuple(getattr(leaf, "shape", ()))
-        if "blocks" not in names or len(shape) < 3 or not jnp.issubdtype(leaf.dtype, jnp.floating):
-            return
-        layer_shape = shape[1:]
-        spec = logical_to_spec(param_logical_axes(path, len(shape))[1:], layer_shape, mesh)
-        split = math.prod(
-            axis_size(mesh, a) for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
-        )
-        total += math.prod(layer_shape) * jnp.dtype(leaf.dtype).itemsize // split
-
-    jax.tree_util.tree_map_with_path(one, params)
-    return total
-
-
-def keeps_gathered(model_cfg: Any) -> bool:
-    """Whether any policy of ``model_cfg`` (``remat_policy``, ``remat_layer_policies``) sets ``keep_gathered=true``
-    or ``keep_collectives=true``, so that the model must make its gathered weights values of its checkpoints
-    (:class:`GatheredWeights`)."""
-    # Every spelling of true the registry takes (jremat.registry's bool keys).
-    on = re.compile(r"keep_(gathered|collectives)\s*=\s*(true|1|yes)\b", re.IGNORECASE)
-    return any(on.search(spec) for spec in (model_cfg.remat_policy, model_cfg.remat_layer_policies))

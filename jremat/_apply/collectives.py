@@ -13,15 +13,17 @@ the backward pass reads it instead:
 * the gathered weights the model writes (:func:`jremat._apply.gathered.gathered_weights`: a
   sharding constraint or reshard of an input that feeds a matmul), which is ``keep_gathered``.
 
-* the weights XLA gathers on its own (placed by ``NamedSharding``, no gather in the model):
-  found by :func:`xla_gathers` and, on a mesh of one split axis, gathered whole inside the
-  checkpoint and kept; where their placement cannot be found, :meth:`KeepCollectives.describe_match`
-  names each in one line.
+* the weights XLA gathers on its own (placed by ``NamedSharding``, no gather in the model; the
+  matrices, and the vectors such as LayerNorm scales and biases): found by :func:`xla_gathers`
+  and, on a mesh of one split axis, gathered whole inside the checkpoint and kept (in a scan,
+  only those the backward pass does not read, as the step without remat keeps none of them);
+  where their placement cannot be found, :meth:`KeepCollectives.describe_match` names each in
+  one line.
 
 The backward pass's own collectives (the transposes: a ``psum``'s broadcast, an all-to-all back)
-are not recomputation and stay. Other collectives XLA inserts on its own (around activations, a
-1-D parameter's gather) are not values of the traced program and cannot be kept:
-:func:`jremat.explain_applied` names each kind it finds re-issued in the compiled step.
+are not recomputation and stay. Other collectives XLA inserts on its own (around activations: a
+reduction over a split dimension, a reshard) are not values of the traced program and cannot be
+kept: :func:`jremat.explain_applied` names each kind it finds re-issued in the compiled step.
 
 Memory: each checkpoint keeps its collectives' outputs (per device) from its forward pass to
 its backward pass, as the step without remat keeps them.
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jremat._apply.gathered import KeepTagged, gathered_weights
+from jremat._apply.gathered import KeepTagged, gathered_weights, weight_uses
 from jremat._apply.policy import NoRemat, Policy
 from jremat._engine import interpreter as _interpreter
 from jremat._engine import jaxpr as _jaxpr
@@ -107,12 +109,50 @@ def _input_names(program: Program) -> list[str]:
     return names
 
 
-def xla_gathers(program: Program) -> XlaGathers:
+def backward_reads(program: Program) -> frozenset[int]:
+    """The input leaves of ``program`` that its backward pass without remat reads: the inputs
+    (through shape-only ops) among the residuals :func:`jax.vjp` keeps for it.
+
+    Args:
+      program: a checkpointed function's traced :class:`jremat.Program`.
+
+    Returns:
+      Input leaf indices.
+    """
+    closed = program.closed_jaxpr
+    avals = [v.aval for v in closed.jaxpr.invars]
+    floats = [i for i, a in enumerate(avals) if jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.inexact)]
+
+    def residuals(*float_leaves):
+        def run(*xs):
+            leaves = [jnp.zeros(a.shape, a.dtype) for a in avals]  # placeholders for the non-float inputs
+            for i, x in zip(floats, xs):
+                leaves[i] = x
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+
+        return jax.tree.leaves(jax.vjp(run, *float_leaves)[1])
+
+    traced = jax.make_jaxpr(residuals)(*(jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in floats))
+    origin = {v: floats[k] for k, v in enumerate(traced.jaxpr.invars)}
+    for eqn in traced.jaxpr.eqns:
+        operand = eqn.invars[0] if eqn.invars else None
+        if (
+            eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
+            and isinstance(operand, jcore.Var)
+            and operand in origin
+        ):
+            origin.update(dict.fromkeys(eqn.outvars, origin[eqn.invars[0]]))
+    return frozenset(origin[v] for v in traced.jaxpr.outvars if isinstance(v, jcore.Var) and v in origin)
+
+
+def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
     """The weights of ``program`` that XLA gathers on its own, and where to.
 
-    A weight here is an input (floating, at least 2-D) used only as an operand of matmuls
-    (through shape-only ops), whose other operand is computed (an activation feeds the residual
-    stream or a norm too); when both operands of a matmul are such inputs, which one is the
+    A weight here is an input used only as a weight (:func:`jremat._apply.gathered.weight_uses`,
+    through shape-only ops and calls): a floating input of at least 2 dimensions used only as an
+    operand of matmuls (an activation also feeds the residual stream or a norm), or a floating
+    vector used only as a matmul operand or given more dimensions to meet the activations (a
+    LayerNorm scale, a bias). When both operands of a matmul are such inputs, which one is the
     weight is not guessed and both are named unplaced. Its
     gathered placement comes from the mesh its type carries (else the mesh in context): on a mesh
     of one axis of size above 1 (auto axes) it is gathered whole (``P()``, FSDP's gather); on a
@@ -120,51 +160,34 @@ def xla_gathers(program: Program) -> XlaGathers:
     program (auto axes: a jit argument's type holds no spec), and the weight is named unplaced.
     On a mesh of explicit axes XLA inserts no gather a program did not write (``reshard``).
 
+    In a ``lax.scan`` body the step without remat keeps no gather XLA inserts: its backward pass
+    gathers again each weight it reads (:func:`backward_reads`), and a checkpoint's recomputation
+    gathering it serves that backward pass too. There (``in_scan``) only the weights the backward
+    pass does not read (a bias) are gathered and kept: the others' gathers are issued as often as
+    without remat, and keeping them would hold every layer's gathered weights at once (under
+    FSDP, the whole model on each device).
+
     Args:
       program: a checkpointed function's traced :class:`jremat.Program`.
+      in_scan: the checkpoint runs in a scan of more than one step (built with ``prevent_cse=False``).
 
     Returns:
       An :class:`XlaGathers`.
     """
     jaxpr = program.closed_jaxpr.jaxpr
-    consumers: dict = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jcore.Literal):
-                consumers.setdefault(v, []).append(eqn)
-
-    def matmuls_reached(var, depth: int = 0) -> list | None:
-        """The matmuls ``var`` feeds through shape-only ops, or ``None`` if it has any other use."""
-        found = []
-        for eqn in consumers.get(var, ()):
-            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
-                found.append(eqn)
-            elif eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES and depth < 8:
-                for out in eqn.outvars:
-                    inner = matmuls_reached(out, depth + 1)
-                    if inner is None:
-                        return None
-                    found.extend(inner)
-            else:
-                return None
-        return found
-
     candidates: dict[int, list] = {}
+    origin_of: dict = {}
     for i, v in enumerate(jaxpr.invars):
         aval = v.aval
-        if getattr(aval, "ndim", 0) >= 2 and jnp.issubdtype(aval.dtype, jnp.floating):
-            dots = matmuls_reached(v)
-            if dots:
-                candidates[i] = dots
-    origin_of: dict = {}
-    for i in candidates:
-        stack = [jaxpr.invars[i]]
-        while stack:
-            var = stack.pop()
-            origin_of[var] = i
-            for eqn in consumers.get(var, ()):
-                if eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES:
-                    stack.extend(eqn.outvars)
+        if not (getattr(aval, "ndim", 0) >= 1 and jnp.issubdtype(aval.dtype, jnp.floating)):
+            continue
+        uses = weight_uses(jaxpr, v)
+        # A vector given more dimensions is a per-feature parameter (a scale, a bias); a larger
+        # input only when matmuls alone use it (an activation also feeds other ops).
+        weight = uses.matmuls and not uses.raised if aval.ndim >= 2 else uses.matmuls or uses.raised
+        if weight and not uses.other:
+            candidates[i] = uses.matmuls
+            origin_of.update(dict.fromkeys(uses.reached, i))
     names = _input_names(program)
     # A matmul of two such inputs: which is the weight (and which the activation, that gathering
     # whole would replicate) is not guessed.
@@ -174,6 +197,9 @@ def xla_gathers(program: Program) -> XlaGathers:
             lhs, rhs = (origin_of.get(v) for v in dot.invars[:2])
             if lhs is not None and rhs is not None and lhs != rhs:
                 ambiguous.update((lhs, rhs))
+    if in_scan and candidates:
+        read = backward_reads(program)
+        candidates = {i: dots for i, dots in candidates.items() if i not in read}
     placed, unplaced = {}, []
     for i in sorted(candidates):
         aval = jaxpr.invars[i].aval
@@ -197,11 +223,11 @@ def xla_gathers(program: Program) -> XlaGathers:
     return XlaGathers(placed=placed, unplaced=tuple(unplaced))
 
 
-def tag_collectives(fn: Callable) -> Callable:
+def tag_collectives(fn: Callable, *, in_scan: bool = False) -> Callable:
     """``fn`` with the output of each collective and each gathered weight tagged
     :data:`COLLECTIVE_TAG` (:func:`collective_counts`); values and gradients unchanged. The
     weights XLA would gather on its own that :func:`xla_gathers` places are gathered first (a
-    sharding constraint to their placement), and tagged.
+    sharding constraint to their placement), and tagged; ``in_scan`` as :func:`xla_gathers` takes it.
 
     ``fn`` is traced once per input signature and its program evaluated with the tags (not
     called again: a second call would draw a Linen module's random values anew).
@@ -210,7 +236,7 @@ def tag_collectives(fn: Callable) -> Callable:
     def build(prog: Program):
         eqns = prog.closed_jaxpr.jaxpr.eqns
         gathered = {id(eqns[i]) for i in gathered_weights(prog)}
-        placed = xla_gathers(prog).placed
+        placed = xla_gathers(prog, in_scan=in_scan).placed
 
         def tag_of(eqn):
             return COLLECTIVE_TAG if id(eqn) in gathered or collective_kind(eqn) is not None else None
@@ -243,8 +269,8 @@ class KeepCollectives(KeepTagged):
     key = KEY
     tag = COLLECTIVE_TAG
 
-    def tagged(self, fn: Callable) -> Callable:
-        return tag_collectives(fn)
+    def tagged(self, fn: Callable, *, in_scan: bool = False) -> Callable:
+        return tag_collectives(fn, in_scan=in_scan)
 
     def describe_match(self, program: Program) -> list[str]:
         counts = collective_counts(program)
@@ -258,7 +284,17 @@ class KeepCollectives(KeepTagged):
                 *unplaced,
             ]
         found = ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in sorted(counts.items()))
-        return [*lines, f"keeps the outputs of {found}", *unplaced]
+        placed = xla_gathers(program).placed
+        read = sorted(set(placed) - set(xla_gathers(program, in_scan=True).placed))
+        in_scan = (
+            [
+                f"in a scan (prevent_cse=False) it does not keep the gathers of {', '.join(_input_names(program)[i] for i in read)}: "
+                "the backward pass reads them, and XLA gathers them again for it, as without remat"
+            ]
+            if read
+            else []
+        )
+        return [*lines, f"keeps the outputs of {found}", *in_scan, *unplaced]
 
 
 def with_keep_collectives(policy: Policy, keep: bool) -> Policy:

@@ -7,7 +7,7 @@ the backward's ``dY @ Wᵀ`` reads. ``keep_gathered=true`` adds those gathered w
 policy saves, found by structure on the checkpoint's jaxpr: the output of a
 ``sharding_constraint`` (on a mesh of explicit axes, a ``reshard``) whose operand comes from the
 checkpoint's inputs alone (through shape-only ops: no activation feeds it) and that feeds a
-``dot_general`` (through shape-only ops).
+``dot_general`` or is broadcast to more dimensions (a LayerNorm scale, a bias; through shape-only ops).
 
 Memory: each checkpoint then keeps its gathered weights (per device, the whole weight where FSDP
 stored ``1 / fsdp`` of it) from its forward pass to its backward pass; without remat they are
@@ -22,6 +22,7 @@ explicit axes, where a sharding constraint does not gather), as the reference mo
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -59,32 +60,86 @@ def gathered_weights(program: Program) -> frozenset[int]:
     return frozenset(found)
 
 
+_RANK_RAISING_PRIMITIVES = frozenset({_jaxpr.BROADCAST_IN_DIM, "reshape", "expand_dims"})
+
+
+def raises_rank(eqn) -> bool:
+    """Whether ``eqn`` is a shape-only op that gives its operand more dimensions: how a parameter of
+    fewer dimensions than the activations (a LayerNorm scale, a bias) meets them."""
+    return eqn.primitive.name in _RANK_RAISING_PRIMITIVES and eqn.outvars[0].aval.ndim > eqn.invars[0].aval.ndim
+
+
+@dataclasses.dataclass
+class WeightUses:
+    """How one variable is used, followed through shape-only ops and into calls (``jit``, a nested
+    checkpoint, a custom derivative's function).
+
+    Attributes:
+      matmuls: the ``dot_general`` equations it is an operand of.
+      raised: whether, given more dimensions (:func:`raises_rank`), it meets the activations in
+        another op (a scale's multiply, a bias's add).
+      other: whether it has any other use (without being given more dimensions first).
+      reached: every variable it flows to on the way (itself included), inner jaxprs' too.
+    """
+
+    matmuls: list = dataclasses.field(default_factory=list)
+    raised: bool = False
+    other: bool = False
+    reached: list = dataclasses.field(default_factory=list)
+
+
+def weight_uses(jaxpr, var) -> WeightUses:
+    """The uses of ``var`` in ``jaxpr`` (:class:`WeightUses`)."""
+    uses = WeightUses()
+    consumers_of: dict[int, dict] = {}
+
+    def consumers(jp) -> dict:
+        if id(jp) not in consumers_of:
+            table: dict = {}
+            for eqn in jp.eqns:
+                for v in eqn.invars:
+                    if not isinstance(v, jcore.Literal):
+                        table.setdefault(v, []).append(eqn)
+            consumers_of[id(jp)] = table
+        return consumers_of[id(jp)]
+
+    def follow(jp, v, depth: int, raised: bool) -> None:
+        uses.reached.append(v)
+        for eqn in consumers(jp).get(v, ()):
+            inner = _jaxpr.call_jaxpr(eqn)
+            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
+                uses.matmuls.append(eqn)
+            elif eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES and depth < 8:
+                for out in eqn.outvars:
+                    follow(jp, out, depth + 1, raised or raises_rank(eqn))
+            elif inner is not None and depth < 8:
+                for k, u in enumerate(eqn.invars):
+                    if u is v:
+                        follow(inner, inner.invars[k], depth + 1, raised)
+            elif raised:
+                uses.raised = True  # given more dimensions, it meets the activations here
+            else:
+                uses.other = True
+
+    follow(jaxpr, var, 0, False)
+    return uses
+
+
 def weight_flow(jaxpr) -> tuple[dict, Callable[[Any], bool]]:
     """``(from_inputs, feeds_matmul)`` for a jaxpr: which variables come from its inputs alone
     through shape-only ops and placements (no activation feeds them), and a test of whether a
-    variable feeds a ``dot_general`` through shape-only ops."""
+    variable is used as a weight (:func:`weight_uses`): as a ``dot_general`` operand, or given more
+    dimensions to meet the activations."""
     from_inputs = {v: True for v in jaxpr.invars}
-    consumers: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        for v in ins:
-            consumers.setdefault(v, []).append(i)
         passes = eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES | _jaxpr.PLACEMENT_PRIMITIVES
         for v in eqn.outvars:
             from_inputs[v] = passes and bool(ins) and all(from_inputs.get(u, False) for u in ins)
 
-    def feeds_matmul(var, depth: int = 0) -> bool:
-        for j in consumers.get(var, ()):
-            eqn = jaxpr.eqns[j]
-            if eqn.primitive.name == _jaxpr.DOT_GENERAL:
-                return True
-            if (
-                eqn.primitive.name in _jaxpr.GATHER_PASS_THROUGH_PRIMITIVES
-                and depth < 8
-                and any(feeds_matmul(o, depth + 1) for o in eqn.outvars)
-            ):
-                return True
-        return False
+    def feeds_matmul(var) -> bool:
+        uses = weight_uses(jaxpr, var)
+        return bool(uses.matmuls) or uses.raised
 
     return from_inputs, feeds_matmul
 
@@ -174,8 +229,13 @@ class KeepTagged(Policy):
             saving.callback = saving_tag(saving.callback, self.tag)
         self._saving = saving
 
-    def tagged(self, fn: Callable) -> Callable:
-        """``fn`` with the values to keep tagged :attr:`tag`; values and gradients unchanged."""
+    def tagged(self, fn: Callable, *, in_scan: bool = False) -> Callable:
+        """``fn`` with the values to keep tagged :attr:`tag`; values and gradients unchanged.
+
+        Args:
+          fn: the checkpointed function.
+          in_scan: the checkpoint runs in a scan of more than one step (built with ``prevent_cse=False``).
+        """
         raise NotImplementedError
 
     @property
@@ -195,7 +255,8 @@ class KeepTagged(Policy):
         return getattr(self.inner, "offload_dst", "pinned_host")
 
     def checkpoint_untied(self, fn: Callable, *, prevent_cse: bool = True) -> Callable:
-        return self._saving.checkpoint_untied(self.tagged(fn), prevent_cse=prevent_cse)
+        tied = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
+        return self._saving.checkpoint_untied(self.tagged(fn, in_scan=not tied), prevent_cse=prevent_cse)
 
 
 class KeepGathered(KeepTagged):
@@ -205,7 +266,7 @@ class KeepGathered(KeepTagged):
     key = KEY
     tag = GATHERED_TAG
 
-    def tagged(self, fn: Callable) -> Callable:
+    def tagged(self, fn: Callable, *, in_scan: bool = False) -> Callable:
         return tag_gathered_weights(fn)
 
     def describe_match(self, program: Program) -> list[str]:

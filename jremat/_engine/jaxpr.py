@@ -47,6 +47,7 @@ FFI_CALL = "ffi_call"
 CUSTOM_VJP_CALL = "custom_vjp_call"
 CUSTOM_JVP_CALL = "custom_jvp_call"
 DOT_GENERAL = "dot_general"
+BROADCAST_IN_DIM = "broadcast_in_dim"
 #: A grouped matmul (``jax.lax.ragged_dot``, ``ragged_dot_general``): one matmul per group of rows.
 RAGGED_DOT_GENERAL = "ragged_dot_general"
 CONV = "conv_general_dilated"

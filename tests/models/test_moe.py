@@ -214,8 +214,8 @@ def test_every_moe_parameter_has_logical_axes_and_the_experts_split_over_the_exp
     specs = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         axes = sh.param_logical_axes(path, len(leaf.shape))
-        assert None not in axes, (sh._path_names(path), axes)
-        specs[sh._path_names(path)[-2:]] = sh.param_partition_spec(path, leaf.shape, mesh)
+        assert None not in axes, (sh.path_names(path), axes)
+        specs[sh.path_names(path)[-2:]] = sh.param_partition_spec(path, leaf.shape, mesh)
     # [layers, experts, d_model, d_ff]: experts over expert, fsdp on the largest dimension left
     assert specs[("moe", "w_in")] == PartitionSpec(None, "expert", None, "fsdp")
     assert specs[("moe", "w_out")] == PartitionSpec(None, "expert", "fsdp", None)

@@ -141,10 +141,10 @@ def check_train_step() -> dict:
     eval1 = float(sharded_eval(params, sh.shard_batch(mesh, tokens), sh.shard_batch(mesh, targets)))
     adamw = step_lib.OptimizerConfig(1e-3, 0, 10, 1.0, 0.01, 2).build()
     adam_state = steps.init_opt_state(adamw, params, mesh)
-    param_specs = {sh._path_names(p): leaf.sharding.spec for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    param_specs = {sh.path_names(p): leaf.sharding.spec for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
     mismatched, matched = [], 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(adam_state):
-        names = sh._path_names(path)
+        names = sh.path_names(path)
         for pnames, pspec in param_specs.items():
             if names[-len(pnames) :] == pnames and len(names) > len(pnames):
                 matched += 1

@@ -213,3 +213,26 @@ def test_a_one_device_mesh_is_worded_in_the_singular(capsys):
     one = sharded_steps.DeviceMemory("data=1", 1, 0, 0, 0, 0, 218_172, "argument + output - alias + temp")
     assert one.format().startswith("mesh data=1 (1 device), per device: peak 213.06 KiB, temp 0 B")
     assert dataclasses.replace(one, mesh="fsdp=8", devices=8).format().startswith("mesh fsdp=8 (8 devices), per")
+
+
+def _kinds(row: dict) -> dict:
+    return row["collectives"]["kinds"]
+
+
+@pytest.mark.parametrize("layout", [[], ["--unrolled"]], ids=["scanned", "unrolled"])
+def test_keep_collectives_on_the_reference_model_reissues_no_gather_below_nones_peak(layout):
+    # The command: gathers left to XLA in the blocks (scanned) or written by the model, the
+    # head's chunks gathering once; the default batch and head chunks.
+    argv = ["--preset", "tiny", "--mesh", "fsdp=8", *layout, "--json"]
+    proc = _run_memory([*argv, "--policy", "none", "--policy", "full", "--policy", "full:keep_collectives=true"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {row["policy"]: row for row in json.loads(proc.stdout)}
+    none, full, kept = rows["none"], rows["full"], rows["full:keep_collectives=true"]
+    assert (
+        _kinds(full)["all-gather"]["count"] > _kinds(none)["all-gather"]["count"] >= _kinds(kept)["all-gather"]["count"]
+    )
+    assert "all-to-all" in _kinds(full) and "all-to-all" not in _kinds(kept)
+    # The chunked head's own reductions (a loss and a weight gradient per chunk) stay; none is recomputation.
+    assert _kinds(full)["all-reduce"]["phases"].get("recompute", 0) > 0
+    assert "recompute" not in _kinds(kept)["all-reduce"]["phases"]
+    assert kept["peak"] < none["peak"]

@@ -134,8 +134,8 @@ def test_every_gpt_parameter_has_logical_axes():
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(preset("tiny"), rngs=nnx.Rngs(0))))
     for p, leaf in jax.tree_util.tree_leaves_with_path(params):
         axes = sh.param_logical_axes(p, len(leaf.shape))
-        assert None not in axes, (sh._path_names(p), axes)
-        assert (axes[0] == "layers") == ("blocks" in sh._path_names(p))
+        assert None not in axes, (sh.path_names(p), axes)
+        assert (axes[0] == "layers") == ("blocks" in sh.path_names(p))
 
 
 def test_unknown_logical_axis_is_a_clear_error():
@@ -274,18 +274,3 @@ def test_bad_meshes_and_batches_on_eight_devices(checks):
     assert "batch size 6" in e["batch"] and "use a multiple of 8" in e["batch"]
     assert "sequence length 15" in e["seq"]
     assert "batch size 4" in e["memory_batch"]
-
-
-def test_gathered_layer_bytes_counts_one_layers_matrices_without_fsdp():
-    cfg = preset("tiny")  # d_model 32, d_ff 64: q, k, v, out 32x32 and the MLP 32x64, 64x32, float32
-    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-    per_layer = (4 * 32 * 32 + 2 * 32 * 64) * 4
-    assert sh.gathered_layer_bytes(params, abstract_mesh(fsdp=8)) == per_layer
-    assert sh.gathered_layer_bytes(params, abstract_mesh(fsdp=2, tensor=4)) == per_layer // 4  # tensor stays split
-
-
-def test_keeps_gathered_reads_every_policy_of_the_model():
-    cfg = preset("tiny")
-    assert not sh.keeps_gathered(cfg.replace(remat_policy="full"))
-    assert sh.keeps_gathered(cfg.replace(remat_policy="dots:keep_gathered=true"))
-    assert sh.keeps_gathered(cfg.replace(remat_policy="none", remat_layer_policies="1:full:keep_gathered=true"))

@@ -25,9 +25,10 @@ The models, each a residual block of two layers in plain JAX, the collectives wr
   ``all_gather``-ed, then the two tensor-parallel MLPs (all-gathers and all-reduces);
 * ``fsdp_constraint``: FSDP with the gather written as a sharding constraint of each weight to its
   gathered placement (auto axes);
-* ``fsdp_xla``: FSDP with the gathers left to XLA (weights placed by ``NamedSharding``, no
-  constraint in the block): ``keep_collectives`` gathers the weights in the checkpoint itself
-  (:func:`jremat._apply.collectives.xla_gathers`).
+* ``fsdp_xla``: FSDP with the gathers left to XLA (weights and the first matmul's bias placed by
+  ``NamedSharding``, no constraint in the block): ``keep_collectives`` gathers them in the
+  checkpoint itself (:func:`jremat._apply.collectives.xla_gathers`); scanned, only the bias,
+  which the backward pass does not read.
 """
 
 from __future__ import annotations
@@ -130,10 +131,11 @@ def block_fn(model: str, mesh):
     gathered = NamedSharding(mesh, P())
 
     def block(w, x):
-        w1, w2 = w
+        w1, w2, *bias = w
         if model == "fsdp_constraint":
             w1, w2 = (jax.lax.with_sharding_constraint(v, gathered) for v in (w1, w2))
-        return x + jax.nn.gelu(x @ w1) @ w2
+        h = x @ w1
+        return x + jax.nn.gelu(h + bias[0] if bias else h) @ w2
 
     return block
 
@@ -148,11 +150,13 @@ def arguments(model: str, mesh, layout: str, seed: int = 0):
         shapes, specs = ((D, F), (F, D)), (P(None, axis), P(axis, None))
     elif model == "fsdp_tp_shard_map":
         shapes, specs = ((D, F), (F, D)), (P("fsdp", "tensor"), P("tensor", "fsdp"))
+    elif model == "fsdp_xla":  # and a bias, which the backward pass does not read
+        shapes, specs = ((D, F), (F, D), (F,)), (P(axis), P(axis), P(axis))
     else:
         shapes, specs = ((D, F), (F, D)), (P(axis), P(axis))
 
     def put(shape, spec, lead: tuple = ()):
-        value = rng.normal(size=lead + shape) / np.sqrt(shape[-2])
+        value = rng.normal(size=lead + shape) / np.sqrt(shape[0])
         return jax.device_put(jnp.asarray(value, jnp.float32), NamedSharding(mesh, P(*(None,) * len(lead), *spec)))
 
     if layout == "scanned":

@@ -16,6 +16,7 @@ import jremat
 from jremat._apply import collectives as _collectives
 from jremat._engine import jax_compat
 from jremat._measure import collectives as _measure
+from tests.conftest import saved_residuals
 from tests.jremat._apply.collectives_checks import ENGINES, LAYERS, LAYOUTS, MODELS
 from tests.jremat._measure.test_collectives import _mesh_checks
 
@@ -51,10 +52,8 @@ def test_keep_collectives_reissues_none_of_the_models_collectives(checks, model,
     full = _count(checks, model, layout, engine, "full")
     for policy in KEEPING:
         kept = _count(checks, model, layout, engine, policy)
-        # As many as without remat (fewer where XLA gathers a scanned weight twice without remat).
         assert kept <= none and kept < full, (policy, kept, none, full)
-    if (model, layout) != ("fsdp_xla", "scanned"):
-        assert none == _count(checks, model, layout, engine, "full:keep_collectives=true")
+    assert none == _count(checks, model, layout, engine, "full:keep_collectives=true")
     if model == "fsdp_tp_shard_map":  # both kinds at once: the all-reduces are kept too
         reduces = {p: _count(checks, model, layout, engine, p, "all-reduce") for p in ("none", "full", *KEEPING)}
         tie = LAYERS if layout == "unrolled" else 0  # the cotangent tie's 4-byte all-reduce per checkpoint
@@ -201,6 +200,50 @@ def test_xla_gathers_tells_weights_from_activations_and_gathers_them_whole_on_on
     found = _collectives.xla_gathers(jremat.trace_program(lambda w, x: jnp.tanh(x @ w), s(16, 16), s(4, 64, 16)))
     assert found.placed == {} and [line.split(" ")[0] for line in found.unplaced] == ["args[0]", "args[1]"]
     assert "which one is the weight is not known" in found.unplaced[0]
+
+
+def _layer(p, x):
+    """A residual layer: a LayerNorm (scale, bias), a matmul in a ``jit`` and a bias; and an
+    input ``c`` broadcast and added, as an activation of fewer dimensions would be."""
+    y = jremat.ops.layer_norm(x, p["scale"], p["norm_bias"])
+    h = jax.jit(lambda y, w: y @ w)(y, p["w"]) + p["bias"][None, None, :]
+    return x + jnp.tanh(h) + p["c"][None]
+
+
+def _layer_inputs(s):
+    return {"bias": s(16), "c": s(64, 16), "norm_bias": s(16), "scale": s(16), "w": s(16, 16)}, s(4, 64, 16)
+
+
+def test_xla_gathers_finds_vectors_and_weights_inside_calls_and_in_a_scan_only_what_the_backward_does_not_read():
+    s = _abstract((8,))
+    program = jremat.trace_program(_layer, *_layer_inputs(s))
+    # Input leaves in order: bias, c, norm_bias, scale, w, x.
+    assert _collectives.backward_reads(program) == frozenset({3, 4, 5})  # scale, w and x; not the biases
+    assert sorted(_collectives.xla_gathers(program).placed) == [0, 2, 3, 4]  # not c, not x
+    # In a scan the step without remat gathers again in its backward pass what that pass reads;
+    # only the biases are gathered and kept.
+    assert sorted(_collectives.xla_gathers(program, in_scan=True).placed) == [0, 2]
+    assert jremat.resolve("full:keep_collectives=true").describe_match(program) == [
+        "keeps the outputs of 4 all-gathers",
+        "in a scan (prevent_cse=False) it does not keep the gathers of args[0]['scale'], args[0]['w']: the backward "
+        "pass reads them, and XLA gathers them again for it, as without remat",
+    ]
+
+
+def test_in_a_scan_keep_collectives_keeps_the_gathered_biases_only():
+    s = _abstract((8,))
+    p, x = _layer_inputs(s)
+
+    def stored(spec, prevent_cse):
+        """The parameters kept as stored (not gathered), which XLA gathers again for the backward pass."""
+        loss = lambda p, x: jnp.sum(jremat.checkpoint(_layer, spec, prevent_cse=prevent_cse)(p, x))
+        return sorted(source for _, source in saved_residuals(loss, p, x) if source.startswith("from the argument p"))
+
+    every = ["from the argument p['bias']", "from the argument p['norm_bias']", "from the argument p['scale']"]
+    assert stored("full", False) == [*every, "from the argument p['w']"]
+    assert stored("full:keep_collectives=true", True) == []  # straight-line code: every gather kept
+    # In a scan (untied): the scale and the weight, which the backward pass reads, are gathered again there.
+    assert stored("full:keep_collectives=true", False) == ["from the argument p['scale']", "from the argument p['w']"]
 
 
 def test_xla_gathers_names_the_weights_it_cannot_place():

@@ -78,6 +78,30 @@ def test_a_gathered_weight_is_found_on_auto_and_explicit_axes(axis_type):
     assert gathered_weights(trace_program(block, w, jnp.ones((2, 4)))) == frozenset({0})
 
 
+def test_gathered_vectors_are_found_where_they_meet_the_activations_inside_calls():
+    """A LayerNorm's gathered scale and bias (inside ``jremat.ops.layer_norm``'s own checkpoint)
+    and a gathered weight used in a ``jit`` are found; a constrained activation is not."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from jremat import ops
+    from jremat._apply.gathered import gathered_weights
+    from jremat._program.program import trace_program
+
+    mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(AxisType.Auto,))
+    whole = lambda v: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, PartitionSpec()))
+
+    def block(p, h):
+        h = whole(h)  # an activation's placement: not a gathered weight
+        y = ops.layer_norm(h, whole(p["scale"]), whole(p["bias"]))
+        return h + jax.jit(lambda y, w: y @ w)(y, whole(p["w"]))
+
+    p = {"bias": jnp.zeros(4), "scale": jnp.ones(4), "w": jnp.ones((4, 4))}
+    program = trace_program(block, p, jnp.ones((2, 4)))
+    found = gathered_weights(program)
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    assert sorted(eqns[i].outvars[0].aval.shape for i in found) == [(4,), (4,), (4, 4)]
+
+
 def test_adding_the_gathered_tag_to_a_jax_policy_keeps_it_a_jax_policy_twice_over():
     """The dots policies stay dots policies (with the tag among their names), also when the tag is
     added to a policy that has it already; a name list keeps its names."""
