@@ -59,10 +59,48 @@ def collective_kind(eqn) -> str | None:
     return _jaxpr.COLLECTIVE_PRIMITIVES.get(eqn.primitive.name)
 
 
+def _split_axes(entry, mesh) -> list[str]:
+    """The mesh axes of size above 1 one entry of a :class:`PartitionSpec` splits a dimension over."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return [a for a in names if mesh.shape.get(a, 1) > 1]
+
+
+def partial_sum_matmuls(program: Program) -> frozenset[int]:
+    """Equation indices of ``program``'s matmuls whose output XLA all-reduces: a ``dot_general``
+    one of whose operands is placed by a sharding constraint in the program (through dtype
+    conversions) with a contracting dimension split over a mesh axis (a row-parallel matmul of
+    Megatron's tensor parallelism). Keeping such a matmul's output keeps its all-reduce.
+
+    Args:
+      program: a checkpointed function's traced :class:`jremat.Program`.
+
+    Returns:
+      The indices of the ``dot_general`` equations found.
+    """
+    jaxpr = program.closed_jaxpr.jaxpr
+    placed: dict = {}  # variable -> the sharding a constraint gives it
+    found = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name == _jaxpr.SHARDING_CONSTRAINT:
+            placed[eqn.outvars[0]] = eqn.params.get("sharding")
+        elif name in _jaxpr.DTYPE_ONLY_PRIMITIVES and eqn.invars and eqn.invars[0] in placed:
+            placed[eqn.outvars[0]] = placed[eqn.invars[0]]
+        elif name == _jaxpr.DOT_GENERAL:
+            contracting, _ = eqn.params["dimension_numbers"]  # ((lhs, rhs) contracting, (lhs, rhs) batch)
+            for operand, dims in zip(eqn.invars[:2], contracting):
+                sharding = placed.get(operand) if isinstance(operand, jcore.Var) else None
+                spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+                if spec is not None and any(d < len(spec) and _split_axes(spec[d], mesh) for d in dims):
+                    found.add(i)
+    return frozenset(found)
+
+
 def collective_counts(program: Program) -> dict[str, int]:
     """Collective equations of ``program`` that :class:`KeepCollectives` keeps, by HLO kind:
     those written in the program (inside ``shard_map`` and ``scan`` bodies too, each counted once,
-    not per trip) and its gathered weights (``all-gather``).
+    not per trip), its gathered weights (``all-gather``) and its matmuls over a split contracting
+    dimension (``all-reduce``, :func:`partial_sum_matmuls`).
 
     Args:
       program: a checkpointed function's traced :class:`jremat.Program`.
@@ -79,6 +117,9 @@ def collective_counts(program: Program) -> dict[str, int]:
     gathered = len(gathered_weights(program)) + len(xla_gathers(program).placed)
     if gathered:
         counts["all-gather"] = counts.get("all-gather", 0) + gathered
+    reduced = len(partial_sum_matmuls(program))
+    if reduced:
+        counts["all-reduce"] = counts.get("all-reduce", 0) + reduced
     return counts
 
 
@@ -123,17 +164,17 @@ def backward_reads(program: Program) -> frozenset[int]:
     avals = [v.aval for v in closed.jaxpr.invars]
     floats = [i for i, a in enumerate(avals) if jnp.issubdtype(getattr(a, "dtype", jnp.int32), jnp.inexact)]
 
-    def residuals(*float_leaves):
+    def residuals(*leaves):
         def run(*xs):
-            leaves = [jnp.zeros(a.shape, a.dtype) for a in avals]  # placeholders for the non-float inputs
+            given = list(leaves)
             for i, x in zip(floats, xs):
-                leaves[i] = x
-            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+                given[i] = x
+            return jcore.jaxpr_as_fun(closed)(*given)
 
-        return jax.tree.leaves(jax.vjp(run, *float_leaves)[1])
+        return jax.tree.leaves(jax.vjp(run, *(leaves[i] for i in floats))[1])
 
-    traced = jax.make_jaxpr(residuals)(*(jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in floats))
-    origin = {v: floats[k] for k, v in enumerate(traced.jaxpr.invars)}
+    traced = jax.make_jaxpr(residuals)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+    origin = dict(zip(traced.jaxpr.invars, range(len(avals))))
     for eqn in traced.jaxpr.eqns:
         operand = eqn.invars[0] if eqn.invars else None
         if (
@@ -141,7 +182,7 @@ def backward_reads(program: Program) -> frozenset[int]:
             and isinstance(operand, jcore.Var)
             and operand in origin
         ):
-            origin.update(dict.fromkeys(eqn.outvars, origin[eqn.invars[0]]))
+            origin.update(dict.fromkeys(eqn.outvars, origin[operand]))
     return frozenset(origin[v] for v in traced.jaxpr.outvars if isinstance(v, jcore.Var) and v in origin)
 
 
@@ -235,7 +276,7 @@ def tag_collectives(fn: Callable, *, in_scan: bool = False) -> Callable:
 
     def build(prog: Program):
         eqns = prog.closed_jaxpr.jaxpr.eqns
-        gathered = {id(eqns[i]) for i in gathered_weights(prog)}
+        gathered = {id(eqns[i]) for i in gathered_weights(prog) | partial_sum_matmuls(prog)}
         placed = xla_gathers(prog, in_scan=in_scan).placed
 
         def tag_of(eqn):
@@ -314,6 +355,7 @@ __all__ = [
     "KEY",
     "KeepCollectives",
     "collective_counts",
+    "partial_sum_matmuls",
     "tag_collectives",
     "with_keep_collectives",
     "xla_gathers",

@@ -119,8 +119,11 @@ IDENTITY_PRIMITIVES = frozenset({NAME, "reduce_precision", "copy", "copy_p"})
 GATHER_PASS_THROUGH_PRIMITIVES = frozenset(
     {"convert_element_type", "reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "copy", NAME}
 )
+SHARDING_CONSTRAINT = "sharding_constraint"
 #: Primitives that place a value on a mesh (a sharding constraint, a reshard).
-PLACEMENT_PRIMITIVES = frozenset({"sharding_constraint", "reshard"})
+PLACEMENT_PRIMITIVES = frozenset({SHARDING_CONSTRAINT, "reshard"})
+#: Primitives that change a value's dtype or copy it, its shape and placement unchanged.
+DTYPE_ONLY_PRIMITIVES = frozenset({"convert_element_type", "copy"})
 
 #: JAX's elementwise primitives: each output element is a function of the input elements at the
 #: same position (operands of one shape; a scalar literal broadcasts). Loops, scans, conditionals,

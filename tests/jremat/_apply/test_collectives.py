@@ -102,7 +102,8 @@ def test_explain_names_each_reissued_kind_and_the_key(checks, model):
     assert KIND[model] in line and "per step per device" in line and "keep_collectives=true" in line
     kept = checks["explain"][f"{model}/full:keep_collectives=true"]
     assert not [line for line in kept.splitlines() if line.startswith("re-issued collectives")]
-    assert f"keeps the outputs of 2 {KIND[model]}s" in kept
+    kept_per_layer = 3 if model == "fsdp_xla" else 2  # fsdp_xla: two weights and a bias
+    assert f"keeps the outputs of {kept_per_layer} {KIND[model]}s" in kept
 
 
 @pytest.mark.heavy  # the same subprocess
@@ -228,6 +229,38 @@ def test_xla_gathers_finds_vectors_and_weights_inside_calls_and_in_a_scan_only_w
         "in a scan (prevent_cse=False) it does not keep the gathers of args[0]['scale'], args[0]['w']: the backward "
         "pass reads them, and XLA gathers them again for it, as without remat",
     ]
+
+
+def test_a_row_parallel_matmul_is_found_as_an_all_reduce_and_kept():
+    s = _abstract((4, 2))
+    mesh = s(1).sharding.mesh
+    place = lambda w, *spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*spec)))
+
+    def mlp(w1, w2, x):
+        h = jax.nn.gelu(x @ place(w1, None, "tensor"))  # column-parallel: no reduction
+        y = x + h @ place(w2, "tensor", None).astype(jnp.bfloat16).astype(jnp.float32)  # row-parallel
+        return y + jnp.tanh(y @ w1) @ w2  # reads y, which the backward pass needs
+
+    program = jremat.trace_program(mlp, s(16, 32), s(32, 16), s(64, 16))
+    eqns = program.closed_jaxpr.jaxpr.eqns
+    found = _collectives.partial_sum_matmuls(program)
+    assert [eqns[i].invars[1].aval.shape for i in found] == [(32, 16)]
+    assert _collectives.collective_counts(program)["all-reduce"] == 1
+    # The reduced output is what the policy keeps (a [64, 16] residual named as a collective's).
+    loss = lambda w1, w2, x: jnp.sum(jremat.checkpoint(mlp, "full:keep_collectives=true")(w1, w2, x))
+    kept = [
+        a.shape for a, source in saved_residuals(loss, s(16, 32), s(32, 16), s(64, 16)) if "jremat_collective" in source
+    ]
+    assert (64, 16) in kept
+
+
+def test_backward_reads_takes_keys_and_integer_inputs():
+    def layer(w, b, key, rows, x):
+        keep = jax.random.bernoulli(key, 0.5, x.shape[:1] + w.shape[1:])
+        return jnp.where(keep, jnp.tanh(x @ w + b[None]), 0.0)[rows]
+
+    inputs = (jnp.ones((8, 8)), jnp.ones(8), jax.random.key(0), jnp.arange(2), jnp.ones((4, 8)))
+    assert _collectives.backward_reads(jremat.trace_program(layer, *inputs)) == frozenset({0, 4})  # w and x
 
 
 def test_in_a_scan_keep_collectives_keeps_the_gathered_biases_only():
