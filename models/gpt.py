@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jremat
 from jremat import attention, names, ops
 from jremat.models.config import ModelConfig
+from jremat.models.head import ShardedHead, chunked_summed_loss, summed_token_loss
 from jremat.models.moe import ExpertParallel, MoE, with_aux_gradient
 
 # Dropout site ids inside one block; each site's mask comes from fold_in(layer_key, site).
@@ -62,7 +63,9 @@ class Attention(nnx.Module):
         self.attention = cfg.attention
         self.block_size = cfg.attention_block_size
 
-    def __call__(self, x, key):
+    def __call__(self, x, key, hidden_sharding=None):
+        """``out_proj(attention(q, k, v))``; ``hidden_sharding`` (or ``None``) is applied to the
+        context ``[batch, seq, heads * head_dim]`` that ``out_proj`` contracts."""
         batch, seq, _ = x.shape
         split = lambda t: t.reshape(batch, seq, self.n_heads, self.head_dim)
         q = checkpoint_name(split(self.q_proj(x)), names.QUERY)
@@ -88,6 +91,8 @@ class Attention(nnx.Module):
             else:  # "xla" or "cudnn" (the config allows no dropout there)
                 context = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
             context = checkpoint_name(context.reshape(batch, seq, self.n_heads * self.head_dim), names.ATTN_CONTEXT)
+        if hidden_sharding is not None:
+            context = hidden_sharding(context)
         return checkpoint_name(self.out_proj(context), names.ATTN_OUT)
 
     def _explicit(self, q, k, v, key, dtype):
@@ -109,9 +114,13 @@ class MLP(nnx.Module):
         self.fc_in = nnx.Linear(cfg.d_model, cfg.d_ff, **dense)
         self.fc_out = nnx.Linear(cfg.d_ff, cfg.d_model, **dense)
 
-    def __call__(self, x):
+    def __call__(self, x, hidden_sharding=None):
+        """``fc_out(gelu(fc_in(x)))``; ``hidden_sharding`` (or ``None``) is applied to the hidden
+        units ``[batch, seq, d_ff]`` that ``fc_out`` contracts."""
         hidden = checkpoint_name(self.fc_in(x), names.MLP_IN)
         hidden = checkpoint_name(ops.gelu(hidden), names.MLP_ACT)
+        if hidden_sharding is not None:
+            hidden = hidden_sharding(hidden)
         return checkpoint_name(self.fc_out(hidden), names.MLP_OUT)
 
 
@@ -137,12 +146,13 @@ class Block(nnx.Module):
         self.moe_coefs = (cfg.moe_load_balance_coef, cfg.moe_router_z_coef) if cfg.moe_experts else None
         self.resid_dropout = cfg.resid_dropout
 
-    def attention_sublayer(self, x, key):
-        """``x + dropout(attention(ln1(x)))``."""
+    def attention_sublayer(self, x, key, hidden_sharding=None):
+        """``x + dropout(attention(ln1(x)))`` (``hidden_sharding``: see :class:`Attention`)."""
         h = checkpoint_name(self.ln1(x), names.LN1_OUT)
-        return x + jremat.dropout(self.attn(h, key), self.resid_dropout, key, ATTN_RESID_DROPOUT_SITE)
+        attn = self.attn(h, key, hidden_sharding)
+        return x + jremat.dropout(attn, self.resid_dropout, key, ATTN_RESID_DROPOUT_SITE)
 
-    def mlp_sublayer(self, x, key, expert_parallel: ExpertParallel | None = None):
+    def mlp_sublayer(self, x, key, expert_parallel: ExpertParallel | None = None, hidden_sharding=None):
         """``x + dropout(mlp(ln2(x)))``; with MoE, the router's weighted auxiliary losses join the
         gradient (:func:`models.moe.with_aux_gradient`).
 
@@ -150,23 +160,25 @@ class Block(nnx.Module):
           x: the residual stream ``[batch, seq, d_model]``.
           key: the layer's dropout key, or ``None``.
           expert_parallel: the expert-parallel layout of an MoE block on a mesh, or ``None``.
+          hidden_sharding: applied to a dense MLP's hidden units (see :class:`MLP`), or ``None``.
         """
-        out, aux = self.mlp_sublayer_terms(x, key, expert_parallel)
+        out, aux = self.mlp_sublayer_terms(x, key, expert_parallel, hidden_sharding)
         if aux is None:
             return out
         load_balance, router_z = aux
         lb_coef, z_coef = self.moe_coefs
         return with_aux_gradient(out, lb_coef * load_balance + z_coef * router_z)
 
-    def mlp_sublayer_terms(self, x, key, expert_parallel: ExpertParallel | None = None):
+    def mlp_sublayer_terms(self, x, key, expert_parallel: ExpertParallel | None = None, hidden_sharding=None):
         """``(x + dropout(ffn(ln2(x))), aux)``: ``aux`` is ``None`` for a dense block, else the
         MoE layer's unweighted ``(load_balance, router_z)`` float32 scalars."""
         h = checkpoint_name(self.ln2(x), names.LN2_OUT)
         if self.moe_coefs is None:
-            return x + jremat.dropout(self.mlp(h), self.resid_dropout, key, MLP_RESID_DROPOUT_SITE), None
+            mlp = self.mlp(h, hidden_sharding)
+            return x + jremat.dropout(mlp, self.resid_dropout, key, MLP_RESID_DROPOUT_SITE), None
         ffn, load_balance, router_z = self.moe(h, expert_parallel)
         if hasattr(self, "shared_expert"):
-            ffn = ffn + self.shared_expert(h)
+            ffn = ffn + self.shared_expert(h, hidden_sharding)
         return x + jremat.dropout(ffn, self.resid_dropout, key, MLP_RESID_DROPOUT_SITE), (load_balance, router_z)
 
 
@@ -177,6 +189,7 @@ def make_block_fn(
     activation_sharding=None,
     weight_sharding=None,
     expert_parallel: ExpertParallel | None = None,
+    hidden_sharding=None,
 ):
     """The pure per-layer function ``(block_params, x, key) -> x`` with remat marked.
 
@@ -195,15 +208,20 @@ def make_block_fn(
         of gathering them again (``train.gathered.GatheredWeights``).
       expert_parallel: ``None`` (default) or, for an MoE model on a mesh with an ``expert`` axis,
         the layout its MoE layers run in (:class:`models.moe.ExpertParallel`).
+      hidden_sharding: ``None`` (default, no-op) or a function ``h -> h`` applied to what the
+        attention's and the MLP's output projections contract (the context and the hidden units),
+        e.g. a sharding constraint that splits them over ``tensor``: the projections are then
+        row-parallel in the traced program, and a policy with ``keep_collectives=true`` keeps
+        their all-reduced outputs (:func:`jremat._apply.collectives.partial_sum_matmuls`).
     """
     constrain = activation_sharding if activation_sharding is not None else (lambda x: x)
     gather = weight_sharding if weight_sharding is not None else (lambda p: p)
 
     def attention_part(params, x, key):
-        return nnx.merge(graphdef, gather(params)).attention_sublayer(x, key)
+        return nnx.merge(graphdef, gather(params)).attention_sublayer(x, key, hidden_sharding)
 
     def mlp_part(params, x, key):
-        return nnx.merge(graphdef, gather(params)).mlp_sublayer(x, key, expert_parallel)
+        return nnx.merge(graphdef, gather(params)).mlp_sublayer(x, key, expert_parallel, hidden_sharding)
 
     attention_part = jremat.remat_at(attention_part, "sublayer", config, policy=policy)
     mlp_part = jremat.remat_at(mlp_part, "sublayer", config, policy=policy)
@@ -227,10 +245,10 @@ class GPT(nnx.Module):
         attribute, so it is part of the graph definition.
       weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied to
         each layer's parameters in its sublayers (see :func:`make_block_fn`), likewise static.
-      head_weight_sharding: ``None`` (default) or a hashable function ``params -> params`` applied
-        once to the final LayerNorm's and head's parameters (``{"ln_f": ..., "head": ...}``) before
-        the loss's chunks (:func:`cross_entropy_loss`), likewise static: each chunk then reads
-        that one gathered copy.
+      hidden_sharding: ``None`` (default) or a hashable function ``h -> h`` applied to what each
+        block's output projections contract (see :func:`make_block_fn`), likewise static.
+      sharded_head: ``None`` (default) or, on a mesh, the :class:`models.head.ShardedHead`
+        layout the loss's chunks run in (:func:`cross_entropy_loss`), likewise static.
       expert_parallel: ``None`` (default) or the :class:`models.moe.ExpertParallel` layout of an
         MoE model's layers on a mesh with an ``expert`` axis (see :func:`make_block_fn`), likewise static.
 
@@ -245,7 +263,8 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs,
         activation_sharding=None,
         weight_sharding=None,
-        head_weight_sharding=None,
+        hidden_sharding=None,
+        sharded_head: ShardedHead | None = None,
         expert_parallel: ExpertParallel | None = None,
     ):
         if expert_parallel is not None and not cfg.moe_experts:
@@ -253,7 +272,8 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.activation_sharding = activation_sharding
         self.weight_sharding = weight_sharding
-        self.head_weight_sharding = head_weight_sharding
+        self.hidden_sharding = hidden_sharding
+        self.sharded_head = sharded_head
         self.expert_parallel = expert_parallel
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.token_embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -289,7 +309,13 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         return jremat.run_layers(
             lambda policy: make_block_fn(
-                graphdef, remat, policy, self.activation_sharding, self.weight_sharding, self.expert_parallel
+                graphdef,
+                remat,
+                policy,
+                self.activation_sharding,
+                self.weight_sharding,
+                self.expert_parallel,
+                self.hidden_sharding,
             ),
             stacked,
             x,
@@ -309,16 +335,12 @@ class GPT(nnx.Module):
         return self.token_embed(tokens) + self.pos_embed[None, :seq].astype(jnp.dtype(self.cfg.dtype))
 
 
-def _summed_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.sum(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
-
-
 def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy in float32.
 
     With ``cfg.remat_head_chunks > 0`` the final LayerNorm, head and loss run over that many
-    sequence chunks, each recomputed in the backward pass (:func:`jremat.rematerialized_chunks`).
+    sequence chunks, each recomputed in the backward pass (:func:`jremat.rematerialized_chunks`);
+    with a ``model.sharded_head``, every device its own tokens' chunks (:class:`models.head.ShardedHead`).
 
     Args:
       model: the :class:`GPT`.
@@ -327,22 +349,19 @@ def cross_entropy_loss(model: GPT, tokens: jax.Array, targets: jax.Array, key: j
       key: dropout key or ``None``.
 
     Raises:
-      ValueError: if ``remat_head_chunks`` does not divide the sequence length.
+      ValueError: if ``remat_head_chunks`` does not divide the sequence length (each device's,
+        with a ``sharded_head``).
     """
     chunks = model.cfg.remat_head_chunks
     x = model.hidden(tokens, key)
     if chunks == 0:
-        total = _summed_token_loss(model.head(model.ln_f(x)), targets)
+        total = summed_token_loss(model.head(model.ln_f(x)), targets)
     else:
-        head_graphdef, head_state = nnx.split({"ln_f": model.ln_f, "head": model.head})
-        gather = model.head_weight_sharding
-        head_params = gather(head_state) if gather is not None else head_state
-
-        def chunk_loss(params, x_chunk, target_chunk):
-            head = nnx.merge(head_graphdef, params)
-            return _summed_token_loss(head["head"](head["ln_f"](x_chunk)), target_chunk)
-
-        total = jremat.rematerialized_chunks(chunk_loss, head_params, x, targets, n_chunks=chunks)
+        head_graphdef, head_params = nnx.split({"ln_f": model.ln_f, "head": model.head})
+        if model.sharded_head is None:
+            total = chunked_summed_loss(head_graphdef, head_params, x, targets, chunks)
+        else:
+            total = model.sharded_head.summed_loss(head_graphdef, head_params, x, targets, chunks)
     return total / targets.size
 
 

@@ -81,18 +81,17 @@ def keeps_gathered(model_cfg: Any, keys: tuple[str, ...] = ("keep_gathered", "ke
     return any(on.search(spec) for spec in (model_cfg.remat_policy, model_cfg.remat_layer_policies))
 
 
-def weight_gathers(model_cfg: Any, mesh: Mesh) -> tuple[GatheredWeights | None, GatheredWeights | None]:
-    """``(blocks, head)``: the gathers :class:`models.GPT` writes (``weight_sharding``,
-    ``head_weight_sharding``) so that its policy can keep them; ``(None, None)`` without ``fsdp``
-    or a policy that keeps gathered weights (:func:`keeps_gathered`).
+def weight_gathers(model_cfg: Any, mesh: Mesh) -> GatheredWeights | None:
+    """The gathers :class:`models.GPT`'s blocks write (``weight_sharding``) so that its policy can
+    keep them; ``None`` without ``fsdp`` or a policy that keeps gathered weights (:func:`keeps_gathered`).
 
-    The head's weights are gathered whole once, before its chunks' scan. A block gathers all its
-    weights, except under ``keep_collectives`` alone with scanned layers: there the step without
-    remat gathers a layer's matrices again in its backward pass (XLA keeps no gathered buffer
-    across a loop's iterations), so they are left to XLA, gathered once in the backward pass as
-    without remat, and only the vectors are gathered and kept.
+    A block gathers all its weights, except under ``keep_collectives`` alone with scanned layers:
+    there the step without remat gathers a layer's matrices again in its backward pass (XLA keeps
+    no gathered buffer across a loop's iterations), so they are left to XLA, gathered once in the
+    backward pass as without remat, and only the vectors are gathered and kept. (The loss head's
+    weights are gathered once, where its ``shard_map`` begins: :func:`train.head.sharded_head`.)
     """
     if mesh.shape[FSDP_AXIS] == 1 or not keeps_gathered(model_cfg):
-        return None, None
+        return None
     vectors_only = model_cfg.scan_layers and not keeps_gathered(model_cfg, ("keep_gathered",))
-    return GatheredWeights(mesh, vectors_only=vectors_only), GatheredWeights(mesh)
+    return GatheredWeights(mesh, vectors_only=vectors_only)

@@ -84,7 +84,7 @@ def mesh_policy_config(config, spec: str, mesh, step_memory) -> tuple[str, Model
         return spec, config.model_config(spec), None
     plan, gathered, regather = mesh_auto_plan(config, spec, mesh, step_memory)
     priced = (
-        f"; re-issuing a layer's gathers and exchanges ({gathered:,} B per device) priced at {regather:,.0f} "
+        f"; re-issuing a layer's collectives ({gathered:,} B per device) priced at {regather:,.0f} "
         "FLOP-equivalents, keeping them at their bytes"
         if gathered
         else ""
@@ -135,9 +135,11 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     re-gathering weights is priced at the all-gather's cost measured on this mesh
     (:func:`jremat.collective_flops_per_byte`) and plans that keep gathered weights are candidates;
     the spec's ``keep_gathered=true`` (``false``) allows only the plans that keep (re-gather) them.
-    With an ``expert`` axis, a layer's re-issued all-to-alls (measured: ``full``'s beyond ``none``'s)
-    are priced at the all-to-all's cost too, and the keeping plans set ``keep_collectives`` (the
-    spec's ``keep_collectives`` then allows one kind only).
+    With an ``expert`` or ``tensor`` axis, the other collectives a rematerialized layer issues again
+    (an expert-parallel layer's all-to-alls, a tensor-parallel layer's all-reduces; measured: what
+    ``full`` issues beyond ``full:keep_collectives=true``, per layer) are priced at each kind's cost
+    too, and the keeping plans set ``keep_collectives`` (the spec's ``keep_collectives`` then
+    allows one kind only).
 
     Raises:
       ValueError: on a bad budget, or when no plan fits.
@@ -149,13 +151,16 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     gathered, regather = sharded_steps.regather_price(base, mesh)
     raw = registry.parse_spec(spec)[1]
     keep, keep_key = keep_gathered_of(raw), registry.KEEP_GATHERED
-    if mesh.shape.get(sharding.EXPERT_AXIS, 1) > 1:
-        # Expert parallelism: a rematerialized layer also exchanges its tokens again (all-to-alls),
-        # measured as full's re-issued all-to-all bytes per layer, which keep_collectives avoids.
-        reissued = step_memory(config.model_config("full")).collectives.reissued(step_memory(base).collectives)
-        exchanged = reissued.get("all-to-all", (0, 0))[1] // base.n_layers
-        gathered += exchanged
-        regather += exchanged * jremat.collective_flops_per_byte("all-to-all", mesh)
+    if any(mesh.shape.get(axis, 1) > 1 for axis in (sharding.EXPERT_AXIS, sharding.TENSOR_AXIS)):
+        # Expert and tensor parallelism: a rematerialized layer also exchanges its tokens again
+        # (all-to-alls) or reduces its row-parallel matmuls again (all-reduces), measured as what
+        # full issues beyond the key, per layer (all-gathers are priced above).
+        full = step_memory(config.model_config("full")).collectives
+        avoided = full.reissued(step_memory(config.model_config(f"full:{registry.KEEP_COLLECTIVES}=true")).collectives)
+        for kind, (_, nbytes) in avoided.items():
+            if kind != "all-gather" and nbytes > 0:
+                gathered += nbytes // base.n_layers
+                regather += nbytes // base.n_layers * jremat.collective_flops_per_byte(kind, mesh)
         keep, keep_key = keep_collectives_of(raw), registry.KEEP_COLLECTIVES
     budget = config.memory_budget or raw.get("budget", "0.5")
     plan = plan_for_budget(

@@ -23,9 +23,13 @@ from jremat import compiled_memory_report, format_bytes
 from jremat.models import GPT, ModelConfig, cross_entropy_loss
 from jremat.train.experts import expert_parallel
 from jremat.train.gathered import gathered_layer_bytes, weight_gathers
+from jremat.train.head import sharded_head
 from jremat.train.sharding import (
     FSDP_AXIS,
+    TENSOR_AXIS,
     ActivationSharding,
+    HiddenSharding,
+    axis_size,
     batch_sharding,
     check_batch,
     device_count,
@@ -43,7 +47,8 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
     Under ``fsdp`` with a policy that sets ``keep_gathered=true`` or ``keep_collectives=true`` the model
     also constrains its weights to their gathered placement (:func:`train.gathered.weight_gathers`).
     An MoE model on a mesh with an ``expert`` axis runs its MoE layers expert-parallel
-    (:func:`train.experts.expert_parallel`).
+    (:func:`train.experts.expert_parallel`), and a chunked loss head runs each device's tokens
+    (:func:`train.head.sharded_head`).
 
     Raises:
       ValueError: an ``expert`` axis for a dense model, or one that does not divide the experts.
@@ -51,7 +56,7 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
     The ``params`` leaves are :class:`jax.ShapeDtypeStruct` carrying their shardings on ``mesh``.
     """
     # A policy that keeps gathered weights needs them as values of the checkpoints.
-    gathered, head_gathered = weight_gathers(model_cfg, mesh)
+    gathered = weight_gathers(model_cfg, mesh)
     experts = expert_parallel(mesh, model_cfg)
     graphdef, shapes = nnx.split(
         nnx.eval_shape(
@@ -59,8 +64,9 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
                 model_cfg,
                 rngs=nnx.Rngs(0),
                 activation_sharding=ActivationSharding(mesh),
+                hidden_sharding=HiddenSharding(mesh) if axis_size(mesh, TENSOR_AXIS) > 1 else None,
                 weight_sharding=gathered,
-                head_weight_sharding=head_gathered,
+                sharded_head=sharded_head(mesh, model_cfg),
                 expert_parallel=experts,
             )
         )

@@ -47,6 +47,9 @@ MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence")
 #: The mesh axis over which parameters and optimizer state are split (ZeRO-3).
 FSDP_AXIS = "fsdp"
 
+#: The mesh axis of tensor parallelism: attention heads, MLP hidden units and the vocabulary.
+TENSOR_AXIS = "tensor"
+
 #: The mesh axis the experts of an MoE model are split over (expert parallelism). Not one of
 #: :data:`MESH_AXES`: a mesh has it, last, only when a spec gives it (:func:`parse_mesh`).
 EXPERT_AXIS = "expert"
@@ -63,6 +66,7 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "act_batch": ("data", "fsdp", EXPERT_AXIS),
     "act_seq": ("sequence",),
     "act_embed": (),
+    "act_hidden": (TENSOR_AXIS,),  # the attention context and MLP hidden units the output projections contract
     # parameters
     "layers": (),  # the stacked-layer axis that lax.scan slices: never split
     "vocab": ("tensor",),  # the output head's vocabulary dimension
@@ -108,6 +112,9 @@ PARAM_LOGICAL_AXES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 
 #: Logical axes of the residual stream ``[batch, seq, d_model]`` between sublayers.
 ACTIVATION_AXES: tuple[str, ...] = ("act_batch", "act_seq", "act_embed")
+
+#: Logical axes of what a block's output projections contract ``[batch, seq, features]``.
+HIDDEN_AXES: tuple[str, ...] = ("act_batch", "act_seq", "act_hidden")
 
 #: Logical axes of a token batch ``[batch, seq]``.
 BATCH_AXES: tuple[str, ...] = ("act_batch", "act_seq")
@@ -478,3 +485,23 @@ class ActivationSharding:
         """Constrain ``x`` (rank 3) to :attr:`sharding`, dropping mesh axes that do not divide its dims."""
         spec = logical_to_spec(ACTIVATION_AXES, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenSharding:
+    """``h -> with_sharding_constraint(h, ...)`` for what a block's output projections contract: the
+    attention context and the MLP's hidden units ``[batch, seq, features]`` (:data:`HIDDEN_AXES`),
+    features over ``tensor``.
+
+    Hashable (a static attribute of the model's graph definition). The placement XLA gives them
+    under tensor parallelism anyway, written in the program: the projections are then row-parallel
+    in the traced program, and ``keep_collectives=true`` keeps their all-reduced outputs.
+    """
+
+    mesh: Mesh
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        """Constrain ``h`` (rank 3), dropping mesh axes that do not divide its dims."""
+        return jax.lax.with_sharding_constraint(
+            h, NamedSharding(self.mesh, logical_to_spec(HIDDEN_AXES, h.shape, self.mesh))
+        )

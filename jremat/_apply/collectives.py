@@ -16,7 +16,8 @@ the backward pass reads it instead:
 * the weights XLA gathers on its own (placed by ``NamedSharding``, no gather in the model; the
   matrices, and the vectors such as LayerNorm scales and biases): found by :func:`xla_gathers`
   and, on a mesh of one split axis, gathered whole inside the checkpoint and kept (in a scan,
-  only those the backward pass does not read, as the step without remat keeps none of them);
+  the vectors and only the matrices the backward pass does not read, as the step without remat
+  keeps none of them);
   where their placement cannot be found, :meth:`KeepCollectives.describe_match` names each in
   one line.
 
@@ -199,14 +200,17 @@ def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
     of one axis of size above 1 (auto axes) it is gathered whole (``P()``, FSDP's gather); on a
     mesh of several such axes the placement depends on shardings that are not in the traced
     program (auto axes: a jit argument's type holds no spec), and the weight is named unplaced.
-    On a mesh of explicit axes XLA inserts no gather a program did not write (``reshard``).
+    On a mesh of explicit axes XLA inserts no gather a program did not write (``reshard``), nor
+    in a :func:`jax.shard_map` body (manual axes).
 
     In a ``lax.scan`` body the step without remat keeps no gather XLA inserts: its backward pass
     gathers again each weight it reads (:func:`backward_reads`), and a checkpoint's recomputation
-    gathering it serves that backward pass too. There (``in_scan``) only the weights the backward
-    pass does not read (a bias) are gathered and kept: the others' gathers are issued as often as
-    without remat, and keeping them would hold every layer's gathered weights at once (under
-    FSDP, the whole model on each device).
+    gathering a matrix serves that backward pass too. There (``in_scan``) the vectors and the
+    matrices the backward pass does not read are gathered and kept: the other matrices' gathers
+    are issued as often as without remat, and keeping them would hold every layer's gathered
+    matrices at once (under FSDP, the whole model on each device). A vector the backward pass
+    reads (a LayerNorm scale) is kept all the same: XLA gathers it once for the recomputation and
+    again for the backward pass, and it costs a few bytes a layer.
 
     Args:
       program: a checkpointed function's traced :class:`jremat.Program`.
@@ -215,6 +219,8 @@ def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
     Returns:
       An :class:`XlaGathers`.
     """
+    if AxisType.Manual in jax.sharding.get_abstract_mesh().axis_types:
+        return XlaGathers(placed={}, unplaced=())  # a shard_map body: XLA gathers nothing inside it
     jaxpr = program.closed_jaxpr.jaxpr
     candidates: dict[int, list] = {}
     origin_of: dict = {}
@@ -239,8 +245,10 @@ def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
             if lhs is not None and rhs is not None and lhs != rhs:
                 ambiguous.update((lhs, rhs))
     if in_scan and candidates:
+        # A vector is kept even when the backward pass reads it: XLA gathers such a vector once for
+        # the recomputation and again for the backward pass, and holding it costs a few bytes a layer.
         read = backward_reads(program)
-        candidates = {i: dots for i, dots in candidates.items() if i not in read}
+        candidates = {i: dots for i, dots in candidates.items() if i not in read or jaxpr.invars[i].aval.ndim == 1}
     placed, unplaced = {}, []
     for i in sorted(candidates):
         aval = jaxpr.invars[i].aval

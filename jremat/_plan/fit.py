@@ -26,7 +26,8 @@ are the traced (global) FLOPs over the device count; the collectives the compile
 pass is predicted slower than one that keeps them; and when the steps all-gather (FSDP), the
 ``keep_gathered=true`` variant of every policy spec that takes the key (:func:`keep_gathered_variants`)
 is a candidate too, and when they issue all-to-alls (an expert-parallel MoE) or
-collective-permutes, the ``keep_collectives=true`` variant (:func:`keep_collectives_variants`).
+collective-permutes, or all-reduce in a recomputation (a tensor-parallel step's row-parallel
+matmuls), the ``keep_collectives=true`` variant (:func:`keep_collectives_variants`).
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def _with_kept_variants(
 ) -> list[str]:
     """``policies``, then their ``keep_gathered=true`` variants when ``keep_gathered``, then their
     ``keep_collectives=true`` variants when ``keep_collectives`` (``None``: when the first
-    policy's step all-gathers; issues all-to-alls or collective-permutes)."""
+    policy's step all-gathers; issues all-to-alls or collective-permutes, or all-reduces where the
+    first policy that takes the key all-reduces in a recomputation)."""
     gathered = keep_gathered_variants(policies) if keep_gathered is not False else []
     collectives = keep_collectives_variants(policies) if keep_collectives is not False else []
     if (gathered and keep_gathered is None) or (collectives and keep_collectives is None):
@@ -304,8 +306,19 @@ def _with_kept_variants(
         first = search.probe(policies[0], 1 if global_batch is None else global_batch, 1)
         kinds = {kind for kind, _, _ in first.collectives}
         keep_gathered = "all-gather" in kinds if keep_gathered is None else keep_gathered
-        keep_collectives = bool(kinds & _KEEP_COLLECTIVES_KINDS) if keep_collectives is None else keep_collectives
+        if keep_collectives is None:
+            keep_collectives = bool(kinds & _KEEP_COLLECTIVES_KINDS) or (
+                "all-reduce" in kinds and _reduces_again(search, policies, 1 if global_batch is None else global_batch)
+            )
     return policies + (gathered if keep_gathered else []) + (collectives if keep_collectives else [])
+
+
+def _reduces_again(search: _Search, policies: list[str], global_batch: int) -> bool:
+    """Whether the step of the first policy that takes ``keep_collectives`` all-reduces in a
+    recomputation (a tensor-parallel row-parallel matmul's reduction), which the key avoids; a
+    data-parallel step's gradient all-reduces are no reason to search the key's variants."""
+    taking = [p for p in policies if keep_collectives_variants([p])]
+    return bool(taking) and "all-reduce" in search.probe(taking[0], global_batch, 1).recomputed
 
 
 def _fitting(
@@ -490,7 +503,8 @@ def fit_search(
       keep_collectives: also search the ``keep_collectives=true`` variant of every policy spec
         that takes the key (:func:`keep_collectives_variants`), after those; ``None`` (default):
         when the first policy's step issues all-to-alls or collective-permutes (an
-        expert-parallel MoE, a ring written in a ``shard_map``).
+        expert-parallel MoE, a ring written in a ``shard_map``), or all-reduces where the first
+        policy that takes the key all-reduces in a recomputation (tensor parallelism).
 
     Returns:
       A :class:`FitResult`.

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from jremat._measure.collectives import KINDS, compiled_collectives_report
+from jremat._measure.collectives import KINDS, RECOMPUTE, compiled_collectives_report
 from jremat._measure.compile import cost_analysis, fast_analysis_compile, hlo_fingerprint
 from jremat._measure.memory import compiled_memory_report
 from jremat._measure.mesh import mesh_device_set
@@ -29,9 +29,11 @@ def _as_fit_step(built, key) -> FitStep | None:
     return FitStep(step, tuple(args))
 
 
-def _collectives(compiled) -> tuple[tuple[str, int, int], ...]:
+def _collectives(compiled) -> tuple[tuple[tuple[str, int, int], ...], tuple[str, ...]]:
+    """``(kind, count, bytes per device)`` per kind the step issues, and the kinds it issues in a recomputation."""
     report = compiled_collectives_report(compiled)
-    return tuple((k, report.count(k), report.bytes(k)) for k in KINDS if report.count(k))
+    counts = tuple((k, report.count(k), report.bytes(k)) for k in KINDS if report.count(k))
+    return counts, tuple(k for k in KINDS if report.count(k, RECOMPUTE))
 
 
 def _compile(fit_step: FitStep):
@@ -59,7 +61,7 @@ def _compile(fit_step: FitStep):
     if flops and xla_flops:
         # XLA counts a loop body once; the trace counts every iteration (of the whole, unpartitioned program)
         xla_bytes *= max(1.0, flops / devices / xla_flops)
-    collectives = _collectives(compiled) if devices > 1 else ()
+    collectives, recomputed = _collectives(compiled) if devices > 1 else ((), ())
     return (
         int(report.peak_bytes),
         flops or xla_flops * devices,
@@ -67,6 +69,7 @@ def _compile(fit_step: FitStep):
         hlo_fingerprint(compiled),
         devices,
         collectives,
+        recomputed,
     )
 
 
@@ -78,6 +81,11 @@ def compile_figures(fit_step: FitStep) -> tuple[int, float, float, str, int, tup
     Raises:
       FitError: the step has no ``.lower``, or the backend reports no compiled memory figures.
     """
+    return _figures(fit_step)[:6]
+
+
+def _figures(fit_step: FitStep) -> tuple:
+    """:func:`compile_figures`, then the collective kinds the step issues in a recomputation."""
     figures = fit_step.__dict__.get("_figures")
     if figures is None:  # two threads on one step compile it twice, no worse
         figures = _compile(fit_step)
@@ -195,10 +203,20 @@ class _Search:
             if fit_step is None:
                 self.probes[key] = FitProbe(policy, batch_size, micro_batches, None)
             else:
-                peak, flops, nbytes, fingerprint, devices, collectives = compile_figures(fit_step)
+                peak, flops, nbytes, fingerprint, devices, collectives, recomputed = _figures(fit_step)
                 program = fit_step.program if fit_step.program is not None else policy
                 self.probes[key] = FitProbe(
-                    policy, batch_size, micro_batches, peak, flops, nbytes, fingerprint, program, devices, collectives
+                    policy,
+                    batch_size,
+                    micro_batches,
+                    peak,
+                    flops,
+                    nbytes,
+                    fingerprint,
+                    program,
+                    devices,
+                    collectives,
+                    recomputed,
                 )
                 self.steps[key] = fit_step
                 if devices > 1 and not self.devices:

@@ -422,7 +422,12 @@ def check_fit() -> dict:
         full, kept = probes["full@4"], probes["full:keep_gathered=true@4"]
         out[engine] = {
             "probes": {
-                k: {"devices": p.devices, "collectives": [list(c) for c in p.collectives]} for k, p in probes.items()
+                k: {
+                    "devices": p.devices,
+                    "collectives": [list(c) for c in p.collectives],
+                    "recomputed": list(p.recomputed),
+                }
+                for k, p in probes.items()
             },
             "collective_s": {
                 "full": model.collective_s(full.collectives),

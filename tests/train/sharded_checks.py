@@ -108,6 +108,34 @@ def check_grads(spec: str = "data=4,fsdp=2") -> dict:
         "grad_max_rel_diff": _max_rel(grads3, grads0),
         "grad_specs": sorted({str(g.sharding.spec) for g in jax.tree.leaves(grads3)}),
     }
+    out["head_chunks"] = _head_chunk_grads(base, params, tokens, targets, key, grads0)
+    return out
+
+
+def _head_chunk_grads(base, params, tokens, targets, key, grads0) -> dict:
+    """The loss head in 4 chunks, each device its own tokens (``models.head.ShardedHead``): on
+    ``data=4,fsdp=2``, and on :data:`SEQUENCE_MESH` with the vocabulary split over ``tensor``;
+    then a broken head that takes every target for one in each device's own vocabulary share."""
+    from jremat.models import head as head_lib
+
+    def run(spec, policy):
+        mesh = sh.mesh_from_flag(spec)
+        sharded = steps.shard_params(params, mesh)
+        graphdef, _ = steps.abstract_params(base.replace(remat_policy=policy, remat_head_chunks=4), mesh)
+        loss, grads = steps.make_grad_fn(graphdef, mesh, sharded)(
+            sharded, sh.shard_batch(mesh, tokens), sh.shard_batch(mesh, targets), key
+        )
+        return {"loss_sharded": float(loss), "grad_max_rel_diff": _max_rel(grads, grads0)}
+
+    cases = [("data=4,fsdp=2", "full"), ("data=4,fsdp=2", "full:keep_collectives=true")]
+    cases.append((SEQUENCE_MESH, "full:keep_collectives=true"))
+    out = {f"{spec} {policy}": run(spec, policy) for spec, policy in cases}
+    exact = head_lib.token_statistics
+    head_lib.token_statistics = lambda logits, targets: exact(logits, targets % logits.shape[-1])
+    try:
+        out["broken"] = run(SEQUENCE_MESH, "full")
+    finally:
+        head_lib.token_statistics = exact
     return out
 
 

@@ -177,6 +177,20 @@ def test_expert_parallel_mesh_keeps_the_all_to_alls_and_auto_prices_them():
     assert "; re-issues collectives, as asked (keep_collectives=false)" in proc.stderr
 
 
+def test_auto_on_a_tensor_parallel_mesh_prices_the_reissued_all_reduces():
+    argv = ["--preset", "tiny", "--mesh", "fsdp=4,tensor=2", "--unrolled", "--json"]
+    policies = ["none", "auto:budget=0.6", "auto:budget=0.6,keep_collectives=false"]
+    proc = _run_memory([*argv, *(a for p in policies for a in ("--policy", p))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, auto, reducing = json.loads(proc.stdout)
+    # The row-parallel all-reduces are priced (the key's plans set keep_collectives, not
+    # keep_gathered): auto keeps them; told not to, it re-issues them.
+    assert "keep_collectives=true" in auto["policy"]
+    assert auto["reissued_beyond_none"].get("all-reduce", {"count": 0})["count"] <= 0
+    assert "keep_collectives" not in reducing["policy"] and reducing["reissued_beyond_none"]["all-reduce"]["count"] > 0
+    assert "; keeps collectives: cheaper than re-issuing them" in proc.stderr
+
+
 @pytest.mark.slow  # the planner's keep_gathered choice is engine-free (tests/jremat/_plan/test_planner.py)
 def test_auto_keep_gathered_on_a_mesh_under_remat3():
     _check_auto_keep_gathered(*_mesh_run(remat3="1"))
@@ -219,14 +233,11 @@ def _kinds(row: dict) -> dict:
     return row["collectives"]["kinds"]
 
 
-@pytest.mark.parametrize(
-    "mesh, layout",
-    [("fsdp=8", []), ("fsdp=8", ["--unrolled"]), ("fsdp=4,tensor=2", ["--unrolled", "--remat-head-chunks", "0"])],
-    ids=["fsdp-scanned", "fsdp-unrolled", "fsdp-tensor-unrolled-whole-head"],
-)
+@pytest.mark.parametrize("mesh", ["fsdp=8", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("layout", [[], ["--unrolled"]], ids=["scanned", "unrolled"])
 def test_keep_collectives_on_the_reference_model_reissues_nothing_below_nones_peak(mesh, layout):
     # The issue's command: gathers left to XLA in the blocks (scanned) or written by the model, the
-    # head's chunks gathering once; the default batch.
+    # head's 4 chunks (the default) each device's own (models.head.ShardedHead); the default batch.
     argv = ["--preset", "tiny", "--mesh", mesh, *layout, "--json"]
     proc = _run_memory([*argv, "--policy", "none", "--policy", "full", "--policy", "full:keep_collectives=true"])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -235,13 +246,13 @@ def test_keep_collectives_on_the_reference_model_reissues_nothing_below_nones_pe
     assert (
         _kinds(full)["all-gather"]["count"] > _kinds(none)["all-gather"]["count"] >= _kinds(kept)["all-gather"]["count"]
     )
-    assert _kinds(full)["all-reduce"]["phases"].get("recompute", 0) > 0
-    assert "recompute" not in _kinds(kept)["all-reduce"]["phases"]
-    if mesh == "fsdp=8":
-        assert "all-to-all" in _kinds(full) and "all-to-all" not in _kinds(kept)
-        # The chunked head's own reductions (a loss and a weight gradient per chunk) stay.
-    else:  # tensor parallel: the row-parallel matmuls' all-reduces are kept, none beyond none's
-        reduces = _kinds(kept)["all-reduce"]
-        tie = reduces["phases"].get("cotangent tie", 0)  # 4 bytes per tied checkpoint, not re-issued work
-        assert reduces["count"] - tie <= _kinds(none)["all-reduce"]["count"]
+    # Nothing beyond none (the cotangent tie's 4-byte all-reduces left out): the head reduces its
+    # loss, its gradient and its vocabulary's statistics once, not per chunk.
+    reissued = kept["reissued_beyond_none"]
+    assert all(entry["count"] <= 0 for entry in reissued.values()), reissued
+    recomputed = {kind for kind, entry in _kinds(kept).items() if "recompute" in entry["phases"]}
+    # Scanned: the matrices the backward pass reads are gathered in the recomputation, as without remat.
+    assert recomputed == ({"all-gather"} if layout == [] else set())
+    if mesh != "fsdp=8":  # the row-parallel matmuls' all-reduces: full re-issues them, the key keeps them
+        assert _kinds(full)["all-reduce"]["phases"].get("recompute", 0) > 0
     assert kept["peak"] < none["peak"]

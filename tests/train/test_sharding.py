@@ -244,6 +244,20 @@ def test_all_axes_at_once_give_the_same_gradients(checks):
     assert any("tensor" in spec for spec in entry["grad_specs"])
 
 
+def test_the_loss_heads_chunks_on_each_device_give_the_same_gradients_and_a_broken_head_is_caught(checks):
+    head = checks["grads"]["head_chunks"]
+    for case in (
+        "data=4,fsdp=2 full",
+        "data=4,fsdp=2 full:keep_collectives=true",
+        "fsdp=2,tensor=2,sequence=2 full:keep_collectives=true",
+    ):
+        assert head[case]["loss_sharded"] == pytest.approx(checks["grads"]["loss_single"], rel=1e-6), case
+        assert head[case]["grad_max_rel_diff"] < 1e-5, case
+    # Every target taken for one in each device's own vocabulary share: the loss and gradients differ.
+    assert head["broken"]["loss_sharded"] != pytest.approx(checks["grads"]["loss_single"], rel=1e-2)
+    assert head["broken"]["grad_max_rel_diff"] > 1e-2
+
+
 def test_sharded_train_step_matches_one_device(checks):
     t = checks["train_step"]
     assert t["losses_sharded"] == pytest.approx(t["losses_single"], rel=1e-6)

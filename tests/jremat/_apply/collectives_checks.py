@@ -7,7 +7,8 @@ collectives, independent of jremat, and the gradients against no remat), ``expla
 ``explain_applied`` says of each model under ``full`` and ``full:keep_collectives=true``),
 ``assert`` (``assert_no_reissued_collectives`` on the expert-parallel model), ``unplaced`` (the
 XLA-gathered model on a mesh of two axes), ``user_models`` (the expert-parallel block as a Flax
-NNX and an Equinox module), ``fsdp_target`` (docs/sharding.md's FSDP target at
+NNX and an Equinox module), ``nnx_fsdp`` (a Flax NNX block with a LayerNorm and biases, the
+gathers left to XLA), ``fsdp_target`` (docs/sharding.md's FSDP target at
 d 512, f 2048, 262,144 tokens; not run by the tests).
 
 The models, each a residual block of two layers in plain JAX, the collectives written in a
@@ -297,6 +298,57 @@ def check_user_models() -> dict:
     return out
 
 
+def check_nnx_fsdp() -> dict:
+    """A user's Flax NNX block on ``fsdp=8`` with the gathers left to XLA: LayerNorm, two biased
+    ``Linear`` layers and a GELU, the layers' parameters stacked and placed with
+    ``NamedSharding(mesh, P(None, "fsdp"))``, unrolled and in a ``lax.scan`` (``prevent_cse=False``):
+    ``{layout/spec: {"all_gathers": direct count, "grad_rel_error": e}}``."""
+    from flax import nnx
+
+    mesh = make_mesh("fsdp_xla")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(D, rngs=rngs)
+            self.up, self.down = nnx.Linear(D, F, rngs=rngs), nnx.Linear(F, D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    graphdef, state = nnx.split(nnx.vmap(lambda k: Block(nnx.Rngs(k)))(keys))
+    rng = np.random.RandomState(0)
+    state = jax.tree.map(
+        lambda a: jax.device_put(a + rng.normal(size=a.shape) * 0.1, NamedSharding(mesh, P(None, "fsdp"))), state
+    )
+    x = jax.device_put(jnp.asarray(rng.normal(size=(TOKENS, D)), jnp.float32), NamedSharding(mesh, P("fsdp")))
+    call = lambda params, h: nnx.merge(graphdef, params)(h)
+
+    def grad_fn(spec, layout):
+        block = call if spec == "none" else jremat.checkpoint(call, spec, prevent_cse=layout == "unrolled")
+
+        def loss(params, h):
+            if layout == "scanned":
+                h, _ = jax.lax.scan(lambda h, p: (block(p, h), None), h, params)
+            else:
+                for i in range(LAYERS):
+                    h = block(jax.tree.map(lambda a, i=i: a[i], params), h)
+            return jnp.mean(h**2)
+
+        return jax.jit(jax.grad(loss))
+
+    out = {}
+    for layout in LAYOUTS:
+        reference = grad_fn("none", layout)(state, x)
+        for spec in ("none", "full", "full:keep_collectives=true"):
+            grad = grad_fn(spec, layout)
+            out[f"{layout}/{spec}"] = {
+                "all_gathers": direct_count(grad.lower(state, x).compile().as_text()).get("all-gather", [0, 0])[0],
+                "grad_rel_error": max_rel_error(grad(state, x), reference),
+            }
+    return out
+
+
 def check_unplaced() -> dict:
     """The XLA-gathered model on ``fsdp=4,tensor=2`` (weights over both axes): what ``describe``
     says under ``full:keep_collectives=true`` and the all-gathers per policy (unrolled)."""
@@ -352,6 +404,7 @@ CHECKS = {
     "assert": check_assert,
     "unplaced": check_unplaced,
     "user_models": check_user_models,
+    "nnx_fsdp": check_nnx_fsdp,
     "fsdp_target": check_fsdp_target,
 }
 

@@ -35,7 +35,13 @@ KEEPING = ("full:keep_collectives=true", "dots:keep_collectives=true", "skip_che
 @pytest.fixture(scope="module")
 def checks():
     return _mesh_checks(
-        "counts", "explain", "assert", "unplaced", "user_models", module="tests.jremat._apply.collectives_checks"
+        "counts",
+        "explain",
+        "assert",
+        "unplaced",
+        "user_models",
+        "nnx_fsdp",
+        module="tests.jremat._apply.collectives_checks",
     )
 
 
@@ -63,6 +69,19 @@ def test_keep_collectives_reissues_none_of_the_models_collectives(checks, model,
         assert _count(checks, model, layout, engine, "full:keep_collectives=true", "reduce-scatter") == _count(
             checks, model, layout, engine, "none", "reduce-scatter"
         )
+
+
+@pytest.mark.heavy  # the same subprocess
+def test_a_users_nnx_block_with_the_gathers_left_to_xla_reissues_none(checks):
+    rows = checks["nnx_fsdp"]
+    for layout in LAYOUTS:
+        none, full, kept = (
+            rows[f"{layout}/{p}"]["all_gathers"] for p in ("none", "full", "full:keep_collectives=true")
+        )
+        assert kept <= none < full, (layout, kept, none, full)
+        assert all(rows[f"{layout}/{p}"]["grad_rel_error"] < 1e-5 for p in ("full", "full:keep_collectives=true"))
+    # Scanned, the LayerNorm scale the backward pass reads is kept: XLA gathers it once, not twice.
+    assert rows["scanned/full:keep_collectives=true"]["all_gathers"] < rows["scanned/none"]["all_gathers"]
 
 
 @pytest.mark.heavy  # the same subprocess
@@ -215,18 +234,18 @@ def _layer_inputs(s):
     return {"bias": s(16), "c": s(64, 16), "norm_bias": s(16), "scale": s(16), "w": s(16, 16)}, s(4, 64, 16)
 
 
-def test_xla_gathers_finds_vectors_and_weights_inside_calls_and_in_a_scan_only_what_the_backward_does_not_read():
+def test_xla_gathers_finds_vectors_and_weights_inside_calls_and_in_a_scan_no_matrix_the_backward_reads():
     s = _abstract((8,))
     program = jremat.trace_program(_layer, *_layer_inputs(s))
     # Input leaves in order: bias, c, norm_bias, scale, w, x.
     assert _collectives.backward_reads(program) == frozenset({3, 4, 5})  # scale, w and x; not the biases
     assert sorted(_collectives.xla_gathers(program).placed) == [0, 2, 3, 4]  # not c, not x
-    # In a scan the step without remat gathers again in its backward pass what that pass reads;
-    # only the biases are gathered and kept.
-    assert sorted(_collectives.xla_gathers(program, in_scan=True).placed) == [0, 2]
+    # In a scan the step without remat gathers again in its backward pass the matrices that pass
+    # reads; the vectors (the scale too, which the backward pass reads) are gathered and kept.
+    assert sorted(_collectives.xla_gathers(program, in_scan=True).placed) == [0, 2, 3]
     assert jremat.resolve("full:keep_collectives=true").describe_match(program) == [
         "keeps the outputs of 4 all-gathers",
-        "in a scan (prevent_cse=False) it does not keep the gathers of args[0]['scale'], args[0]['w']: the backward "
+        "in a scan (prevent_cse=False) it does not keep the gathers of args[0]['w']: the backward "
         "pass reads them, and XLA gathers them again for it, as without remat",
     ]
 
@@ -263,7 +282,7 @@ def test_backward_reads_takes_keys_and_integer_inputs():
     assert _collectives.backward_reads(jremat.trace_program(layer, *inputs)) == frozenset({0, 4})  # w and x
 
 
-def test_in_a_scan_keep_collectives_keeps_the_gathered_biases_only():
+def test_in_a_scan_keep_collectives_keeps_the_gathered_vectors_only():
     s = _abstract((8,))
     p, x = _layer_inputs(s)
 
@@ -275,8 +294,33 @@ def test_in_a_scan_keep_collectives_keeps_the_gathered_biases_only():
     every = ["from the argument p['bias']", "from the argument p['norm_bias']", "from the argument p['scale']"]
     assert stored("full", False) == [*every, "from the argument p['w']"]
     assert stored("full:keep_collectives=true", True) == []  # straight-line code: every gather kept
-    # In a scan (untied): the scale and the weight, which the backward pass reads, are gathered again there.
-    assert stored("full:keep_collectives=true", False) == ["from the argument p['scale']", "from the argument p['w']"]
+    # In a scan (untied): the matrix, which the backward pass reads, is gathered again there.
+    assert stored("full:keep_collectives=true", False) == ["from the argument p['w']"]
+
+
+def test_keep_collectives_in_a_scan_inside_a_shard_map_body_traces_and_keeps_the_gradients():
+    # In a shard_map body XLA gathers nothing, and the weights' types vary over the manual axes:
+    # tracing the body again without those types (to find what the backward pass reads) failed.
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+
+    def loss(spec, p, h):
+        def body(p, h):
+            p = jax.tree.map(lambda v: jax.lax.pcast(v, ("x",), to="varying"), p)
+            layer = lambda p, h: jnp.tanh(jremat.ops.layer_norm(h, p["scale"], p["bias"]) @ p["w"])
+            if spec != "none":
+                layer = jremat.checkpoint(layer, spec, prevent_cse=False)
+            _, ys = jax.lax.scan(lambda c, chunk: (c, layer(p, chunk)), None, h.reshape(2, -1, 4))
+            return jax.lax.psum(jnp.sum(ys), "x")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())(p, h)
+
+    rng = np.random.RandomState(0)
+    p = {"scale": jnp.asarray(rng.normal(size=4)), "bias": jnp.zeros(4), "w": jnp.asarray(rng.normal(size=(4, 4)))}
+    h = jnp.asarray(rng.normal(size=(8, 4)))
+    expected = jax.grad(lambda p: loss("none", p, h))(p)
+    got = jax.grad(lambda p: loss("full:keep_collectives=true", p, h))(p)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_xla_gathers_names_the_weights_it_cannot_place():

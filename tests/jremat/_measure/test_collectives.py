@@ -179,6 +179,10 @@ def test_fit_search_on_fsdp_prices_reissued_all_gathers_and_considers_keeping_th
     assert all(p["devices"] == 8 for p in probes.values())
     gathers = {k: dict((kind, (n, b)) for kind, n, b in p["collectives"])["all-gather"] for k, p in probes.items()}
     assert gathers["full@4"][0] > gathers["full:keep_gathered=true@4"][0] == gathers["none@4"][0]
+    # What each step issues in a recomputation: full's re-gathers, no all-reduce (the data-parallel
+    # gradients' reductions are the backward pass's), so keep_collectives' variants were not searched.
+    assert probes["none@4"]["recomputed"] == [] and "all-gather" in probes["full@4"]["recomputed"]
+    assert "all-reduce" not in probes["full@4"]["recomputed"] and "full:keep_collectives=true" not in fit["rows"]
     # The time model prices them: re-gathering is predicted slower than keeping, all else equal.
     assert fit["collective_s"]["full"] > fit["collective_s"]["kept"] > 0
     assert fit["step_s_same_work"]["full"] > fit["step_s_same_work"]["kept"]

@@ -334,23 +334,29 @@ def test_keep_collectives_variants_are_of_single_function_policies_that_do_not_s
 
 
 @pytest.mark.parametrize(
-    ("kinds", "searched"),
+    ("kinds", "recomputed", "searched"),
     [
-        ((), ["full"]),
-        (("all-gather", "all-reduce"), ["full", "full:keep_gathered=true"]),
-        (("all-reduce",), ["full"]),
-        (("all-to-all", "all-reduce"), ["full", "full:keep_collectives=true"]),
-        (("all-gather", "collective-permute"), ["full", "full:keep_gathered=true", "full:keep_collectives=true"]),
+        ((), (), ["full"]),
+        (("all-gather", "all-reduce"), (), ["full", "full:keep_gathered=true"]),
+        (("all-reduce",), (), ["full"]),  # data parallel: the gradients' reductions, not recomputed
+        (("all-reduce",), ("all-reduce",), ["full", "full:keep_collectives=true"]),  # tensor parallel
+        (("all-to-all", "all-reduce"), (), ["full", "full:keep_collectives=true"]),
+        (("all-gather", "collective-permute"), (), ["full", "full:keep_gathered=true", "full:keep_collectives=true"]),
     ],
 )
-def test_the_search_adds_the_variants_the_first_steps_collectives_call_for(kinds, searched):
+def test_the_search_adds_the_variants_the_first_steps_collectives_call_for(kinds, recomputed, searched):
     from jremat._plan.fit import _with_kept_variants
 
     class FirstProbe:
-        def probe(self, policy, batch, micro):
-            return types.SimpleNamespace(collectives=tuple((kind, 1, 4) for kind in kinds))
+        probed: list = []
 
-    assert _with_kept_variants(FirstProbe(), ["full"], None, None, None) == searched
+        def probe(self, policy, batch, micro):
+            self.probed.append(policy)
+            return types.SimpleNamespace(collectives=tuple((kind, 1, 4) for kind in kinds), recomputed=recomputed)
+
+    assert _with_kept_variants(FirstProbe(), ["none", "full"], None, None, None) == ["none", *searched]
+    # The recomputation is read from the first policy that takes the key.
+    assert FirstProbe.probed[1:] == (["full"] if "all-reduce" in kinds and "all-to-all" not in kinds else [])
     # Given, each key is searched or not whatever the step issues.
     assert _with_kept_variants(FirstProbe(), ["full"], None, False, True) == ["full", "full:keep_collectives=true"]
 
