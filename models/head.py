@@ -88,12 +88,23 @@ class ShardedHead:
       batch_axes: the mesh axes the batch dimension of the hidden state and targets is split over.
       seq_axes: the mesh axes their sequence dimension is split over.
       vocab_axis: the mesh axis the head's vocabulary dimension is split over, or ``None``.
+
+    Raises:
+      ValueError: if ``vocab_axis`` is among the tokens' axes.
     """
 
     mesh: Any
     batch_axes: tuple[str, ...]
     seq_axes: tuple[str, ...]
     vocab_axis: str | None = None
+
+    def __post_init__(self):
+        if self.vocab_axis is not None and self.vocab_axis in self.batch_axes + self.seq_axes:
+            # The vocabulary's reduction would add up different tokens' statistics.
+            raise ValueError(
+                f"the vocabulary axis {self.vocab_axis!r} also splits the tokens "
+                f"(batch {self.batch_axes}, sequence {self.seq_axes}); give it an axis of its own"
+            )
 
     def summed_loss(self, graphdef: Any, params: Any, x: jax.Array, targets: jax.Array, n_chunks: int) -> jax.Array:
         """The summed loss of ``x`` ``[batch, seq, d_model]`` at ``targets``, every device its own
@@ -108,21 +119,30 @@ class ShardedHead:
           n_chunks: chunks of each device's sequence.
 
         Raises:
-          ValueError: if ``n_chunks`` does not divide each device's sequence length.
+          ValueError: if the batch, the sequence or the vocabulary does not split over its mesh
+            axes, or ``n_chunks`` is not a positive divisor of each device's sequence length.
         """
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         param_specs = [self.param_spec(path, leaf) for path, leaf in leaves]
         batch, seq, vocab = (self._split(axes) for axes in (self.batch_axes, self.seq_axes, self._vocab_axes))
         tokens = (batch or None, seq or None)
+        vocab_size = next(jnp.shape(leaf)[-1] for path, leaf in leaves if _in_projection(path) and jnp.ndim(leaf) == 2)
+        for what, size, axes in (
+            ("batch", x.shape[0], batch),
+            ("sequence", x.shape[1], seq),
+            ("vocabulary", vocab_size, vocab),
+        ):
+            if size % self._size(axes):
+                raise ValueError(
+                    f"the head's {what} of {size} does not split over the mesh axes {axes} ({self._size(axes)} devices)"
+                )
         length = x.shape[1] // self._size(seq)
-        if length % n_chunks:
+        if n_chunks <= 0 or length % n_chunks:
             raise ValueError(
-                f"remat_head_chunks must divide each device's sequence length {length} "
+                f"remat_head_chunks must be a positive divisor of each device's sequence length {length} "
                 f"(sequence {x.shape[1]} over {self._size(seq)} devices), got {n_chunks}"
             )
-
-        share = next(jnp.shape(leaf)[-1] for path, leaf in leaves if _in_projection(path) and jnp.ndim(leaf) == 2)
-        share //= self._size(vocab)
+        share = vocab_size // self._size(vocab)
 
         def body(leaves, x, targets):
             if vocab:  # the targets as indices into this device's share of the vocabulary
@@ -136,9 +156,7 @@ class ShardedHead:
             def chunk_statistics(head_params, x_chunk, target_chunk):
                 return token_statistics(_logits(graphdef, head_params, x_chunk), target_chunk)
 
-            chunk_fn = jremat.resolve("full").wrap(chunk_statistics, prevent_cse=n_chunks == 1)
-            chunks = [jnp.moveaxis(a.reshape(a.shape[0], n_chunks, -1, *a.shape[2:]), 1, 0) for a in (x, targets)]
-            _, stats = jax.lax.scan(lambda _, chunk: (None, chunk_fn(head, *chunk)), None, tuple(chunks))
+            stats = jremat.rematerialized_chunks(chunk_statistics, head, x, targets, n_chunks=n_chunks, reduce=False)
             if vocab:  # each device's row of a [devices, ...] array, summed: every device's statistics
                 rows = jax.nn.one_hot(jax.lax.axis_index(vocab[0]), self._size(vocab), dtype=stats.dtype)
                 every = jax.lax.psum(rows.reshape((-1,) + (1,) * stats.ndim) * stats[None], vocab[0])
@@ -188,12 +206,11 @@ def _logits(graphdef: Any, params: Any, x: jax.Array) -> jax.Array:
 
 
 def _varying_axes(value: jax.Array) -> frozenset[str]:
-    """The mesh axes ``value`` varies over in a ``shard_map`` body (its type's ``vma``; JAX 0.10
-    spells it ``manual_axis_type.varying``)."""
+    """The mesh axes ``value`` varies over in a ``shard_map`` body: its type's
+    ``manual_axis_type.varying`` (JAX 0.10), or ``vma`` where a release spells it so."""
     aval = jax.typeof(value)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma)
-    return frozenset(aval.manual_axis_type.varying)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else aval.vma)
 
 
 def _varying(value: jax.Array, axes: tuple[str, ...]) -> jax.Array:

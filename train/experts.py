@@ -7,7 +7,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jremat.train.sharding import EXPERT_AXIS, LOGICAL_AXIS_RULES, axis_size
+from jremat.train.sharding import EXPERT_AXIS, axis_size, token_axes
 
 
 def expert_parallel(mesh: Mesh, model_cfg: Any) -> Any:
@@ -27,8 +27,7 @@ def expert_parallel(mesh: Mesh, model_cfg: Any) -> Any:
     if size <= 1:
         return None
     check_expert_axis(size, model_cfg.moe_experts)
-    batch_axes = tuple(a for a in LOGICAL_AXIS_RULES["act_batch"] if a in mesh.shape)
-    seq_axes = tuple(a for a in LOGICAL_AXIS_RULES["act_seq"] if a in mesh.shape)
+    batch_axes, seq_axes = token_axes(mesh)
     return ExpertParallel(mesh, EXPERT_AXIS, batch_axes, seq_axes, model_cfg.moe_capacity_factor)
 
 

@@ -3,20 +3,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
 
-from jremat.train.sharding import LOGICAL_AXIS_RULES, logical_to_spec
+from jremat.train.sharding import logical_to_spec, token_axes
+
+if TYPE_CHECKING:
+    from jremat.models.head import ShardedHead
 
 
-def sharded_head(mesh: Mesh, model_cfg: Any) -> Any:
+def sharded_head(mesh: Mesh, model_cfg: Any) -> ShardedHead | None:
     """The :class:`models.head.ShardedHead` of ``model_cfg``'s chunked loss head on ``mesh``, or
     ``None`` (one device, or a head without chunks: ``remat_head_chunks`` 0).
 
-    Tokens are split as the residual stream is (:data:`LOGICAL_AXIS_RULES`'s ``act_batch`` and
-    ``act_seq`` axes), the vocabulary as the head's kernel is (``vocab``, where it divides the
-    vocabulary).
+    Tokens are split as the residual stream is (:func:`train.sharding.token_axes`), the
+    vocabulary as the head's kernel is (``vocab``, where it divides the vocabulary).
+
+    Raises:
+      ValueError: if the rules split the vocabulary over more than one mesh axis (the head
+        reduces its statistics over one).
     """
     from jremat.models.head import ShardedHead
 
@@ -26,9 +32,5 @@ def sharded_head(mesh: Mesh, model_cfg: Any) -> Any:
     vocab_axes = () if vocab is None else (vocab,) if isinstance(vocab, str) else tuple(vocab)
     if len(vocab_axes) > 1:
         raise ValueError(f"the head's vocabulary is split over one mesh axis, not {vocab_axes}")
-    return ShardedHead(
-        mesh,
-        batch_axes=tuple(a for a in LOGICAL_AXIS_RULES["act_batch"] if a in mesh.shape),
-        seq_axes=tuple(a for a in LOGICAL_AXIS_RULES["act_seq"] if a in mesh.shape),
-        vocab_axis=vocab_axes[0] if vocab_axes else None,
-    )
+    batch_axes, seq_axes = token_axes(mesh)
+    return ShardedHead(mesh, batch_axes, seq_axes, vocab_axes[0] if vocab_axes else None)

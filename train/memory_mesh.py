@@ -82,11 +82,11 @@ def mesh_policy_config(config, spec: str, mesh, step_memory) -> tuple[str, Model
     """
     if registry.parse_spec(spec)[0] != "auto":
         return spec, config.model_config(spec), None
-    plan, gathered, regather = mesh_auto_plan(config, spec, mesh, step_memory)
+    plan, reissued_bytes, reissue_flops = mesh_auto_plan(config, spec, mesh, step_memory)
     priced = (
-        f"; re-issuing a layer's collectives ({gathered:,} B per device) priced at {regather:,.0f} "
+        f"; re-issuing a layer's collectives ({reissued_bytes:,} B per device) priced at {reissue_flops:,.0f} "
         "FLOP-equivalents, keeping them at their bytes"
-        if gathered
+        if reissued_bytes
         else ""
     )
     report = (
@@ -128,7 +128,8 @@ def run_mesh(config) -> list[MeshRow]:
 
 
 def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPlan, int, float]:
-    """``(plan, gathered bytes per layer per device, their re-gathering price in FLOP-equivalents)``.
+    """``(plan, bytes per device of the collectives a rematerialized layer issues again, their price
+    in FLOP-equivalents)``.
 
     ``auto`` on a mesh: the least-cost plan whose per-device compiled peak fits the budget (a size
     per device, or a fraction of the way from full's per-device peak to none's); under ``fsdp``,
@@ -138,8 +139,8 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     With an ``expert`` or ``tensor`` axis, the other collectives a rematerialized layer issues again
     (an expert-parallel layer's all-to-alls, a tensor-parallel layer's all-reduces; measured: what
     ``full`` issues beyond ``full:keep_collectives=true``, per layer) are priced at each kind's cost
-    too, and the keeping plans set ``keep_collectives`` (the spec's ``keep_collectives`` then
-    allows one kind only).
+    too, and, where there are such collectives, the keeping plans set ``keep_collectives`` (the
+    spec's ``keep_collectives``, else its ``keep_gathered``, then allows one kind only).
 
     Raises:
       ValueError: on a bad budget, or when no plan fits.
@@ -148,7 +149,7 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
     from jremat.train.planning import keep_collectives_of, keep_gathered_of, plan_for_budget
 
     base = config.model_config("none")
-    gathered, regather = sharded_steps.regather_price(base, mesh)
+    reissued_bytes, reissue_flops = sharded_steps.regather_price(base, mesh)
     raw = registry.parse_spec(spec)[1]
     keep, keep_key = keep_gathered_of(raw), registry.KEEP_GATHERED
     if any(mesh.shape.get(axis, 1) > 1 for axis in (sharding.EXPERT_AXIS, sharding.TENSOR_AXIS)):
@@ -157,11 +158,13 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
         # full issues beyond the key, per layer (all-gathers are priced above).
         full = step_memory(config.model_config("full")).collectives
         avoided = full.reissued(step_memory(config.model_config(f"full:{registry.KEEP_COLLECTIVES}=true")).collectives)
-        for kind, (_, nbytes) in avoided.items():
-            if kind != "all-gather" and nbytes > 0:
-                gathered += nbytes // base.n_layers
-                regather += nbytes // base.n_layers * jremat.collective_flops_per_byte(kind, mesh)
-        keep, keep_key = keep_collectives_of(raw), registry.KEEP_COLLECTIVES
+        others = {kind: nbytes // base.n_layers for kind, (_, nbytes) in avoided.items() if kind != "all-gather"}
+        others = {kind: nbytes for kind, nbytes in others.items() if nbytes > 0}
+        reissued_bytes += sum(others.values())
+        reissue_flops += sum(n * jremat.collective_flops_per_byte(kind, mesh) for kind, n in others.items())
+        if others:
+            given = keep_collectives_of(raw)
+            keep, keep_key = (keep if given is None else given), registry.KEEP_COLLECTIVES
     budget = config.memory_budget or raw.get("budget", "0.5")
     plan = plan_for_budget(
         base,
@@ -170,12 +173,12 @@ def mesh_auto_plan(config, spec: str, mesh, step_memory) -> tuple[jremat.LayerPl
         config.resolved_seq_len,
         measure_peak_bytes=lambda c: step_memory(c).peak,
         offload=False,
-        regather_flops=regather,
+        regather_flops=reissue_flops,
         keep_gathered=keep,
         keep_key=keep_key,
         devices=mesh.size,
     )
-    return plan, gathered, regather
+    return plan, reissued_bytes, reissue_flops
 
 
 def format_mesh_table(rows: Sequence[MeshRow]) -> str:

@@ -26,9 +26,9 @@ from jremat.train.gathered import gathered_layer_bytes, weight_gathers
 from jremat.train.head import sharded_head
 from jremat.train.sharding import (
     FSDP_AXIS,
+    HIDDEN_AXES,
     TENSOR_AXIS,
     ActivationSharding,
-    HiddenSharding,
     axis_size,
     batch_sharding,
     check_batch,
@@ -48,7 +48,8 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
     also constrains its weights to their gathered placement (:func:`train.gathered.weight_gathers`).
     An MoE model on a mesh with an ``expert`` axis runs its MoE layers expert-parallel
     (:func:`train.experts.expert_parallel`), and a chunked loss head runs each device's tokens
-    (:func:`train.head.sharded_head`).
+    (:func:`train.head.sharded_head`). On a ``tensor`` axis the blocks constrain what their
+    output projections contract (``hidden_sharding``: :data:`train.sharding.HIDDEN_AXES`).
 
     Raises:
       ValueError: an ``expert`` axis for a dense model, or one that does not divide the experts.
@@ -64,7 +65,7 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any]:
                 model_cfg,
                 rngs=nnx.Rngs(0),
                 activation_sharding=ActivationSharding(mesh),
-                hidden_sharding=HiddenSharding(mesh) if axis_size(mesh, TENSOR_AXIS) > 1 else None,
+                hidden_sharding=ActivationSharding(mesh, HIDDEN_AXES) if axis_size(mesh, TENSOR_AXIS) > 1 else None,
                 weight_sharding=gathered,
                 sharded_head=sharded_head(mesh, model_cfg),
                 expert_parallel=experts,

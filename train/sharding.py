@@ -468,40 +468,34 @@ def shard_batch(mesh: Mesh, rows, batch_size: int | None = None) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSharding:
-    """``x -> with_sharding_constraint(x, ...)`` for the residual stream ``[batch, seq, d_model]``.
+    """``x -> with_sharding_constraint(x, ...)`` for an activation ``[batch, seq, features]``.
 
     Hashable (it is a static attribute of the model's graph definition). Batch over ``data`` x
-    ``fsdp``, sequence over ``sequence`` (sequence parallelism), model width replicated.
+    ``fsdp``, sequence over ``sequence`` (sequence parallelism); the features as ``logical``
+    says: the residual stream's replicated (:data:`ACTIVATION_AXES`, the default), or what the
+    blocks' output projections contract split over ``tensor`` (:data:`HIDDEN_AXES`: the placement
+    XLA gives them under tensor parallelism anyway, written in the program, so that those
+    projections are row-parallel in the traced program and ``keep_collectives=true`` keeps their
+    all-reduced outputs).
     """
 
     mesh: Mesh
+    logical: tuple[str, ...] = ACTIVATION_AXES
 
     @property
     def sharding(self) -> NamedSharding:
-        """The :class:`NamedSharding` the residual stream is constrained to."""
-        return NamedSharding(self.mesh, rule_spec(ACTIVATION_AXES, self.mesh))
+        """The :class:`NamedSharding` the activation is constrained to."""
+        return NamedSharding(self.mesh, rule_spec(self.logical, self.mesh))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Constrain ``x`` (rank 3) to :attr:`sharding`, dropping mesh axes that do not divide its dims."""
-        spec = logical_to_spec(ACTIVATION_AXES, x.shape, self.mesh)
+        spec = logical_to_spec(self.logical, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-@dataclasses.dataclass(frozen=True)
-class HiddenSharding:
-    """``h -> with_sharding_constraint(h, ...)`` for what a block's output projections contract: the
-    attention context and the MLP's hidden units ``[batch, seq, features]`` (:data:`HIDDEN_AXES`),
-    features over ``tensor``.
-
-    Hashable (a static attribute of the model's graph definition). The placement XLA gives them
-    under tensor parallelism anyway, written in the program: the projections are then row-parallel
-    in the traced program, and ``keep_collectives=true`` keeps their all-reduced outputs.
-    """
-
-    mesh: Mesh
-
-    def __call__(self, h: jax.Array) -> jax.Array:
-        """Constrain ``h`` (rank 3), dropping mesh axes that do not divide its dims."""
-        return jax.lax.with_sharding_constraint(
-            h, NamedSharding(self.mesh, logical_to_spec(HIDDEN_AXES, h.shape, self.mesh))
-        )
+def token_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(batch axes, sequence axes)``: the mesh axes ``mesh`` has that split the tokens
+    (:data:`LOGICAL_AXIS_RULES`'s ``act_batch`` and ``act_seq``)."""
+    return tuple(a for a in LOGICAL_AXIS_RULES["act_batch"] if a in mesh.shape), tuple(
+        a for a in LOGICAL_AXIS_RULES["act_seq"] if a in mesh.shape
+    )

@@ -201,7 +201,7 @@ def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
     mesh of several such axes the placement depends on shardings that are not in the traced
     program (auto axes: a jit argument's type holds no spec), and the weight is named unplaced.
     On a mesh of explicit axes XLA inserts no gather a program did not write (``reshard``), nor
-    in a :func:`jax.shard_map` body (manual axes).
+    over the manual axes of a :func:`jax.shard_map` body, where nothing is placed.
 
     In a ``lax.scan`` body the step without remat keeps no gather XLA inserts: its backward pass
     gathers again each weight it reads (:func:`backward_reads`), and a checkpoint's recomputation
@@ -220,7 +220,9 @@ def xla_gathers(program: Program, *, in_scan: bool = False) -> XlaGathers:
       An :class:`XlaGathers`.
     """
     if AxisType.Manual in jax.sharding.get_abstract_mesh().axis_types:
-        return XlaGathers(placed={}, unplaced=())  # a shard_map body: XLA gathers nothing inside it
+        # A shard_map body: nothing over its manual axes, and over any auto ones the weights'
+        # placement is not in the traced program.
+        return XlaGathers(placed={}, unplaced=())
     jaxpr = program.closed_jaxpr.jaxpr
     candidates: dict[int, list] = {}
     origin_of: dict = {}

@@ -358,23 +358,29 @@ def _run_nested(
     return x
 
 
-def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunks: int, axis: int = 1) -> jax.Array:
+def rematerialized_chunks(
+    fn: Callable, params: Any, *arrays: jax.Array, n_chunks: int, axis: int = 1, reduce: bool = True
+) -> jax.Array:
     """Sum of ``fn(params, *chunk)`` over ``n_chunks`` equal slices of ``arrays`` along ``axis``.
 
     Each chunk is checkpointed and recomputed in the backward pass, one chunk at a time (a
     ``lax.scan`` over chunks), so only one chunk's intermediates are ever live. Used for a
     language model's head and loss, whose ``[batch, seq, vocab]`` logits can dwarf the
-    activations of the layers.
+    activations of the layers. Works in a :func:`jax.shard_map` body too (the chunks' outputs
+    are the scan's outputs, not a carry, so they may vary over the mesh's axes).
 
     Args:
-      fn: ``(params, *chunks) -> scalar`` (e.g. the summed loss of one chunk).
+      fn: ``(params, *chunks) -> scalar`` (e.g. the summed loss of one chunk); with
+        ``reduce=False``, any array (e.g. per-token statistics to combine across devices first).
       params: pytree passed whole to every chunk.
       *arrays: arrays sliced along ``axis`` (all the same length there).
       n_chunks: number of chunks; must divide the length along ``axis``.
       axis: the axis to chunk.
+      reduce: ``True`` (default): return the sum over chunks; ``False``: the chunks' outputs,
+        stacked on a new leading axis of ``n_chunks``.
 
     Returns:
-      The sum over chunks (a scalar of ``fn``'s dtype).
+      The sum over chunks (a float32 scalar), or ``[n_chunks, ...]`` outputs.
 
     Raises:
       ValueError: if ``n_chunks`` is not positive or does not divide the length.
@@ -390,9 +396,5 @@ def rematerialized_chunks(fn: Callable, params: Any, *arrays: jax.Array, n_chunk
         return jnp.moveaxis(a.reshape(shape), axis, 0)
 
     chunk_fn = CallbackPolicy(jax.checkpoint_policies.nothing_saveable).wrap(fn, prevent_cse=_tie.needs_tie(n_chunks))
-
-    def body(total, chunk):
-        return total + chunk_fn(params, *chunk), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), tuple(split(a) for a in arrays))
-    return total
+    _, outputs = jax.lax.scan(lambda _, chunk: (None, chunk_fn(params, *chunk)), None, tuple(split(a) for a in arrays))
+    return jnp.sum(outputs.astype(jnp.float32)) if reduce else outputs

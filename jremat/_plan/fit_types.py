@@ -105,8 +105,8 @@ class FitProbe:
         :attr:`bytes_accessed` are one device's, :attr:`flops` the whole program's.
       collectives: ``(kind, count, bytes per device)`` per collective kind the compiled step issues
         per call (:func:`jremat.collectives_report`); ``()`` on one device.
-      recomputed: the collective kinds the step issues in a recomputation (phase ``recompute``):
-        what ``keep_collectives=true`` would keep; ``()`` on one device.
+      recomputed: the collective kinds the step issues in a recomputation (phase ``recompute``);
+        ``()`` on one device.
     """
 
     policy: str

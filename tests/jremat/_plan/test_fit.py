@@ -348,15 +348,17 @@ def test_the_search_adds_the_variants_the_first_steps_collectives_call_for(kinds
     from jremat._plan.fit import _with_kept_variants
 
     class FirstProbe:
-        probed: list = []
+        def __init__(self):
+            self.probed = []
 
         def probe(self, policy, batch, micro):
             self.probed.append(policy)
             return types.SimpleNamespace(collectives=tuple((kind, 1, 4) for kind in kinds), recomputed=recomputed)
 
-    assert _with_kept_variants(FirstProbe(), ["none", "full"], None, None, None) == ["none", *searched]
+    first = FirstProbe()
+    assert _with_kept_variants(first, ["none", "full"], None, None, None) == ["none", *searched]
     # The recomputation is read from the first policy that takes the key.
-    assert FirstProbe.probed[1:] == (["full"] if "all-reduce" in kinds and "all-to-all" not in kinds else [])
+    assert first.probed[1:] == (["full"] if "all-reduce" in kinds and "all-to-all" not in kinds else [])
     # Given, each key is searched or not whatever the step issues.
     assert _with_kept_variants(FirstProbe(), ["full"], None, False, True) == ["full", "full:keep_collectives=true"]
 
