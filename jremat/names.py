@@ -28,6 +28,7 @@ from jremat._spec.names import MOE_DISPATCHED as MOE_DISPATCHED
 from jremat._spec.names import MOE_EXPERT_OUT as MOE_EXPERT_OUT
 from jremat._spec.names import MOE_HIDDEN as MOE_HIDDEN
 from jremat._spec.names import MOE_HIDDEN_PRE_ACT as MOE_HIDDEN_PRE_ACT
+from jremat._spec.names import MOE_HIDDEN_UP as MOE_HIDDEN_UP
 from jremat._spec.names import MOE_NAMES as MOE_NAMES
 from jremat._spec.names import MOE_ROUTER_LOGITS as MOE_ROUTER_LOGITS
 from jremat._spec.names import QUERY as QUERY
@@ -63,6 +64,7 @@ __all__ = [
     "MOE_EXPERT_OUT",
     "MOE_HIDDEN",
     "MOE_HIDDEN_PRE_ACT",
+    "MOE_HIDDEN_UP",
     "MOE_NAMES",
     "MOE_ROUTER_LOGITS",
     "PolicyDoesNotApply",

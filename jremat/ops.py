@@ -1,6 +1,6 @@
 """Transformer ops whose backward pass keeps only their input, like fused kernels do.
 
-Plain autodiff of LayerNorm, tanh-GELU or softmax saves several full-size intermediates
+Plain autodiff of LayerNorm, tanh-GELU, SwiGLU or softmax saves several full-size intermediates
 (centered input, tanh output, ...). Megatron-LM's activation accounting assumes fused kernels
 that keep one tensor per op; these functions match that by checkpointing the op's internals
 (elementwise work, cheap to recompute). Their *outputs* are ordinary values that the
@@ -40,6 +40,17 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
 def gelu(x: jax.Array) -> jax.Array:
     """tanh-approximate GELU (as in GPT-2); keeps only its input for the backward pass."""
     return jax.nn.gelu(x, approximate=True)
+
+
+@_engine.lower_checkpoint
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's gating, ``silu(gate) * up`` (as in LLaMA's and Mixtral's MLPs); keeps only its inputs.
+
+    Args:
+      gate: the gate projection's output.
+      up: the up projection's output, of ``gate``'s shape.
+    """
+    return jax.nn.silu(gate) * up
 
 
 @_engine.lower_checkpoint

@@ -63,7 +63,7 @@ class ModelConfig:
         and keeps everything in the rest; layers no group covers use ``remat_policy``. Empty
         (default): every layer uses ``remat_policy``. See :func:`jremat.internal.parse_layer_policies`.
       moe_experts: 0 (default) for the dense MLP in every block; ``E > 0`` replaces it with a
-        mixture-of-experts FFN of ``E`` experts, each a GELU MLP of width ``d_ff`` without biases
+        mixture-of-experts FFN of ``E`` experts, each a SwiGLU MLP of width ``d_ff`` without biases
         (:class:`models.moe.MoE`, docs/moe.md).
       moe_top_k: experts each token is routed to (a softmax router's top-k, their probabilities
         renormalized to sum to 1); at most ``moe_experts``.
@@ -188,8 +188,8 @@ class ModelConfig:
         d, inner, d_ff = self.d_model, self.n_heads * self.head_dim, self.d_ff
         attention = 3 * (d * inner + inner) + inner * d + d
         dense_mlp = d * d_ff + d_ff + d_ff * d + d
-        if self.moe_experts:  # router, the experts' two matrices (no biases), the shared expert
-            mlp = d * self.moe_experts + self.moe_experts * 2 * d * d_ff + (dense_mlp if self.moe_shared_expert else 0)
+        if self.moe_experts:  # router, the experts' three matrices (no biases), the shared expert
+            mlp = d * self.moe_experts + self.moe_experts * 3 * d * d_ff + (dense_mlp if self.moe_shared_expert else 0)
         else:
             mlp = dense_mlp
         block = attention + mlp + 4 * d  # two LayerNorms

@@ -1,11 +1,12 @@
 """The mixture-of-experts FFN of the reference model (``ModelConfig.moe_experts > 0``).
 
 :class:`MoE` replaces a block's MLP: a softmax router picks each token's top-k experts (their
-probabilities renormalized to sum to 1), every expert is a GELU MLP of width ``d_ff`` without
-biases, and the token's output is the router-weighted sum of its experts' outputs.
+probabilities renormalized to sum to 1), every expert is a SwiGLU MLP of width ``d_ff`` without
+biases (``w_out(silu(w_gate x) * w_up x)``, as in Mixtral, DeepSeek-V3 and Qwen3-MoE), and the
+token's output is the router-weighted sum of its experts' outputs.
 
 On one device dispatch is dropless: the ``tokens * top_k`` assignments are sorted by expert and
-each expert's two matmuls run as one grouped matmul over its contiguous rows
+each of the experts' three matmuls runs as one grouped matmul over their contiguous rows
 (:func:`jax.lax.ragged_dot` with the per-expert counts as group sizes); the outputs are
 un-sorted and combined. Under expert parallelism (:class:`ExpertParallel`, a mesh with an
 ``expert`` axis) the layer runs under :func:`jax.shard_map`: each device routes its own tokens,
@@ -14,8 +15,9 @@ dropped, as in Switch and GShard), runs its local experts and sends the outputs 
 another ``all_to_all``.
 
 The tensors are tagged with the names of :data:`jremat.names.MOE_NAMES` (router logits,
-dispatched tokens, expert hidden before and after the activation, expert output, combined
-output), so name-based policies (``names:save=moe_hidden``) apply to them.
+dispatched tokens, the experts' gate and up projections, their hidden layer after the
+activation, expert output, combined output), so name-based policies (``names:save=moe_hidden``)
+apply to them.
 
 The layer also returns its two auxiliary losses (:func:`aux_losses`): the load-balancing loss of
 Switch Transformer and the router z-loss of ST-MoE. :func:`with_aux_gradient` adds their
@@ -151,13 +153,18 @@ def aux_losses(logits: jax.Array, experts: jax.Array, mean=lambda v: v) -> tuple
     return load_balance, router_z
 
 
-def expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Every expert's GELU MLP over its contiguous rows: two grouped matmuls (:func:`jax.lax.ragged_dot`).
+def expert_ffn(
+    rows: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, group_sizes: jax.Array
+) -> jax.Array:
+    """Every expert's SwiGLU MLP over its contiguous rows: three grouped matmuls (:func:`jax.lax.ragged_dot`)
+    around :func:`jremat.ops.swiglu`.
 
     Args:
       rows: ``[rows, d_model]`` tokens sorted by expert (tagged :data:`jremat.names.MOE_DISPATCHED`
         here).
-      w_in: ``[experts, d_model, d_ff]``.
+      w_gate, w_up: ``[experts, d_model, d_ff]``; their outputs are tagged
+        :data:`jremat.names.MOE_HIDDEN_PRE_ACT` and :data:`jremat.names.MOE_HIDDEN_UP`, the
+        activation's output :data:`jremat.names.MOE_HIDDEN`.
       w_out: ``[experts, d_ff, d_model]``.
       group_sizes: ``[experts]`` int32 rows per expert, in order; they sum to at most ``rows``.
 
@@ -165,9 +172,9 @@ def expert_ffn(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes: 
       ``[rows, d_model]`` (tagged :data:`jremat.names.MOE_EXPERT_OUT`), in the order of ``rows``.
     """
     rows = checkpoint_name(rows, names.MOE_DISPATCHED)
-    hidden = jax.lax.ragged_dot(rows, w_in.astype(rows.dtype), group_sizes)
-    hidden = checkpoint_name(hidden, names.MOE_HIDDEN_PRE_ACT)
-    hidden = checkpoint_name(ops.gelu(hidden), names.MOE_HIDDEN)
+    gate = checkpoint_name(jax.lax.ragged_dot(rows, w_gate.astype(rows.dtype), group_sizes), names.MOE_HIDDEN_PRE_ACT)
+    up = checkpoint_name(jax.lax.ragged_dot(rows, w_up.astype(rows.dtype), group_sizes), names.MOE_HIDDEN_UP)
+    hidden = checkpoint_name(ops.swiglu(gate, up), names.MOE_HIDDEN)
     return checkpoint_name(jax.lax.ragged_dot(hidden, w_out.astype(rows.dtype), group_sizes), names.MOE_EXPERT_OUT)
 
 
@@ -177,7 +184,7 @@ def _combine(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
     return checkpoint_name(combined, names.MOE_COMBINED)
 
 
-def dropless(x: jax.Array, router, w_in, w_out, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def dropless(x: jax.Array, router, w_gate, w_up, w_out, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE FFN on one device, dropping no token: ``(output [tokens, d], load_balance, router_z)``.
 
     The ``tokens * top_k`` assignments are sorted by expert (stable), the experts run as grouped
@@ -189,21 +196,21 @@ def dropless(x: jax.Array, router, w_in, w_out, top_k: int) -> tuple[jax.Array, 
     flat = experts.reshape(-1)  # assignment a = token * top_k + choice
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    out = expert_ffn(x[order // top_k], w_in, w_out, group_sizes)
+    out = expert_ffn(x[order // top_k], w_gate, w_up, w_out, group_sizes)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     combined = _combine(out[inverse].reshape(tokens, top_k, -1), weights)
     return combined, *aux_losses(logits, experts)
 
 
 def expert_parallel_shard(
-    x: jax.Array, router, w_in, w_out, *, top_k: int, ep: ExpertParallel
+    x: jax.Array, router, w_gate, w_up, w_out, *, top_k: int, ep: ExpertParallel
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's part of the expert-parallel MoE FFN (the body of the ``shard_map``).
 
     Args:
       x: this device's tokens ``[tokens, d_model]``.
       router: the whole router ``[d_model, experts]``.
-      w_in, w_out: this device's experts (``experts / ep.size`` of them, in expert order).
+      w_gate, w_up, w_out: this device's experts (``experts / ep.size`` of them, in expert order).
       top_k: experts per token.
       ep: the layout.
 
@@ -219,7 +226,7 @@ def expert_parallel_shard(
     """
     tokens, d_model = x.shape
     n_experts = router.shape[-1]
-    local_experts = w_in.shape[0]
+    local_experts = w_gate.shape[0]
     slots = capacity(tokens, top_k, n_experts, ep.capacity_factor)
     logits, weights, experts = route(x, router, top_k)
     flat = experts.reshape(-1)
@@ -235,7 +242,7 @@ def expert_parallel_shard(
     received = jax.lax.all_to_all(buffer, ep.axis, 0, 0, tiled=True)  # [source device, local expert, slot, d]
     rows = received.transpose(1, 0, 2, 3).reshape(local_experts * ep.size * slots, d_model)
     group_sizes = jnp.full((local_experts,), ep.size * slots, jnp.int32)
-    out = expert_ffn(rows, w_in, w_out, group_sizes)
+    out = expert_ffn(rows, w_gate, w_up, w_out, group_sizes)
     out = out.reshape(local_experts, ep.size, slots, d_model).transpose(1, 0, 2, 3)
     returned = jax.lax.all_to_all(out, ep.axis, 0, 0, tiled=True).reshape(n_experts * slots, d_model)
     per_assignment = returned.at[slot].get(mode="fill", fill_value=0)
@@ -245,11 +252,12 @@ def expert_parallel_shard(
 
 
 class MoE(nnx.Module):
-    """Mixture-of-experts FFN: a softmax top-k router over ``moe_experts`` GELU MLPs of width ``d_ff``.
+    """Mixture-of-experts FFN: a softmax top-k router over ``moe_experts`` SwiGLU MLPs of width ``d_ff``.
 
-    Parameters: ``router [d_model, experts]`` (float32 logits), ``w_in [experts, d_model, d_ff]``
-    and ``w_out [experts, d_ff, d_model]`` (no biases). Called on ``[batch, seq, d_model]``, it
-    returns the output and the layer's load-balancing loss and router z-loss (:func:`aux_losses`).
+    Parameters: ``router [d_model, experts]`` (float32 logits), ``w_gate`` and ``w_up``
+    ``[experts, d_model, d_ff]`` and ``w_out [experts, d_ff, d_model]`` (no biases). Called on
+    ``[batch, seq, d_model]``, it returns the output and the layer's load-balancing loss and router
+    z-loss (:func:`aux_losses`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -259,7 +267,8 @@ class MoE(nnx.Module):
             1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
         )
         self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, n_experts), param_dtype))
-        self.w_in = nnx.Param(fan_in()(rngs.params(), (n_experts, d, d_ff), param_dtype))
+        self.w_gate = nnx.Param(fan_in()(rngs.params(), (n_experts, d, d_ff), param_dtype))
+        self.w_up = nnx.Param(fan_in()(rngs.params(), (n_experts, d, d_ff), param_dtype))
         self.w_out = nnx.Param(fan_in()(rngs.params(), (n_experts, d_ff, d), param_dtype))
         self.top_k = cfg.moe_top_k
 
@@ -275,18 +284,18 @@ class MoE(nnx.Module):
           ValueError: under expert parallelism, if the experts do not split over its axis.
         """
         batch, seq, d = x.shape
-        router, w_in, w_out = self.router[...], self.w_in[...], self.w_out[...]
+        router, w_gate, w_up, w_out = self.router[...], self.w_gate[...], self.w_up[...], self.w_out[...]
         if expert_parallel is None:
-            out, load_balance, router_z = dropless(x.reshape(batch * seq, d), router, w_in, w_out, self.top_k)
+            out, load_balance, router_z = dropless(x.reshape(batch * seq, d), router, w_gate, w_up, w_out, self.top_k)
             return out.reshape(batch, seq, d), load_balance, router_z
         ep = expert_parallel
-        if w_in.shape[0] % ep.size:
-            raise ValueError(f"{w_in.shape[0]} experts do not split over the mesh's {ep.axis} axis of size {ep.size}")
+        if w_gate.shape[0] % ep.size:
+            raise ValueError(f"{w_gate.shape[0]} experts do not split over the mesh's {ep.axis} axis of size {ep.size}")
 
-        def shard(x_shard, router, w_in, w_out):
+        def shard(x_shard, router, w_gate, w_up, w_out):
             b, s, _ = x_shard.shape
             out, load_balance, router_z = expert_parallel_shard(
-                x_shard.reshape(b * s, d), router, w_in, w_out, top_k=self.top_k, ep=ep
+                x_shard.reshape(b * s, d), router, w_gate, w_up, w_out, top_k=self.top_k, ep=ep
             )
             return out.reshape(b, s, d), load_balance, router_z
 
@@ -296,6 +305,6 @@ class MoE(nnx.Module):
         return jax.shard_map(
             shard,
             mesh=ep.mesh,
-            in_specs=(tokens, PartitionSpec(None, None), experts, experts),
+            in_specs=(tokens, PartitionSpec(None, None), experts, experts, experts),
             out_specs=(tokens, scalar, scalar),
-        )(x, router, w_in, w_out)
+        )(x, router, w_gate, w_up, w_out)

@@ -102,7 +102,8 @@ PARAM_LOGICAL_AXES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("fc_out", "kernel"), ("mlp", "embed")),
     (("fc_out", "bias"), ("embed",)),
     (("moe", "router"), ("embed", "router_experts")),
-    (("moe", "w_in"), ("experts", "embed", "mlp")),
+    (("moe", "w_gate"), ("experts", "embed", "mlp")),
+    (("moe", "w_up"), ("experts", "embed", "mlp")),
     (("moe", "w_out"), ("experts", "mlp", "embed")),
     (("scale",), ("embed",)),
     (("bias",), ("embed",)),  # LayerNorm bias (the Linear biases above have longer suffixes)

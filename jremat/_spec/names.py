@@ -48,12 +48,15 @@ ALL_NAMES: tuple[str, ...] = (
 
 #: A mixture-of-experts FFN's tensors (the MoE option of the reference model), in program order:
 #: the router's logits ``[tokens, experts]``; the tokens sorted by expert (the grouped matmuls'
-#: input); each expert's hidden layer before and after its activation; the experts' outputs
+#: input); each expert's hidden layer before its activation (in a gated MLP such as SwiGLU, the
+#: gate projection) and, in a gated MLP, the up projection the activated gate multiplies; the
+#: hidden layer after the activation; the experts' outputs
 #: (still sorted by expert); and the combined output, back in token order and weighted by the
 #: router.
 MOE_ROUTER_LOGITS = "moe_router_logits"
 MOE_DISPATCHED = "moe_dispatched"
 MOE_HIDDEN_PRE_ACT = "moe_hidden_pre_act"
+MOE_HIDDEN_UP = "moe_hidden_up"
 MOE_HIDDEN = "moe_hidden"
 MOE_EXPERT_OUT = "moe_expert_out"
 MOE_COMBINED = "moe_combined"
@@ -63,6 +66,7 @@ MOE_NAMES: tuple[str, ...] = (
     MOE_ROUTER_LOGITS,
     MOE_DISPATCHED,
     MOE_HIDDEN_PRE_ACT,
+    MOE_HIDDEN_UP,
     MOE_HIDDEN,
     MOE_EXPERT_OUT,
     MOE_COMBINED,

@@ -27,17 +27,17 @@ from tests.conftest import loss_and_grads, max_relative_error, tolerance_jit
 TOKENS, D_MODEL, D_FF, EXPERTS, TOP_K = 12, 8, 16, 4, 2
 
 
-def _gelu(x):
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+def _swiglu(gate, up):
+    return gate / (1.0 + np.exp(-gate)) * up
 
 
-def reference_moe(x, router, w_in, w_out, top_k, slots=None):
+def reference_moe(x, router, w_gate, w_up, w_out, top_k, slots=None):
     """Per-token NumPy (float64) MoE: ``(output, load_balance, router_z)``.
 
     With ``slots``, expert ``e`` serves only the first ``slots`` of its assignments in assignment
     order (token, then choice); the others add nothing to their token's output.
     """
-    x, router, w_in, w_out = (np.asarray(a, np.float64) for a in (x, router, w_in, w_out))
+    x, router, w_gate, w_up, w_out = (np.asarray(a, np.float64) for a in (x, router, w_gate, w_up, w_out))
     logits = x @ router
     n_experts = logits.shape[1]
     out = np.zeros_like(x)
@@ -51,7 +51,7 @@ def reference_moe(x, router, w_in, w_out, top_k, slots=None):
             assigned[e] += 1
             served[e] += 1
             if slots is None or served[e] <= slots:
-                out[t] += w * (_gelu(x[t] @ w_in[e]) @ w_out[e])
+                out[t] += w * (_swiglu(x[t] @ w_gate[e], x[t] @ w_up[e]) @ w_out[e])
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
     load_balance = n_experts * np.sum(assigned / (x.shape[0] * top_k) * probs.mean(0))
@@ -61,16 +61,16 @@ def reference_moe(x, router, w_in, w_out, top_k, slots=None):
 
 @pytest.fixture(scope="module")
 def layer():
-    keys = jax.random.split(jax.random.key(3), 4)
+    keys = jax.random.split(jax.random.key(3), 5)
     x = jax.random.normal(keys[0], (TOKENS, D_MODEL), jnp.float32)
     router = jax.random.normal(keys[1], (D_MODEL, EXPERTS), jnp.float32)
-    w_in = jax.random.normal(keys[2], (EXPERTS, D_MODEL, D_FF), jnp.float32) / math.sqrt(D_MODEL)
-    w_out = jax.random.normal(keys[3], (EXPERTS, D_FF, D_MODEL), jnp.float32) / math.sqrt(D_FF)
-    return x, router, w_in, w_out
+    w_gate, w_up = (jax.random.normal(k, (EXPERTS, D_MODEL, D_FF), jnp.float32) / math.sqrt(D_MODEL) for k in keys[2:4])
+    w_out = jax.random.normal(keys[4], (EXPERTS, D_FF, D_MODEL), jnp.float32) / math.sqrt(D_FF)
+    return x, router, w_gate, w_up, w_out
 
 
 def test_dropless_layer_matches_a_per_token_reference(layer):
-    out, load_balance, router_z = jax.jit(moe.dropless, static_argnums=4)(*layer, TOP_K)
+    out, load_balance, router_z = jax.jit(moe.dropless, static_argnums=5)(*layer, TOP_K)
     want, want_lb, want_z = reference_moe(*layer, TOP_K)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(load_balance), want_lb, rtol=1e-5)
@@ -81,8 +81,8 @@ def test_dropless_layer_matches_a_per_token_reference(layer):
 def _expert_parallel_on_one_device(layer, factor):
     mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
     ep = moe.ExpertParallel(mesh, "expert", ("expert",), (), factor)
-    body = lambda x, r, wi, wo: moe.expert_parallel_shard(x, r, wi, wo, top_k=TOP_K, ep=ep)
-    specs = (PartitionSpec("expert"), PartitionSpec(), PartitionSpec("expert"), PartitionSpec("expert"))
+    body = lambda x, r, wg, wu, wo: moe.expert_parallel_shard(x, r, wg, wu, wo, top_k=TOP_K, ep=ep)
+    specs = (PartitionSpec("expert"), PartitionSpec(), *[PartitionSpec("expert")] * 3)
     outs = (PartitionSpec("expert"), PartitionSpec(), PartitionSpec())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=outs))(*layer)
 
@@ -217,7 +217,7 @@ def test_every_moe_parameter_has_logical_axes_and_the_experts_split_over_the_exp
         assert None not in axes, (sh.path_names(path), axes)
         specs[sh.path_names(path)[-2:]] = sh.param_partition_spec(path, leaf.shape, mesh)
     # [layers, experts, d_model, d_ff]: experts over expert, fsdp on the largest dimension left
-    assert specs[("moe", "w_in")] == PartitionSpec(None, "expert", None, "fsdp")
+    assert specs[("moe", "w_gate")] == specs[("moe", "w_up")] == PartitionSpec(None, "expert", None, "fsdp")
     assert specs[("moe", "w_out")] == PartitionSpec(None, "expert", "fsdp", None)
     assert specs[("moe", "router")] == PartitionSpec(None, "fsdp", None)  # every device routes over all experts
     assert specs[("fc_in", "kernel")] == PartitionSpec(None, None, "fsdp")  # the shared expert: a dense MLP

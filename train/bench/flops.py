@@ -56,7 +56,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     inner = cfg.n_heads * cfg.head_dim
     mlp = 2 * cfg.d_model * cfg.d_ff
     if cfg.moe_experts:
-        mlp = cfg.d_model * cfg.moe_experts + (cfg.moe_top_k + int(cfg.moe_shared_expert)) * mlp
+        expert = 3 * cfg.d_model * cfg.d_ff  # SwiGLU: gate, up and down projections
+        mlp = cfg.d_model * cfg.moe_experts + cfg.moe_top_k * expert + int(cfg.moe_shared_expert) * mlp
     per_block = 4 * cfg.d_model * inner + mlp
     return cfg.n_layers * per_block + cfg.d_model * cfg.vocab_size
 

@@ -29,7 +29,15 @@ from jremat.train.usage import EXIT_USAGE, OneLineErrorParser, UsageError
 SELECTIVE_VARIANTS = ("selective", "selective:modules=moe_act")
 POLICIES = ("none", "full", "dots", "dots_no_batch", "skip_cheap", *SELECTIVE_VARIANTS, "every_k:k=4")
 #: What a MaxText user lists by hand for an MoE block: the projections and the experts' matmul outputs.
-HAND_LIST = (names.QUERY, names.KEY, names.VALUE, names.ATTN_OUT, names.MOE_HIDDEN_PRE_ACT, names.MOE_EXPERT_OUT)
+HAND_LIST = (
+    names.QUERY,
+    names.KEY,
+    names.VALUE,
+    names.ATTN_OUT,
+    names.MOE_HIDDEN_PRE_ACT,
+    names.MOE_HIDDEN_UP,
+    names.MOE_EXPERT_OUT,
+)
 PRESETS = ("tiny", "small")
 BATCH = 8
 
