@@ -1,9 +1,10 @@
-"""Transformer ops whose backward pass keeps only their input, like fused kernels do.
+"""Transformer ops whose backward pass keeps only their inputs, like fused kernels do.
 
 Plain autodiff of LayerNorm, tanh-GELU, SwiGLU or softmax saves several full-size intermediates
 (centered input, tanh output, ...). Megatron-LM's activation accounting assumes fused kernels
-that keep one tensor per op; these functions match that by checkpointing the op's internals
-(elementwise work, cheap to recompute). Their *outputs* are ordinary values that the
+that keep only their inputs (one tensor per op; SwiGLU's two, the gate and up projections);
+these functions match that by checkpointing the op's internals (elementwise work, cheap to
+recompute). Their *outputs* are ordinary values that the
 surrounding remat policy saves or recomputes like any other.
 """
 

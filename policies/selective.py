@@ -35,7 +35,8 @@ In a mixture-of-experts block, ``selective`` recomputes the experts' activation 
 Megatron-LM calls ``moe_act`` recompute) and keeps the grouped matmul outputs and the routing:
 :func:`moe_activations` finds, by structure, every equation on an elementwise path from a grouped
 matmul's output (``jax.lax.ragged_dot``) to another grouped matmul's rows (the activation between
-an expert's two matmuls, its name tags included), in a model that tags its MoE tensors
+an expert's grouped matmuls, its name tags included: a GELU between two, or SwiGLU's
+``silu(gate) * up`` between the gate and up projections and the down projection), in a model that tags its MoE tensors
 (:data:`jremat.names.MOE_NAMES`) or not.
 
 ``modules`` chooses what is recomputed, by Megatron-LM's ``--recompute-modules`` names:
@@ -92,7 +93,7 @@ MISSING = {CORE_ATTN: "no attention core", MOE_ACT: "no experts' activation"}
 
 def _elementwise(eqn) -> bool:
     """Whether ``eqn`` is elementwise for :func:`moe_activations`: an elementwise primitive, a name
-    tag, a shape-only op, or a call (a ``jit``, a nested checkpoint such as :func:`jremat.ops.gelu`,
+    tag, a shape-only op, or a call (a ``jit``, a nested checkpoint such as :func:`jremat.ops.swiglu`,
     a custom derivative) whose body is all of these."""
     name = eqn.primitive.name
     if name in _jaxpr.ELEMENTWISE_PRIMITIVES or name == _jaxpr.NAME or name in _jaxpr.SHAPE_ONLY_PRIMITIVES:

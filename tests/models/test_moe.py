@@ -159,6 +159,8 @@ def test_every_moe_name_is_tagged_and_names_keeps_the_one_it_lists():
 
     rows = 2 * 8 * TOP_K  # every token's top-k assignments
     assert saved("names:save=moe_hidden") - saved("full") == rows * cfg.d_ff * 4
+    assert saved("names:save=moe_hidden_pre_act") - saved("full") == rows * cfg.d_ff * 4  # the gate only
+    assert saved("names:save=moe_hidden_up") - saved("full") == rows * cfg.d_ff * 4
     assert saved("names:save=moe_dispatched") - saved("full") == rows * cfg.d_model * 4
     assert saved("names:save=moe_router_logits") - saved("full") == 2 * 8 * EXPERTS * 4
 

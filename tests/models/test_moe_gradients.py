@@ -16,7 +16,7 @@ from tests.policies.test_policy_gradients import EXAMPLE_SPECS
 
 #: :data:`EXAMPLE_SPECS` with the MoE block's tags in place of the dense MLP's (which it lacks).
 MOE_SPECS = EXAMPLE_SPECS | {
-    "names": "names:save=q+k+moe_hidden",
+    "names": "names:save=q+k+moe_hidden_up+moe_hidden",
     "names_except": "names_except:exclude=attn_probs+moe_hidden_pre_act",
     "offload": "offload:names=q+moe_dispatched,save=v",
 }

@@ -236,6 +236,11 @@ def test_model_flops_match_a_hand_count_for_tiny():
     assert flops.model_flops_per_step(cfg, 4, 16) == 4 * 16 * (weights + attention) == 7_471_104
     # embeddings, biases and LayerNorms are not matmul weights
     assert flops.matmul_parameters(cfg) < cfg.parameter_count()
+    # MoE, 8 experts, top-2: per layer the router 32 * 8 and two SwiGLU experts, 3 * 32 * 64 each
+    moe = cfg.replace(moe_experts=8, moe_top_k=2)
+    assert flops.matmul_parameters(moe) == 2 * (4096 + 32 * 8 + 2 * 3 * 32 * 64) + 2048 == 35328
+    shared = moe.replace(moe_shared_expert=True)  # plus the dense GELU MLP every token goes through
+    assert flops.matmul_parameters(shared) == 35328 + 2 * 4096
     fields = flops.throughput_fields(cfg, 4, 16, 0.5, None)
     assert fields["tokens_per_s"] == 128 and fields["model_tflops_per_s"] == pytest.approx(7_471_104 / 0.5 / 1e12)
     assert fields["mfu"] == "" and fields["peak_bf16_tflops"] == ""
