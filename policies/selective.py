@@ -36,7 +36,8 @@ Megatron-LM calls ``moe_act`` recompute) and keeps the grouped matmul outputs an
 :func:`moe_activations` finds, by structure, every equation on an elementwise path from a grouped
 matmul's output (``jax.lax.ragged_dot``) to another grouped matmul's rows (the activation between
 an expert's grouped matmuls, its name tags included: a GELU between two, or SwiGLU's
-``silu(gate) * up`` between the gate and up projections and the down projection), in a model that tags its MoE tensors
+``silu(gate) * up`` between the gate and up projections, or the halves of one fused gate-and-up
+projection, and the down projection), in a model that tags its MoE tensors
 (:data:`jremat.names.MOE_NAMES`) or not.
 
 ``modules`` chooses what is recomputed, by Megatron-LM's ``--recompute-modules`` names:
@@ -93,10 +94,12 @@ MISSING = {CORE_ATTN: "no attention core", MOE_ACT: "no experts' activation"}
 
 def _elementwise(eqn) -> bool:
     """Whether ``eqn`` is elementwise for :func:`moe_activations`: an elementwise primitive, a name
-    tag, a shape-only op, or a call (a ``jit``, a nested checkpoint such as :func:`jremat.ops.swiglu`,
-    a custom derivative) whose body is all of these."""
+    tag, a shape-only op, a static selection (the ``split`` or slices of a fused gate-and-up
+    projection), or a call (a ``jit``, a nested checkpoint such as :func:`jremat.ops.swiglu`, a
+    custom derivative) whose body is all of these."""
     name = eqn.primitive.name
-    if name in _jaxpr.ELEMENTWISE_PRIMITIVES or name == _jaxpr.NAME or name in _jaxpr.SHAPE_ONLY_PRIMITIVES:
+    passable = _jaxpr.ELEMENTWISE_PRIMITIVES | _jaxpr.SHAPE_ONLY_PRIMITIVES | _jaxpr.SELECTION_PRIMITIVES
+    if name in passable or name == _jaxpr.NAME:
         return True
     bodies = _jaxpr.nested_jaxprs(eqn)
     return bool(bodies) and name != _jaxpr.SCAN and all(_elementwise(inner) for sub in bodies for inner in sub.eqns)

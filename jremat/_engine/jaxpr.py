@@ -186,6 +186,8 @@ KERNEL_MEMORY_PRIMITIVES = frozenset(
 )
 #: Primitives whose outputs are parts of their first operand: the operand holds their data.
 PARTS_PRIMITIVES = frozenset({SPLIT})
+#: Static selections of an operand's elements (a fused gate-and-up projection split into its halves).
+SELECTION_PRIMITIVES = frozenset({SPLIT, "slice"})
 
 
 def _truncating_div(a, b):

@@ -1,7 +1,9 @@
 """Mixture-of-experts FFNs written as users write them: a top-2 softmax router with jitter noise,
 tokens sorted by expert, two grouped matmuls (``jax.lax.ragged_dot``) with a GELU between, the
 outputs weighted by the renormalized router probabilities and dropped out, in plain JAX
-(unrolled and scanned layers), Flax NNX and Equinox. Shapes are tiny: tests compile them."""
+(unrolled and scanned layers), Flax NNX and Equinox; and a SwiGLU variant whose gate and up
+projections are one fused grouped matmul split in halves (Megatron-LM's layout). Shapes are tiny:
+tests compile them."""
 
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ JITTER = 0.1
 DROPOUT = 0.1
 
 
-def moe_ffn(router, w_in, w_out, x, key, *, tagged: bool = False, grouped_matmul=jax.lax.ragged_dot):
+def moe_ffn(
+    router, w_in, w_out, x, key, *, tagged: bool = False, grouped_matmul=jax.lax.ragged_dot, gated: bool = False
+):
     """One MoE FFN on ``x`` ``[tokens, d_model]``: routing (with jitter noise from ``key``),
     dropless dispatch by sorting, two grouped matmuls (``grouped_matmul(rows, weights,
-    group_sizes)``), combine, dropout (from ``key``)."""
+    group_sizes)``), combine, dropout (from ``key``). ``gated``: the first one's output is split in
+    halves, ``silu(gate) * up`` (SwiGLU; ``w_out`` then has half the rows of ``w_in``'s columns)."""
     tag = (lambda v, name: checkpoint_name(v, name)) if tagged else (lambda v, name: v)
     noise = 1.0 + JITTER * jax.random.uniform(jax.random.fold_in(key, 0), x.shape, minval=-1.0, maxval=1.0)
     logits = tag((x * noise) @ router, names.MOE_ROUTER_LOGITS)
@@ -35,22 +40,33 @@ def moe_ffn(router, w_in, w_out, x, key, *, tagged: bool = False, grouped_matmul
     rows = tag(jnp.repeat(x, TOP_K, axis=0)[order], names.MOE_DISPATCHED)
     group_sizes = jnp.bincount(flat, length=EXPERTS).astype(jnp.int32)
     hidden = tag(grouped_matmul(rows, w_in, group_sizes), names.MOE_HIDDEN_PRE_ACT)
-    hidden = tag(jax.nn.gelu(hidden), names.MOE_HIDDEN)
+    if gated:
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        hidden = jax.nn.silu(gate) * up
+    else:
+        hidden = jax.nn.gelu(hidden)
+    hidden = tag(hidden, names.MOE_HIDDEN)
     out = tag(grouped_matmul(hidden, w_out, group_sizes), names.MOE_EXPERT_OUT)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], TOP_K, -1)
     combined = tag(jnp.einsum("tkd,tk->td", unsorted, weights), names.MOE_COMBINED)
     return x + jremat.dropout(combined, DROPOUT, jax.random.fold_in(key, 1), 0)
 
 
-def params(seed: int = 0, layers: int = LAYERS):
-    """Stacked parameters ``(router, w_in, w_out)`` of ``layers`` MoE FFNs."""
+def params(seed: int = 0, layers: int = LAYERS, gated: bool = False):
+    """Stacked parameters ``(router, w_in, w_out)`` of ``layers`` MoE FFNs (``gated``: of :func:`fused_swiglu_ffn`)."""
+    hidden = D_FF // 2 if gated else D_FF
     k = jax.random.split(jax.random.key(seed), 3)
     scale = lambda fan_in: 1.0 / jnp.sqrt(fan_in)
     return (
         jax.random.normal(k[0], (layers, D_MODEL, EXPERTS)) * scale(D_MODEL),
         jax.random.normal(k[1], (layers, EXPERTS, D_MODEL, D_FF)) * scale(D_MODEL),
-        jax.random.normal(k[2], (layers, EXPERTS, D_FF, D_MODEL)) * scale(D_FF),
+        jax.random.normal(k[2], (layers, EXPERTS, hidden, D_MODEL)) * scale(hidden),
     )
+
+
+def fused_swiglu_ffn(router, w_gate_up, w_out, x, key):
+    """:func:`moe_ffn` with SwiGLU experts whose gate and up projections are one grouped matmul."""
+    return moe_ffn(router, w_gate_up, w_out, x, key, gated=True)
 
 
 def inputs(seed: int = 1):

@@ -80,6 +80,21 @@ def test_gradients_through_megablox_gmm_kernels_equal_no_remat(policy, megablox_
     assert_remat_exact(stack(moe.gmm_ffn), policy, *args, argnums=(0, 1), **TOLERANCE, decorate=decorate)
 
 
+@pytest.mark.parametrize("layout", ["unrolled", "scanned"])
+def test_selective_finds_swiglu_through_a_fused_gate_and_up_projection(layout):
+    """SwiGLU experts whose gate and up projections are one grouped matmul split in halves: selective
+    finds the activation through the split, runs no grouped matmul again and gives no remat's gradients."""
+    stack = moe.scanned_loss if layout == "scanned" else moe.unrolled_loss
+    args = (moe.params(gated=True), *moe.inputs())
+    count = lambda ffn: grouped_matmuls(jax.make_jaxpr(jax.grad(stack(ffn), (0, 1)))(*args).jaxpr)
+    assert count(jremat.checkpoint(moe.fused_swiglu_ffn, "selective")) == count(moe.fused_swiglu_ffn) == 6 * moe.LAYERS
+    decorate = lambda _, p: stack(jremat.checkpoint(moe.fused_swiglu_ffn, p))
+    assert_remat_exact(stack(moe.fused_swiglu_ffn), "selective", *args, argnums=(0, 1), **TOLERANCE, decorate=decorate)
+    layer_args = (*(p[0] for p in args[0]), *args[1:])
+    explained = jremat.explain(moe.fused_swiglu_ffn, "selective", *layer_args, compile=False)
+    assert any("expert activation found by structure" in m for m in explained.matched), explained.matched
+
+
 @pytest.mark.heavy
 def test_selective_finds_the_expert_activation_between_megablox_kernels(megablox_promotion):
     (router, w_in, w_out), (x, key) = (p[0] for p in moe.params()), moe.inputs()
