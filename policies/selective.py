@@ -37,7 +37,7 @@ Megatron-LM calls ``moe_act`` recompute) and keeps the grouped matmul outputs an
 matmul's output (``jax.lax.ragged_dot``) to another grouped matmul's rows (the activation between
 an expert's grouped matmuls, its name tags included: a GELU between two, or SwiGLU's
 ``silu(gate) * up`` between the gate and up projections, or the halves of one fused gate-and-up
-projection, and the down projection), in a model that tags its MoE tensors
+projection (kept, not split again), and the down projection), in a model that tags its MoE tensors
 (:data:`jremat.names.MOE_NAMES`) or not.
 
 ``modules`` chooses what is recomputed, by Megatron-LM's ``--recompute-modules`` names:
@@ -140,7 +140,9 @@ def moe_activations(program: Program) -> frozenset[int]:
             continue
         before.add(i)
         stack += [producer[v] for v in filter(_is_var, eqns[i].invars) if v in producer]
-    return frozenset(after & before)
+    # A split's parts are kept, not recomputed from the whole: the same bytes, and on a mesh XLA may
+    # move the parts between devices, which a recomputation would do again.
+    return frozenset(i for i in after & before if eqns[i].primitive.name not in _jaxpr.SELECTION_PRIMITIVES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,8 @@ def test_gradients_through_megablox_gmm_kernels_equal_no_remat(policy, megablox_
 @pytest.mark.parametrize("layout", ["unrolled", "scanned"])
 def test_selective_finds_swiglu_through_a_fused_gate_and_up_projection(layout):
     """SwiGLU experts whose gate and up projections are one grouped matmul split in halves: selective
-    finds the activation through the split, runs no grouped matmul again and gives no remat's gradients."""
+    finds the activation through the split, keeps the halves, runs no grouped matmul again and gives
+    no remat's gradients."""
     stack = moe.scanned_loss if layout == "scanned" else moe.unrolled_loss
     args = (moe.params(gated=True), *moe.inputs())
     count = lambda ffn: grouped_matmuls(jax.make_jaxpr(jax.grad(stack(ffn), (0, 1)))(*args).jaxpr)
@@ -93,6 +94,11 @@ def test_selective_finds_swiglu_through_a_fused_gate_and_up_projection(layout):
     layer_args = (*(p[0] for p in args[0]), *args[1:])
     explained = jremat.explain(moe.fused_swiglu_ffn, "selective", *layer_args, compile=False)
     assert any("expert activation found by structure" in m for m in explained.matched), explained.matched
+    # The split's halves are kept, not the fused output split again (on a mesh, moving the halves again).
+    layer = jremat.checkpoint(moe.fused_swiglu_ffn, "selective")
+    shapes = [aval.shape for aval, _ in saved_residuals(lambda *a: jnp.sum(layer(*a)), *layer_args)]
+    assert (moe.TOKENS * moe.TOP_K, moe.D_FF) not in shapes, shapes
+    assert shapes.count((moe.TOKENS * moe.TOP_K, moe.D_FF // 2)) >= 2, shapes
 
 
 @pytest.mark.heavy
