@@ -4,8 +4,8 @@ Plain autodiff of LayerNorm, tanh-GELU, SwiGLU or softmax saves several full-siz
 (centered input, tanh output, ...). Megatron-LM's activation accounting assumes fused kernels
 that keep only their inputs (one tensor per op; SwiGLU's two, the gate and up projections);
 these functions match that by checkpointing the op's internals (elementwise work, cheap to
-recompute). Their *outputs* are ordinary values that the
-surrounding remat policy saves or recomputes like any other.
+recompute). Their *outputs* are ordinary values that the surrounding remat policy saves or
+recomputes like any other.
 """
 
 from __future__ import annotations
